@@ -1,0 +1,52 @@
+"""Inference: benchmark the configured combination, evaluate a checkpoint, classify images, or profile.
+
+    python infer.py [--profile] [--checkpoint PATH] [--images FILE ...] [HYDRA OVERRIDES ...]
+
+Flags come first; everything after them is a Hydra override, as for train.py
+(`python infer.py --profile backend=custom amp=true`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--profile", action="store_true", help="profile inference steps and print a diagnosis")
+    parser.add_argument("--checkpoint", help="a checkpoint written by train.py; with no --images, evaluate it on data's val split")
+    parser.add_argument("--images", nargs="+", metavar="FILE", help="print the top-5 classes of each image")
+    parser.add_argument("--steps", type=int, default=100, help="timed benchmark steps (default 100)")
+    parser.add_argument("--warmup", type=int, default=20, help="untimed warm-up steps (default 20)")
+    args, rest = parser.parse_known_args(argv)
+    unknown = [a for a in rest if a.startswith("-")]
+    if unknown:
+        parser.error(f"unknown flag(s) {unknown}; Hydra overrides look like key=value")
+    if args.steps < 1 or args.warmup < 0:
+        parser.error("--steps must be >= 1 and --warmup >= 0")
+    return args, rest
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    from mobilenet.config import compose
+    from mobilenet import inference
+
+    cfg = compose(overrides)
+    run_dir = Path(cfg.log_root) / "infer" / (",".join(overrides) or "default") / time.strftime("%Y%m%d-%H%M%S")
+    if args.images:
+        inference.classify_images(cfg, args.checkpoint, args.images)
+    elif args.checkpoint:
+        inference.evaluate_checkpoint(cfg, args.checkpoint)
+    elif args.profile:
+        inference.profile(cfg, run_dir, args.warmup, args.steps)
+    else:
+        inference.benchmark(cfg, args.warmup, args.steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

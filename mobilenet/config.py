@@ -1,0 +1,175 @@
+"""Structured configs: the schema every Hydra config is checked against.
+
+The dataclasses are registered in Hydra's ConfigStore as `base_*` nodes; the YAML files under conf/ extend
+them. A misspelled key or a value of the wrong type is rejected by OmegaConf with the key's full name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+class AmpDtype(str, Enum):
+    fp16 = "fp16"
+    bf16 = "bf16"
+
+
+class DeviceKind(str, Enum):
+    auto = "auto"
+    cuda = "cuda"
+    cpu = "cpu"
+
+
+class OptimName(str, Enum):
+    sgd = "sgd"
+    rmsprop = "rmsprop"
+
+
+class DaliDecode(str, Enum):
+    mixed = "mixed"
+    cpu = "cpu"
+
+
+@dataclass
+class BackendConfig:
+    name: str = "torch"
+
+
+@dataclass
+class ModelConfig:
+    name: str = "mobilenet_v1"
+    width_mult: float = 1.0
+    dropout: float = 0.0
+
+
+@dataclass
+class DaliConfig:
+    decode: DaliDecode = DaliDecode.mixed
+    threads: int = 4
+    prefetch: int = 2
+    seed: int = 42
+    # Extra host memory nvJPEG may use for the hardware decoder (bytes, 0 = DALI's default).
+    hw_decoder_load: float = 0.65
+    # Check every file's image signature / JPEG structure before DALI starts (DALI's decode errors do not name
+    # the file); needed for data.skip_corrupt. Costs one small read at each end of every file.
+    check_files: bool = True
+
+
+@dataclass
+class DataConfig:
+    # Which loader: synthetic | folder | dali.
+    name: str = "folder"
+    # ImageFolder root holding train/ and val/ (folder and dali).
+    root: Optional[str] = None
+    # A dataset that ships with a dependency, written once as a JPEG ImageFolder into the cache: "digits".
+    builtin: Optional[str] = None
+    resolution: int = 224
+    num_classes: int = 1000
+    batch_size: int = 256
+    workers: int = 8
+    # Batches per epoch: required for synthetic, an optional cap for the others.
+    steps_per_epoch: Optional[int] = None
+    val_steps: Optional[int] = None
+    # Train augmentation: random-resized-crop area range and horizontal flip.
+    crop_scale: list[float] = field(default_factory=lambda: [0.08, 1.0])
+    hflip: bool = True
+    # Val: resize the shorter side to resolution / ratio, then centre-crop.
+    val_resize_ratio: float = 0.875
+    mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
+    std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
+    # Skip (and count) corrupt images instead of stopping with an error that names the file.
+    skip_corrupt: bool = False
+    dali: DaliConfig = field(default_factory=DaliConfig)
+
+
+@dataclass
+class OptimConfig:
+    name: OptimName = OptimName.sgd
+    # Learning rate for a batch of 256; scaled linearly with the global batch size.
+    lr: float = 0.1
+    momentum: float = 0.9
+    nesterov: bool = True
+    weight_decay: float = 4e-5
+    # RMSprop's smoothing constant and epsilon (the paper trains with RMSprop).
+    alpha: float = 0.9
+    eps: float = 1e-3
+    warmup_epochs: float = 1.0
+    min_lr_ratio: float = 0.0
+    label_smoothing: float = 0.1
+
+
+@dataclass
+class PerfConfig:
+    # Steps excluded from throughput (module load, cuDNN autotune, allocator growth, compile).
+    warmup_steps: int = 10
+    # How often the host reads the loss back (each read is a device sync).
+    log_every: int = 50
+
+
+@dataclass
+class ProfilerConfig:
+    # torch.profiler schedule: steps skipped entirely, warm-up steps traced but discarded, steps analysed.
+    skip_first: int = 10
+    warmup: int = 3
+    active: int = 10
+    top_k: int = 15
+    # Steps timed without the profiler first, to state the profiler's own overhead.
+    baseline_steps: int = 20
+
+
+@dataclass
+class Config:
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    perf: PerfConfig = field(default_factory=PerfConfig)
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    amp: bool = False
+    amp_dtype: AmpDtype = AmpDtype.fp16
+    channels_last: bool = False
+    compile: bool = False
+    device: DeviceKind = DeviceKind.auto
+    epochs: int = 10
+    seed: int = 0
+    # Path of a checkpoint to continue from.
+    resume: Optional[str] = None
+    save_checkpoints: bool = True
+    evaluate: bool = True
+    profile: bool = False
+    log_root: str = "runs"
+    progress: bool = True
+
+
+def _run_name(override_dirname: str) -> str:
+    return override_dirname or "default"
+
+
+def register_configs() -> None:
+    """Register the schema nodes and resolvers; idempotent, called before Hydra composes."""
+    if not OmegaConf.has_resolver("run_name"):
+        OmegaConf.register_new_resolver("run_name", _run_name)
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+    cs.store(group="backend", name="base_backend", node=BackendConfig)
+    cs.store(group="data", name="base_data", node=DataConfig)
+    cs.store(group="model", name="base_model", node=ModelConfig)
+    cs.store(group="optim", name="base_optim", node=OptimConfig)
+
+
+def compose(overrides: list[str] | None = None, config_name: str = "config") -> Any:
+    """Compose the project's config outside @hydra.main (infer.py, scripts, tests), with the same checks."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose(config_name=config_name, overrides=list(overrides or []))

@@ -1,0 +1,431 @@
+"""The one training and evaluation loop, shared by every backend x precision x layout x loader combination."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from .data import LoaderSpec, build_loaders
+from .depthwise import get_backend
+from .meter import StepMeter, Throughput
+from .model import build_model
+from .reporting import TensorBoardLog, environment, print_summary
+
+log = logging.getLogger(__name__)
+
+AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+CHECKPOINT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def _value(v: Any) -> Any:
+    return v.value if hasattr(v, "value") else v  # structured-config enums -> their plain value
+
+
+def resolve_device(kind: Any) -> torch.device:
+    kind = _value(kind)
+    if kind == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device=cuda, but no CUDA GPU is available (torch.cuda.is_available() is False); use device=auto or device=cpu")
+    if kind not in ("cuda", "cpu"):
+        raise ValueError(f"unknown device {kind!r}; choose one of: auto, cuda, cpu")
+    return torch.device(kind)
+
+
+def run_dtype(cfg) -> torch.dtype:
+    """The dtype batches are delivered in: the autocast dtype under AMP, else fp32."""
+    return AMP_DTYPES[_value(cfg.amp_dtype)] if cfg.amp else torch.float32
+
+
+def validate(cfg, device: torch.device) -> None:
+    """Reject combinations that cannot run as asked, before any work is done. Nothing is substituted."""
+    if cfg.amp and _value(cfg.amp_dtype) == "fp16" and device.type != "cuda":
+        raise ValueError("amp=true with amp_dtype=fp16 needs a CUDA GPU (CPU autocast runs bf16 only); "
+                         "use amp_dtype=bf16 on a CPU, or run on a GPU")
+    get_backend(cfg.backend.name).check(device)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def build_for_run(cfg, device: torch.device, num_classes: int) -> nn.Module:
+    model = build_model(cfg.model.name, num_classes, cfg.model.width_mult, cfg.backend.name, cfg.model.dropout).to(device)
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return model
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """No weight decay on BatchNorm parameters and biases (1-d tensors)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim <= 1 else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(cfg, model: nn.Module, global_batch: int) -> torch.optim.Optimizer:
+    o = cfg.optim
+    lr = o.lr * global_batch / 256  # linear scaling from the reference batch of 256
+    groups = param_groups(model, o.weight_decay)
+    name = _value(o.name)
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=o.momentum, nesterov=o.nesterov and o.momentum > 0)
+    if name == "rmsprop":
+        return torch.optim.RMSprop(groups, lr=lr, alpha=o.alpha, eps=o.eps, momentum=o.momentum)
+    raise ValueError(f"unknown optimizer {name!r}; choose one of: sgd, rmsprop")
+
+
+def warmup_cosine(total_steps: int, warmup_steps: int, min_ratio: float):
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        t = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+
+    return factor
+
+
+def save_checkpoint(path: Path, state: dict) -> None:
+    """Write to a temporary file in the same directory, then rename: a crash or Ctrl-C mid-write leaves the previous
+    checkpoint intact."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    except BaseException:  # Ctrl-C included: drop the partial file, keep the previous checkpoint
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def load_checkpoint(path: str) -> dict:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise CheckpointError(f"resume={path!r}: no such checkpoint file")
+    try:
+        state = torch.load(p, map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise CheckpointError(f"resume={path!r} is not a readable checkpoint (corrupt or truncated?): {type(e).__name__}: {e}") from e
+    missing = {"version", "model", "optimizer", "scheduler", "epoch", "step"} - set(state if isinstance(state, dict) else {})
+    if missing:
+        raise CheckpointError(f"resume={path!r} is not a checkpoint of this project: missing {sorted(missing)}")
+    return state
+
+
+class _LossReadback:
+    """Copies the loss to the host without stalling the GPU queue: read a step's value once its event completed."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.pending: list[tuple[int, torch.Tensor, Any]] = []
+
+    def push(self, step: int, loss: torch.Tensor) -> None:
+        if not self.cuda:
+            self.pending.append((step, loss.detach().float().cpu(), None))
+            return
+        host = torch.empty((), dtype=torch.float32, pin_memory=True)
+        host.copy_(loss.detach().float(), non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        self.pending.append((step, host, ev))
+
+    def ready(self, wait: bool = False) -> list[tuple[int, float]]:
+        out = []
+        while self.pending and (wait or self.pending[0][2] is None or self.pending[0][2].query()):
+            step, host, ev = self.pending.pop(0)
+            if ev is not None:
+                ev.synchronize()
+            out.append((step, float(host)))
+        return out
+
+
+@dataclass
+class RunResult:
+    train: Throughput | None = None
+    val_top1: float = float("nan")
+    val_top5: float = float("nan")
+    val_img_s: float = float("nan")
+    val_images: int = 0
+    epochs_done: int = 0
+    global_step: int = 0
+    losses: list[tuple[int, float]] = field(default_factory=list)
+    lrs: list[tuple[int, float]] = field(default_factory=list)
+    run_dir: str = ""
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader, device: torch.device, amp_dtype: torch.dtype | None, warmup_steps: int = 0):
+    """(top1 %, top5 %, images, throughput) over the whole loader; every image counted exactly once."""
+    was_training = model.training
+    model.eval()
+    correct1 = torch.zeros((), dtype=torch.int64, device=device)
+    correct5 = torch.zeros((), dtype=torch.int64, device=device)
+    seen = 0
+    meter = StepMeter(device, warmup_steps)
+    it = iter(loader)
+    while True:
+        meter.data_start()
+        try:
+            images, labels = next(it)
+        except StopIteration:
+            break
+        meter.compute_start()
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            logits = model(images)
+        k = min(5, logits.shape[1])
+        top = logits.topk(k, dim=1).indices
+        hit = top.eq(labels.view(-1, 1))
+        correct1 += hit[:, 0].sum()
+        correct5 += hit.any(dim=1).sum()
+        seen += labels.shape[0]
+        meter.step_end(labels.shape[0])
+    model.train(was_training)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        totals = torch.stack([correct1, correct5, torch.tensor(seen, device=device)])
+        torch.distributed.all_reduce(totals)
+        correct1, correct5, seen = totals[0], totals[1], int(totals[2])
+    if seen == 0:
+        raise RuntimeError("validation loader yielded no images")
+    return 100.0 * int(correct1) / seen, 100.0 * int(correct5) / seen, seen, meter.result()
+
+
+class Trainer:
+    """Builds everything a run needs from the config, then `fit()` runs the epochs."""
+
+    def __init__(self, cfg, run_dir: str | os.PathLike, overrides: str = ""):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.device = resolve_device(cfg.device)
+        validate(cfg, self.device)
+        seed_everything(cfg.seed)
+        torch.backends.cudnn.benchmark = True
+        self.amp_dtype = AMP_DTYPES[_value(cfg.amp_dtype)] if cfg.amp else None
+        spec = LoaderSpec(self.device, run_dtype(cfg), cfg.channels_last, seed=cfg.seed)
+        self.train_loader, self.val_loader = build_loaders(cfg.data, spec)
+        self.steps_per_epoch = len(self.train_loader)
+        if cfg.data.steps_per_epoch is not None and cfg.data.name != "synthetic":
+            self.steps_per_epoch = min(self.steps_per_epoch, cfg.data.steps_per_epoch)
+        if self.steps_per_epoch < 1:
+            raise ValueError("the training loader yields no full batch; lower data.batch_size")
+        self.model = build_for_run(cfg, self.device, self.train_loader.num_classes)
+        self.forward = torch.compile(self.model) if cfg.compile else self.model
+        self.optimizer = build_optimizer(cfg, self.model, cfg.data.batch_size)
+        total = cfg.epochs * self.steps_per_epoch
+        warmup = int(round(cfg.optim.warmup_epochs * self.steps_per_epoch))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, warmup_cosine(total, max(1, warmup), cfg.optim.min_lr_ratio)
+        )
+        # fp16 needs loss scaling to keep small gradients representable; bf16 has fp32's exponent range.
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp_dtype == torch.float16)
+        self.criterion = nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
+        self.epoch = 0
+        self.global_step = 0
+        if cfg.resume:
+            self._restore(load_checkpoint(cfg.resume))
+        self.env = environment(self.device)
+        self.overrides = overrides
+        self.tb = TensorBoardLog(str(self.run_dir))
+        self.profiler = None
+
+    # --- checkpoints ---------------------------------------------------------------------------------------------
+
+    def _state(self) -> dict:
+        return {
+            "version": CHECKPOINT_VERSION,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "epoch": self.epoch,
+            "step": self.global_step,
+            "config": OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True) if OmegaConf.is_config(self.cfg) else dict(self.cfg),
+            "num_classes": self.train_loader.num_classes,
+            "classes": getattr(self.train_loader, "classes", None),
+            "rng": {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+        }
+
+    def _restore(self, state: dict) -> None:
+        try:
+            self.model.load_state_dict(state["model"])
+        except RuntimeError as e:
+            raise CheckpointError(f"resume={self.cfg.resume!r} does not fit this model (another width or num_classes?): {e}") from e
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        # The optimizer restored the LR of the saved schedule; continue on this run's (epochs may have grown).
+        sched = self.scheduler
+        for group, base, fn in zip(self.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+            group["lr"] = base * fn(sched.last_epoch)
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.epoch = int(state["epoch"])
+        self.global_step = int(state["step"])
+        torch.set_rng_state(state["rng"]["torch"])
+        log.info("resumed from %s at epoch %d, step %d", self.cfg.resume, self.epoch, self.global_step)
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.run_dir / "checkpoints" / "last.pt"
+
+    # --- the loop ------------------------------------------------------------------------------------------------
+
+    def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        prof = self.profiler
+        with prof.range("forward") if prof else contextlib.nullcontext():
+            with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+                loss = self.criterion(self.forward(images), labels)
+        with prof.range("backward") if prof else contextlib.nullcontext():
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scaler.scale(loss).backward()
+        with prof.range("optimizer") if prof else contextlib.nullcontext():
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.scheduler.step()
+        return loss
+
+    def train_epoch(self, result: RunResult, max_steps: int | None = None) -> Throughput:
+        cfg = self.cfg
+        self.model.train()
+        self.train_loader.set_epoch(self.epoch)
+        meter = StepMeter(self.device, cfg.perf.warmup_steps if self.epoch == self._first_epoch else 0)
+        readback = _LossReadback(self.device)
+        steps = self.steps_per_epoch if max_steps is None else min(max_steps, self.steps_per_epoch)
+        bar = _progress(steps, f"epoch {self.epoch + 1}/{cfg.epochs}", cfg.progress)
+        it = iter(self.train_loader)
+        for i in range(steps):
+            meter.data_start()
+            with self.profiler.range("data") if self.profiler else contextlib.nullcontext():
+                images, labels = next(it)
+            meter.compute_start()
+            lr = self.optimizer.param_groups[0]["lr"]
+            loss = self.train_step(images, labels)
+            meter.step_end(labels.shape[0])
+            if self.profiler:
+                self.profiler.step()
+            self.global_step += 1
+            if self.global_step % cfg.perf.log_every == 0 or i == steps - 1:
+                readback.push(self.global_step, loss)
+                result.lrs.append((self.global_step, lr))
+                self.tb.scalars({"train/lr": lr}, self.global_step)
+            for step, value in readback.ready():
+                if not math.isfinite(value):
+                    raise FloatingPointError(f"training loss is {value} at step {step}; lower optim.lr or check the data")
+                result.losses.append((step, value))
+                self.tb.scalars({"train/loss": value}, step)
+                if bar is not None:
+                    bar.set_postfix(loss=f"{value:.3f}", refresh=False)
+            if bar is not None:
+                rate = meter.live_img_s()
+                if rate is not None and i % 5 == 0:
+                    bar.set_postfix(img_s=f"{rate:,.0f}", loss=f"{result.losses[-1][1]:.3f}" if result.losses else "-", refresh=False)
+                bar.update(1)
+        for step, value in readback.ready(wait=True):
+            result.losses.append((step, value))
+            self.tb.scalars({"train/loss": value}, step)
+        if bar is not None:
+            bar.close()
+        return meter.result()
+
+    def fit(self) -> RunResult:
+        cfg = self.cfg
+        result = RunResult(run_dir=str(self.run_dir))
+        self._first_epoch = self.epoch
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        try:
+            while self.epoch < cfg.epochs:
+                tp = self.train_epoch(result)
+                result.train = tp
+                self.epoch += 1
+                scalars = {
+                    "perf/train_img_s": tp.img_s,
+                    "perf/compute_img_s": tp.compute_img_s,
+                    "perf/step_ms": tp.step_ms,
+                    "perf/data_wait_ms": tp.data_wait_ms,
+                }
+                if self.device.type == "cuda":
+                    scalars["sys/max_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+                self.tb.scalars(scalars, self.global_step)
+                if cfg.evaluate:
+                    top1, top5, n, vtp = evaluate(self.forward, self.val_loader, self.device, self.amp_dtype,
+                                                  warmup_steps=min(cfg.perf.warmup_steps, max(0, len(self.val_loader) - 1)))
+                    result.val_top1, result.val_top5, result.val_images, result.val_img_s = top1, top5, n, vtp.img_s
+                    self.tb.scalars({"val/top1": top1, "val/top5": top5, "perf/val_img_s": vtp.img_s}, self.global_step)
+                    log.info("epoch %d: val top1 %.2f%% top5 %.2f%% over %d images", self.epoch, top1, top5, n)
+                if cfg.save_checkpoints:
+                    save_checkpoint(self.checkpoint_path, self._state())
+        except KeyboardInterrupt:
+            log.warning("interrupted: the last complete checkpoint (%s) is intact", self.checkpoint_path)
+            raise
+        finally:
+            self.tb.writer and self.tb.writer.flush()
+        result.epochs_done = self.epoch
+        result.global_step = self.global_step
+        self._finish(result)
+        return result
+
+    def summary_rows(self, result: RunResult) -> dict[str, Any]:
+        cfg, tp = self.cfg, result.train
+        rows: dict[str, Any] = {
+            "backend": cfg.backend.name,
+            "precision": f"amp {_value(cfg.amp_dtype)}" if cfg.amp else "fp32",
+            "memory format": "channels_last" if cfg.channels_last else "NCHW",
+            "compile": cfg.compile,
+            "data": cfg.data.name + (f" ({cfg.data.builtin})" if cfg.data.builtin else ""),
+            "batch size": cfg.data.batch_size,
+            "resolution": cfg.data.resolution,
+            "device": self.env.get("gpu") if self.device.type == "cuda" else "cpu",
+            "torch / CUDA / cuDNN": f"{self.env['torch']} / {self.env['cuda']} / {self.env['cudnn']}",
+        }
+        if tp is not None:
+            rows.update({
+                "train img/s (total)": tp.img_s,
+                "train img/s (compute)": tp.compute_img_s,
+                "step ms": tp.step_ms,
+                "data wait ms/step": tp.data_wait_ms,
+                "timed steps": tp.steps,
+            })
+        if cfg.evaluate:
+            rows.update({"val top-1 %": result.val_top1, "val top-5 %": result.val_top5, "val images": result.val_images,
+                         "val img/s": result.val_img_s})
+        return rows
+
+    def _finish(self, result: RunResult) -> None:
+        cfg = self.cfg
+        md = print_summary(f"run {self.overrides or 'default'}", self.summary_rows(result))
+        self.tb.text("summary", md)
+        hparams = {
+            "backend": cfg.backend.name, "amp": cfg.amp, "amp_dtype": _value(cfg.amp_dtype), "channels_last": cfg.channels_last,
+            "data": cfg.data.name, "batch_size": cfg.data.batch_size, "resolution": cfg.data.resolution, "compile": cfg.compile,
+            "gpu": self.env.get("gpu", "none"), "torch": self.env["torch"], "cudnn": self.env["cudnn"],
+        }
+        metrics = {"hparam/train_img_s": result.train.img_s if result.train else float("nan"),
+                   "hparam/val_top1": result.val_top1}
+        self.tb.hparams(hparams, metrics)
+        self.tb.close()
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, mininterval=1.0, dynamic_ncols=True, leave=False)

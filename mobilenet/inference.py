@@ -1,0 +1,133 @@
+"""What infer.py does: benchmark, evaluate a checkpoint, classify images, profile."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .data import LoaderSpec, build_loaders
+from .engine import _value, build_for_run, evaluate, load_checkpoint, resolve_device, run_dtype, validate
+from .meter import StepMeter
+from .reporting import environment, print_summary
+
+
+def _setup(cfg, checkpoint: str | None, num_classes: int | None = None):
+    device = resolve_device(cfg.device)
+    validate(cfg, device)
+    torch.backends.cudnn.benchmark = True
+    state = load_checkpoint(checkpoint) if checkpoint else None
+    if state is not None:
+        # The architecture comes from the checkpoint; the run settings (backend, amp, layout) from the command line.
+        saved = state["config"]["model"]
+        cfg.model.width_mult = saved["width_mult"]
+        cfg.model.name = saved["name"]
+        num_classes = state["num_classes"]
+    model = build_for_run(cfg, device, num_classes or cfg.data.num_classes)
+    if state is not None:
+        model.load_state_dict(state["model"])
+    model.eval()
+    forward = torch.compile(model) if cfg.compile else model
+    amp_dtype = run_dtype(cfg) if cfg.amp else None
+    return device, model, forward, amp_dtype, state
+
+
+def _synthetic_batch(cfg, device):
+    fmt = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    x = torch.randn(cfg.data.batch_size, 3, cfg.data.resolution, cfg.data.resolution, device=device)
+    return x.to(run_dtype(cfg)).contiguous(memory_format=fmt)
+
+
+def _rows(cfg, device, env) -> dict:
+    return {
+        "backend": cfg.backend.name,
+        "precision": f"amp {_value(cfg.amp_dtype)}" if cfg.amp else "fp32",
+        "memory format": "channels_last" if cfg.channels_last else "NCHW",
+        "compile": cfg.compile,
+        "batch size": cfg.data.batch_size,
+        "resolution": cfg.data.resolution,
+        "device": env.get("gpu") if device.type == "cuda" else "cpu",
+        "torch / CUDA / cuDNN": f"{env['torch']} / {env['cuda']} / {env['cudnn']}",
+    }
+
+
+@torch.inference_mode()
+def benchmark(cfg, warmup: int, steps: int) -> float:
+    """Inference img/s of the configured combination on a device-resident batch (no input pipeline)."""
+    device, _, forward, amp_dtype, _ = _setup(cfg, None)
+    x = _synthetic_batch(cfg, device)
+    meter = StepMeter(device, warmup)
+    for _ in range(warmup + steps):
+        meter.data_start()
+        meter.compute_start()
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            forward(x)
+        meter.step_end(x.shape[0])
+    tp = meter.result()
+    rows = _rows(cfg, device, environment(device))
+    rows.update({"infer img/s": tp.img_s, "ms / batch": tp.step_ms, "timed steps": tp.steps, "warm-up steps": warmup})
+    print_summary("inference benchmark", rows)
+    return tp.img_s
+
+
+def evaluate_checkpoint(cfg, checkpoint: str) -> tuple[float, float]:
+    device, _, forward, amp_dtype, state = _setup(cfg, checkpoint)
+    spec = LoaderSpec(device, run_dtype(cfg), cfg.channels_last, seed=cfg.seed)
+    _, val = build_loaders(cfg.data, spec)
+    if val.num_classes != state["num_classes"]:
+        raise ValueError(f"the data has {val.num_classes} classes but the checkpoint was trained for {state['num_classes']}")
+    top1, top5, n, tp = evaluate(forward, val, device, amp_dtype)
+    rows = _rows(cfg, device, environment(device))
+    rows.update({"checkpoint": checkpoint, "val top-1 %": top1, "val top-5 %": top5, "val images": n, "img/s": tp.img_s})
+    print_summary("evaluation", rows)
+    return top1, top5
+
+
+@torch.inference_mode()
+def classify_images(cfg, checkpoint: str | None, files: list[str]) -> list[list[tuple[str, float]]]:
+    from PIL import Image
+    from torchvision import transforms as T
+
+    if checkpoint is None:
+        raise ValueError("--images needs --checkpoint PATH (an untrained model's classes mean nothing)")
+    device, _, forward, amp_dtype, state = _setup(cfg, checkpoint)
+    classes = state.get("classes") or [str(i) for i in range(state["num_classes"])]
+    d = cfg.data
+    prep = T.Compose([T.Resize(int(round(d.resolution / d.val_resize_ratio))), T.CenterCrop(d.resolution), T.ToTensor(),
+                      T.Normalize(d.mean, d.std)])
+    results = []
+    for f in files:
+        if not Path(f).is_file():
+            raise FileNotFoundError(f"--images: no such file {f!r}")
+        with Image.open(f) as img:
+            x = prep(img.convert("RGB")).unsqueeze(0).to(device, run_dtype(cfg))
+        if cfg.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            probs = forward(x).float().softmax(1)[0]
+        top = probs.topk(min(5, probs.numel()))
+        ranked = [(classes[i], float(p)) for p, i in zip(top.values.tolist(), top.indices.tolist())]
+        print(f"{f}: " + ", ".join(f"{name} {p:.1%}" for name, p in ranked))
+        results.append(ranked)
+    return results
+
+
+def profile(cfg, run_dir: Path, warmup: int, steps: int) -> None:
+    """Plain torch.profiler kernel table of inference steps (the full diagnosis comes with mobilenet.profiling)."""
+    from torch.profiler import ProfilerActivity, profile as tprofile, schedule
+
+    device, _, forward, amp_dtype, _ = _setup(cfg, None)
+    x = _synthetic_batch(cfg, device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    active = min(steps, 10)
+    with torch.inference_mode(), tprofile(activities=acts, schedule=schedule(wait=warmup, warmup=2, active=active), record_shapes=True) as prof:
+        for _ in range(warmup + 2 + active):
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                forward(x)
+            prof.step()
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=15))
+    trace = run_dir / "trace.json.gz"
+    prof.export_chrome_trace(str(trace))
+    print(f"trace: {trace} (open in https://ui.perfetto.dev)")

@@ -1,0 +1,103 @@
+"""MobileNetV1 (Howard et al. 2017, Table 1), with every depthwise layer built through the backend registry."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .depthwise import DepthwiseConv2d
+
+# (output channels, stride) of the 13 depthwise-separable blocks at width multiplier 1.0 (Table 1).
+BLOCKS: tuple[tuple[int, int], ...] = (
+    (64, 1), (128, 2), (128, 1), (256, 2), (256, 1), (512, 2),
+    (512, 1), (512, 1), (512, 1), (512, 1), (512, 1),
+    (1024, 2), (1024, 1),
+)
+STEM_CHANNELS = 32
+
+
+def _scaled(channels: int, width_mult: float) -> int:
+    return max(1, int(channels * width_mult))
+
+
+class ConvBNReLU(nn.Sequential):
+    def __init__(self, in_ch: int, out_ch: int, kernel_size: int, stride: int):
+        super().__init__(
+            nn.Conv2d(in_ch, out_ch, kernel_size, stride, padding=kernel_size // 2, bias=False),
+            nn.BatchNorm2d(out_ch),
+            nn.ReLU(inplace=True),
+        )
+
+
+class DepthwiseSeparable(nn.Sequential):
+    """3x3 depthwise conv + BN + ReLU, then 1x1 pointwise conv + BN + ReLU."""
+
+    def __init__(self, in_ch: int, out_ch: int, stride: int, backend: str):
+        super().__init__(
+            DepthwiseConv2d(in_ch, 3, stride, padding=1, backend=backend),
+            nn.BatchNorm2d(in_ch),
+            nn.ReLU(inplace=True),
+            ConvBNReLU(in_ch, out_ch, 1, 1),
+        )
+
+
+class MobileNetV1(nn.Module):
+    def __init__(self, num_classes: int = 1000, width_mult: float = 1.0, depthwise: str = "torch", dropout: float = 0.0):
+        super().__init__()
+        if not 0 < width_mult <= 4:
+            raise ValueError(f"model.width_mult must be in (0, 4] (the paper uses 0.25, 0.5, 0.75, 1.0), got {width_mult}")
+        if num_classes < 1:
+            raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+        self.depthwise_backend = depthwise
+        layers: list[nn.Module] = [ConvBNReLU(3, _scaled(STEM_CHANNELS, width_mult), 3, 2)]
+        in_ch = _scaled(STEM_CHANNELS, width_mult)
+        for out, stride in BLOCKS:
+            out_ch = _scaled(out, width_mult)
+            layers.append(DepthwiseSeparable(in_ch, out_ch, stride, depthwise))
+            in_ch = out_ch
+        self.features = nn.Sequential(*layers)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.classifier = nn.Linear(in_ch, num_classes)
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(m, DepthwiseConv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, 0, 0.01)
+                nn.init.zeros_(m.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pool(self.features(x)).flatten(1)
+        return self.classifier(self.dropout(x))
+
+
+def build_model(name: str, num_classes: int, width_mult: float, depthwise: str, dropout: float = 0.0) -> nn.Module:
+    if name != "mobilenet_v1":
+        raise ValueError(f"unknown model {name!r}; choose one of: mobilenet_v1")
+    return MobileNetV1(num_classes=num_classes, width_mult=width_mult, depthwise=depthwise, dropout=dropout)
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def count_macs(model: nn.Module, resolution: int) -> int:
+    """Multiply-adds of one image's forward pass, from PyTorch's own FLOP counter (FLOPs = 2 x MACs)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    was_training = model.training
+    model.eval()
+    param = next(model.parameters())
+    x = torch.zeros(1, 3, resolution, resolution, device=param.device, dtype=param.dtype)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(x)
+    model.train(was_training)
+    return counter.get_total_flops() // 2

@@ -1,0 +1,90 @@
+"""What a run reports: environment facts, TensorBoard scalars and hparams, and the console summary."""
+
+from __future__ import annotations
+
+import platform
+from typing import Any
+
+import torch
+
+
+def environment(device: torch.device | None = None) -> dict[str, str]:
+    """Versions and hardware, for summaries, hparams and result files."""
+    env = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda or "none",
+        "cudnn": str(torch.backends.cudnn.version()) if torch.backends.cudnn.is_available() else "none",
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "cpu": platform.processor() or platform.machine(),
+    }
+    if device is not None and device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env["gpu"] = props.name
+        env["gpu_memory_gb"] = f"{props.total_memory / 2**30:.0f}"
+        try:
+            import pynvml  # optional: only for the driver version
+
+            pynvml.nvmlInit()
+            env["driver"] = pynvml.nvmlSystemGetDriverVersion()
+        except Exception:
+            env["driver"] = "unknown"
+    else:
+        env["gpu"] = "none"
+    try:
+        from nvidia import dali
+
+        env["dali"] = dali.__version__
+    except ImportError:
+        env["dali"] = "not installed"
+    return env
+
+
+class TensorBoardLog:
+    """Scalars under the names users query (perf/*, train/*, val/*, sys/*), and hparams in the same run dir."""
+
+    def __init__(self, run_dir: str, enabled: bool = True):
+        self.writer = None
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=run_dir)
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        if self.writer is not None:
+            for tag, value in values.items():
+                self.writer.add_scalar(tag, value, step)
+
+    def text(self, tag: str, markdown: str) -> None:
+        if self.writer is not None:
+            self.writer.add_text(tag, markdown)
+
+    def hparams(self, hparams: dict[str, Any], metrics: dict[str, float]) -> None:
+        if self.writer is not None:
+            clean = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in hparams.items()}
+            # run_name="." keeps the hparams in this run's own directory, next to its scalars.
+            self.writer.add_hparams(clean, metrics, run_name=".")
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def print_summary(title: str, rows: dict[str, Any]) -> str:
+    """A two-column table on the console; returns it as markdown for TensorBoard and result files."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, show_header=True)
+    table.add_column("item")
+    table.add_column("value", justify="right")
+    for key, value in rows.items():
+        table.add_row(key, _fmt(value))
+    Console().print(table)
+    return "\n".join([f"| {title} | |", "|---|---|"] + [f"| {k} | {_fmt(v)} |" for k, v in rows.items()])
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.4g}" if abs(value) < 1000 else f"{value:,.0f}"
+    return str(value)

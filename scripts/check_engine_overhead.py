@@ -1,0 +1,104 @@
+"""Is the training loop honest and lean? Its img/s against a bare loop, in one process, on the same model.
+
+    python scripts/check_engine_overhead.py [HYDRA OVERRIDES ...] [--steps N] [--out docs/results/engine_overhead.md]
+
+The bare loop is the least a training step can be: autocast forward, loss, scaled backward, optimizer step,
+CUDA events around the timed window. The engine run is `Trainer(cfg).fit()`, exactly what train.py does with
+the same overrides. Order bare, engine, bare: the two bare runs bracket the engine run to expose drift.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mobilenet.config import compose  # noqa: E402
+from mobilenet.engine import AMP_DTYPES, Trainer, _value, build_for_run, resolve_device  # noqa: E402
+from mobilenet.reporting import environment  # noqa: E402
+
+DEFAULT = ["data=synthetic", "backend=cudnn", "amp=true", "channels_last=true"]
+
+
+def bare_loop(cfg, device, steps: int, warmup: int) -> float:
+    torch.backends.cudnn.benchmark = True
+    model = build_for_run(cfg, device, cfg.data.num_classes)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True)
+    amp_dtype = AMP_DTYPES[_value(cfg.amp_dtype)] if cfg.amp else None
+    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+    fmt = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    b, r = cfg.data.batch_size, cfg.data.resolution
+    x = torch.randn(b, 3, r, r, device=device).to(amp_dtype or torch.float32).contiguous(memory_format=fmt)
+    y = torch.randint(0, cfg.data.num_classes, (b,), device=device)
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def step():
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            loss = loss_fn(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    for _ in range(warmup):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return steps * b / (time.perf_counter() - t0)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--out", type=Path, help="write a markdown result here")
+    args, overrides = p.parse_known_args()
+    overrides = overrides or DEFAULT
+    cfg = compose([*overrides, f"data.steps_per_epoch={args.steps + args.warmup}", f"perf.warmup_steps={args.warmup}",
+                   "epochs=1", "evaluate=false", "save_checkpoints=false", "progress=false"])
+    device = resolve_device(cfg.device)
+    bare1 = bare_loop(cfg, device, args.steps, args.warmup)
+    run_dir = Path(cfg.log_root) / "engine_overhead" / time.strftime("%Y%m%d-%H%M%S")
+    engine = Trainer(cfg, run_dir, overrides=",".join(overrides)).fit().train.img_s
+    bare2 = bare_loop(cfg, device, args.steps, args.warmup)
+    bare = statistics.mean([bare1, bare2])
+    ratio = engine / bare
+    env = environment(device)
+    lines = [
+        f"# Training loop overhead: train.py engine vs a bare loop, same process",
+        "",
+        f"Command: `python scripts/check_engine_overhead.py {' '.join(sys.argv[1:])}`",
+        f"Overrides: `{' '.join(overrides)}`; {args.steps} timed steps after {args.warmup} warm-up, batch {cfg.data.batch_size}, "
+        f"{cfg.data.resolution}px",
+        f"Machine: {env.get('gpu')} (driver {env.get('driver', '?')}), torch {env['torch']}, CUDA {env['cuda']}, cuDNN {env['cudnn']}",
+        "",
+        "| loop | img/s |",
+        "|---|---|",
+        f"| bare (before) | {bare1:,.0f} |",
+        f"| engine (train.py) | {engine:,.0f} |",
+        f"| bare (after) | {bare2:,.0f} |",
+        f"| engine / mean bare | {ratio:.3f} |",
+        "",
+        f"Within 8%: {'yes' if ratio >= 0.92 else 'NO'}",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    return 0 if ratio >= 0.92 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

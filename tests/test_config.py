@@ -1,0 +1,86 @@
+"""Every config group and every documented CLI example composes; typos and wrong types are rejected by name."""
+
+import itertools
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import OmegaConfBaseException
+
+from mobilenet.config import CONF_DIR, compose
+
+GROUPS = ["backend", "data", "model", "optim", "experiment"]
+
+README_EXAMPLES = [
+    [],
+    ["backend=custom", "amp=true"],
+    ["backend=cudnn", "amp=true", "amp_dtype=bf16", "channels_last=true", "data=folder", "data.root=/data/imagenet"],
+    ["data=synthetic", "backend=cudnn", "amp=true", "channels_last=true"],
+    ["data=synthetic", "backend=custom", "amp=true", "channels_last=true"],
+    ["experiment=benchmark", "compile=true", "device=cuda"],
+    ["optim=rmsprop", "model.width_mult=0.5"],
+]
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group, option", [(g, o) for g in GROUPS for o in options(g)])
+def test_every_group_option_composes(group, option):
+    cfg = compose([f"{group}={option}"])
+    if group != "experiment":
+        assert cfg[group] is not None
+
+
+@pytest.mark.parametrize("overrides", README_EXAMPLES, ids=lambda o: " ".join(o) or "default")
+def test_every_cli_example_composes(overrides):
+    cfg = compose(overrides)
+    for item in overrides:
+        key, value = item.split("=", 1)
+        if key not in GROUPS:
+            assert str(_get(cfg, key)).lower().endswith(value.lower()), key
+
+
+def test_multirun_example_composes_every_combination():
+    # python train.py -m backend=torch,cudnn amp=false,true
+    for backend, amp in itertools.product(["torch", "cudnn"], ["false", "true"]):
+        cfg = compose([f"backend={backend}", f"amp={amp}"])
+        assert cfg.backend.name == backend and cfg.amp == (amp == "true")
+
+
+def test_default_is_the_embedded_digits_job():
+    cfg = compose([])
+    assert (cfg.data.name, cfg.data.builtin, cfg.backend.name, cfg.amp, cfg.device.value) == ("folder", "digits", "torch", False, "auto")
+
+
+@pytest.mark.parametrize("override, key", [
+    ("data.batchsize=3", "batchsize"),
+    ("data.batch_size=many", "batch_size"),
+    ("amp=perhaps", "amp"),
+    ("amp_dtype=fp8", "amp_dtype"),
+    ("device=tpu", "device"),
+    ("optim.name=adam", "name"),
+    ("chanels_last=true", "chanels_last"),
+])
+def test_typos_and_wrong_types_name_the_key(override, key):
+    with pytest.raises((ConfigCompositionException, OmegaConfBaseException)) as err:
+        compose([override])
+    text = str(err.value) + str(err.value.__cause__)
+    assert key in text
+
+
+@pytest.mark.parametrize("group", ["backend", "data", "optim", "model"])
+def test_unknown_group_option_lists_the_choices(group):
+    with pytest.raises(ConfigCompositionException) as err:
+        compose([f"{group}=nonexistent"])
+    text = str(err.value)
+    assert "Available options" in text
+    for option in options(group):
+        assert option in text
+
+
+def _get(cfg, dotted: str):
+    for part in dotted.split("."):
+        cfg = cfg[part]
+    return getattr(cfg, "value", cfg)

@@ -1,0 +1,138 @@
+"""The training loop on real data: it learns, resumes exactly, checkpoints atomically, refuses bad input."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mobilenet.config import compose
+from mobilenet.engine import CheckpointError, Trainer, load_checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+FAST = ["model.width_mult=0.25", "device=cpu", "progress=false", "perf.warmup_steps=2", "perf.log_every=5"]
+
+
+def test_a_short_run_on_digits_learns(run_dir):
+    cfg = compose([*FAST, "epochs=4", "model.width_mult=0.5"])
+    result = Trainer(cfg, run_dir).fit()
+    losses = [v for _, v in result.losses]
+    assert losses[-1] < 0.7 * losses[0]
+    assert result.val_top1 > 50  # chance is 10%
+    assert result.val_images == 360
+    assert result.train.img_s > 0 and result.train.steps == result.train.images // 64
+
+
+def test_resume_continues_with_the_same_step_and_lr(tmp_path):
+    common = [*FAST, "data.steps_per_epoch=5", "evaluate=false", "perf.log_every=1"]
+    straight = Trainer(compose([*common, "epochs=3"]), tmp_path / "a").fit()
+    first = Trainer(compose([*common, "epochs=2"]), tmp_path / "b")
+    first.fit()
+    resumed = Trainer(compose([*common, "epochs=3", f"resume={first.checkpoint_path}"]), tmp_path / "c")
+    assert (resumed.epoch, resumed.global_step) == (2, 10)
+    result = resumed.fit()
+    assert resumed.global_step == straight.global_step == 15
+    # Steps 11..15 of the resumed run see exactly the learning rates of the uninterrupted run.
+    assert [s for s, _ in result.lrs] == [11, 12, 13, 14, 15]
+    assert [lr for _, lr in result.lrs] == pytest.approx([lr for _, lr in straight.lrs[10:]])
+
+
+def test_resume_missing_or_corrupt_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(CheckpointError, match="no such checkpoint file"):
+        load_checkpoint(str(tmp_path / "nope.pt"))
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"\x80\x04 definitely not a checkpoint")
+    with pytest.raises(CheckpointError, match="not a readable checkpoint"):
+        load_checkpoint(str(bad))
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"weights": 1}, foreign)
+    with pytest.raises(CheckpointError, match="missing"):
+        load_checkpoint(str(foreign))
+    with pytest.raises(CheckpointError):
+        Trainer(compose([*FAST, f"resume={bad}"]), tmp_path / "run")
+
+
+def test_fp16_amp_on_a_cpu_is_refused(run_dir):
+    with pytest.raises(ValueError, match="amp_dtype=fp16 needs a CUDA GPU.*amp_dtype=bf16"):
+        Trainer(compose([*FAST, "amp=true"]), run_dir)
+
+
+@pytest.mark.parametrize("backend", ["cudnn", "custom"])
+def test_gpu_backends_on_a_cpu_stop_before_any_work(run_dir, backend):
+    from mobilenet.depthwise import BackendUnavailable
+
+    with pytest.raises(BackendUnavailable, match=f"backend={backend} needs a CUDA GPU"):
+        Trainer(compose([*FAST, f"backend={backend}"]), run_dir)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("backend.name=cuda", "unknown depthwise backend 'cuda'; choose one of: cudnn, custom, torch"),
+    ("data.name=webdataset", "unknown data loader 'webdataset'; choose one of: dali, folder, synthetic"),
+    ("model.name=resnet50", "unknown model 'resnet50'; choose one of: mobilenet_v1"),
+])
+def test_unknown_names_list_the_choices(run_dir, override, message):
+    with pytest.raises(ValueError, match=message):
+        Trainer(compose([*FAST, override]), run_dir)
+
+
+def test_bf16_channels_last_synthetic_run_reports_throughput(run_dir):
+    cfg = compose([*FAST, "data=synthetic", "data.resolution=64", "data.batch_size=8", "data.steps_per_epoch=6",
+                   "data.val_steps=2", "epochs=1", "amp=true", "amp_dtype=bf16", "channels_last=true"])
+    result = Trainer(cfg, run_dir).fit()
+    tp = result.train
+    assert tp.steps == 4 and tp.images == 32  # 6 steps minus 2 warm-up
+    assert tp.compute_img_s >= tp.img_s > 0
+    assert (run_dir / "checkpoints" / "last.pt").is_file()
+
+
+def test_tensorboard_gets_the_documented_scalars_and_hparams(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = compose([*FAST, "data=synthetic", "data.resolution=32", "data.batch_size=4", "data.steps_per_epoch=5",
+                   "data.val_steps=1", "epochs=1", "save_checkpoints=false"])
+    result = Trainer(cfg, run_dir).fit()
+    acc = EventAccumulator(str(run_dir))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"perf/train_img_s", "perf/compute_img_s", "perf/step_ms", "perf/data_wait_ms", "train/loss", "train/lr",
+            "val/top1", "val/top5"} <= tags
+    assert acc.Scalars("perf/train_img_s")[-1].value == pytest.approx(result.train.img_s, rel=1e-5)
+    assert "_hparams_/session_start_info" in acc.summary_metadata or any(
+        "hparams" in m.plugin_data.plugin_name for m in acc.summary_metadata.values())
+
+
+def test_ctrl_c_leaves_the_last_complete_checkpoint_intact(tmp_path):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", "epochs=200", "model.width_mult=0.25", "device=cpu", "progress=false",
+         f"log_root={tmp_path}"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    deadline = time.time() + 240
+    ckpts: list[Path] = []
+    while time.time() < deadline and not ckpts:
+        time.sleep(0.5)
+        ckpts = list(tmp_path.rglob("last.pt"))
+    assert ckpts, proc.communicate(timeout=30)[0] if proc.poll() is not None else "no checkpoint appeared"
+    time.sleep(1.5)  # interrupt somewhere inside a later epoch, possibly mid-save
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=60)
+    state = load_checkpoint(str(ckpts[0]))
+    assert state["epoch"] >= 1
+    assert not [p for p in ckpts[0].parent.iterdir() if p.name != "last.pt"]  # no half-written leftovers
+
+
+def test_multirun_cli_runs_each_combination(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "train.py", "-m", "backend=torch", "amp=false,true", "amp_dtype=bf16", "data=synthetic",
+         "data.resolution=32", "data.batch_size=4", "data.steps_per_epoch=3", "data.val_steps=1", "epochs=1",
+         "model.width_mult=0.25", "device=cpu", "progress=false", f"log_root={tmp_path}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs = sorted(p.name for p in tmp_path.glob("multirun-*/*") if p.is_dir())
+    assert len(runs) == 2 and all("amp=" in r and "backend=torch" in r for r in runs), runs
