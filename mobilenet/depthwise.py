@@ -157,7 +157,7 @@ def _cudnn_bwd(
                 )
             _checked_wgrad_dispatch.add(key)
         grad_weight = torch.ops.aten.convolution_backward(
-            x, grad, weight, None, stride, padding, dilation, True, output_padding, groups, [False, False, True]
+            x, grad, weight, None, stride, padding, dilation, True, output_padding, groups, [False, True, False]
         )[1]
     # custom ops cannot return None: empty tensors stand for "not requested".
     return (

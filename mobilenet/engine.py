@@ -307,9 +307,10 @@ class Trainer:
         self.train_loader.set_epoch(self.epoch)
         meter = StepMeter(self.device, cfg.perf.warmup_steps if self.epoch == self._first_epoch else 0)
         readback = _LossReadback(self.device)
-        steps = self.steps_per_epoch if max_steps is None else min(max_steps, self.steps_per_epoch)
+        # A profiling window may be longer than a small data set's epoch: then the loader is read again.
+        steps = self.steps_per_epoch if max_steps is None else max_steps
         bar = _progress(steps, f"epoch {self.epoch + 1}/{cfg.epochs}", cfg.progress)
-        it = iter(self.train_loader)
+        it = _cycle(self.train_loader)
         for i in range(steps):
             meter.data_start()
             with self.profiler.range("data") if self.profiler else contextlib.nullcontext():
@@ -344,8 +345,31 @@ class Trainer:
             bar.close()
         return meter.result()
 
+    def profile(self) -> RunResult:
+        """profile=true: time steps without the profiler, then trace a window of steps and diagnose it."""
+        from .profiling import StepProfiler
+
+        cfg, result = self.cfg, RunResult(run_dir=str(self.run_dir))
+        self._first_epoch = self.epoch
+        pc = cfg.profiler
+        baseline = self.train_epoch(result, max_steps=cfg.perf.warmup_steps + pc.baseline_steps)
+        result.train = baseline
+        self.profiler = StepProfiler(self.run_dir, self.device, run_meta(cfg, self.env, "train"), pc,
+                                     baseline_step_ms=baseline.step_ms_median)
+        try:
+            with self.profiler:
+                self.train_epoch(result, max_steps=self.profiler.total_steps)
+            report = self.profiler.finish()
+        finally:
+            self.profiler = None
+        self.tb.text("profile", report.markdown())
+        self.tb.close()
+        return result
+
     def fit(self) -> RunResult:
         cfg = self.cfg
+        if cfg.profile:
+            return self.profile()
         result = RunResult(run_dir=str(self.run_dir))
         self._first_epoch = self.epoch
         if self.device.type == "cuda":
@@ -421,6 +445,22 @@ class Trainer:
                    "hparam/val_top1": result.val_top1}
         self.tb.hparams(hparams, metrics)
         self.tb.close()
+
+
+def _cycle(loader):
+    while True:
+        yield from loader
+
+
+def run_meta(cfg, env: dict, mode: str) -> dict[str, Any]:
+    """The facts of a run that reports and traces carry."""
+    return {
+        **env, "mode": mode, "backend": cfg.backend.name,
+        "precision": f"amp {_value(cfg.amp_dtype)}" if cfg.amp else "fp32",
+        "memory_format": "channels_last" if cfg.channels_last else "NCHW",
+        "batch_size": cfg.data.batch_size, "resolution": cfg.data.resolution, "compile": cfg.compile,
+        "data": cfg.data.name,
+    }
 
 
 def _progress(total: int, desc: str, enabled: bool):

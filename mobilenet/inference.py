@@ -113,21 +113,31 @@ def classify_images(cfg, checkpoint: str | None, files: list[str]) -> list[list[
 
 
 def profile(cfg, run_dir: Path, warmup: int, steps: int) -> None:
-    """Plain torch.profiler kernel table of inference steps (the full diagnosis comes with mobilenet.profiling)."""
-    from torch.profiler import ProfilerActivity, profile as tprofile, schedule
+    """Time inference steps without the profiler, then trace a window of steps and print the diagnosis."""
+    from .engine import run_meta
+    from .profiling import StepProfiler
 
     device, _, forward, amp_dtype, _ = _setup(cfg, None)
     x = _synthetic_batch(cfg, device)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    run_dir.mkdir(parents=True, exist_ok=True)
-    active = min(steps, 10)
-    with torch.inference_mode(), tprofile(activities=acts, schedule=schedule(wait=warmup, warmup=2, active=active), record_shapes=True) as prof:
-        for _ in range(warmup + 2 + active):
-            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                forward(x)
+
+    def step():
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            forward(x)
+
+    meter = StepMeter(device, warmup)
+    with torch.inference_mode():
+        for _ in range(warmup + steps):
+            meter.data_start()
+            meter.compute_start()
+            step()
+            meter.step_end(x.shape[0])
+    baseline = meter.result()
+    prof = StepProfiler(run_dir, device, run_meta(cfg, environment(device), "infer"), cfg.profiler,
+                        baseline_step_ms=baseline.step_ms_median)
+    with torch.inference_mode(), prof:
+        for _ in range(prof.total_steps):
+            with prof.range("forward"):
+                step()
             prof.step()
-    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=15))
-    trace = run_dir / "trace.json.gz"
-    prof.export_chrome_trace(str(trace))
-    print(f"trace: {trace} (open in https://ui.perfetto.dev)")
+    prof.finish()
+    print(f"trace: {prof.trace_path} (open it in https://ui.perfetto.dev)")

@@ -1,0 +1,491 @@
+"""The throughput matrix: training and inference img/s of every backend x amp x layout x compile x data combination.
+
+    python scripts/benchmark.py [--backends torch,cudnn,custom] [--amp off,fp16,bf16] [--channels-last false,true]
+                                [--compile false,true] [--data synthetic,dali] [--batch-size 256] [--resolution 224]
+                                [--warmup 20] [--steps 100] [--out runs/matrix-<time>] [-- HYDRA OVERRIDES ...]
+    python scripts/compare.py runs/matrix-<time>
+
+Every combination runs in its own subprocess with its own run directory under --out: torch.compile caches and
+cuDNN autotuning stay isolated, and a crash is recorded as a failed row (with its last error line) instead of
+ending the matrix. All combinations use the same batch size, resolution, warm-up and timed steps and run back to
+back, so their ratios are fair. Each run measures, in this order,
+  - inference: --infer-warmup + --infer-steps forward passes of the run's model on a device-resident batch of the
+    same size under torch.inference_mode (perf/infer_img_s);
+  - training: the project's Trainer (mobilenet/engine.py), one epoch of --warmup + --steps steps; its StepMeter
+    times the last --steps (perf/train_img_s, perf/compute_img_s, ...). No validation pass (evaluate=false): it
+    would only add another torch.compile graph.
+Both are logged to TensorBoard in the run's directory, with hparams (hparam/infer_img_s added to the metrics), so
+TensorBoard's HParams tab over --out shows the whole grid.
+
+The peer row (backend "timm"): timm's mobilenetv1_100 measured by the same StepMeter loops under the same settings
+on synthetic data, logged under the same tags. timm is optional (pip install timm, or the `bench` extra).
+
+Combinations that cannot run here are skipped up front with the reason (no CUDA for backend=cudnn/custom or
+amp=fp16, DALI not installed, no --data-root for data=dali, timm not installed); each gets a run directory holding
+only its benchmark.json, so compare.py lists it with that reason. A run directory whose benchmark.json says "ok"
+is not measured again when the same --out is used again: an interrupted matrix continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run as `python scripts/benchmark.py`: the project's packages sit one level up
+
+AXES = {
+    "backends": ("torch", "cudnn", "custom"),
+    "amp": ("off", "fp16", "bf16"),
+    "channels_last": ("false", "true"),
+    "compile": ("false", "true"),
+    "data": ("synthetic", "dali"),
+}
+# Hydra-style spellings of the axes (`backend=torch,cudnn`) -> their AXES key (also the argparse destination).
+HYDRA_AXES = {"backend": "backends", "amp": "amp", "channels_last": "channels_last", "compile": "compile", "data": "data"}
+PEER_BACKEND = "timm"
+PEER_MODEL = "mobilenetv1_100"
+TIMM_MISSING = "timm not installed (pip install timm)"
+SPEC_FILE = "benchmark.json"
+RESULT_FILE = "result.json"
+LOG_FILE = "benchmark.log"
+
+
+@dataclass(frozen=True)
+class Combo:
+    backend: str
+    amp: str  # off | fp16 | bf16
+    channels_last: bool
+    compile: bool
+    data: str
+
+    @property
+    def name(self) -> str:
+        """The run directory's name, Hydra-style."""
+        return (f"backend={self.backend},amp={self.amp},channels_last={str(self.channels_last).lower()},"
+                f"compile={str(self.compile).lower()},data={self.data}")
+
+    @property
+    def peer(self) -> bool:
+        return self.backend == PEER_BACKEND
+
+
+def _choices(text: str, axis: str) -> list[str]:
+    allowed = AXES[axis]
+    values = [v.strip().lower() for v in text.split(",") if v.strip()]
+    bad = [v for v in values if v not in allowed]
+    if bad or not values:
+        raise argparse.ArgumentTypeError(f"--{axis.replace('_', '-')}: {bad or text!r} not in {', '.join(allowed)}")
+    return list(dict.fromkeys(values))  # keep the user's order, drop repeats
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backends", type=lambda s: _choices(s, "backends"), default=list(AXES["backends"]),
+                   help="comma-separated subset of torch,cudnn,custom (default: all)")
+    p.add_argument("--amp", type=lambda s: _choices(s, "amp"), default=list(AXES["amp"]),
+                   help="comma-separated subset of off,fp16,bf16 (default: all)")
+    p.add_argument("--channels-last", type=lambda s: _choices(s, "channels_last"), default=list(AXES["channels_last"]),
+                   help="comma-separated subset of false,true (default: both)")
+    p.add_argument("--compile", type=lambda s: _choices(s, "compile"), default=list(AXES["compile"]),
+                   help="comma-separated subset of false,true (default: both); torch.compile's default mode")
+    p.add_argument("--data", type=lambda s: _choices(s, "data"), default=list(AXES["data"]),
+                   help="comma-separated subset of synthetic,dali (default: both)")
+    p.add_argument("--peer", choices=("yes", "no", "only"), default="yes",
+                   help=f"timm's {PEER_MODEL} rows (synthetic data only): yes (default), no, or only them")
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--resolution", type=int, default=224)
+    p.add_argument("--width-mult", type=float, default=1.0, help="model.width_mult of the project's model")
+    p.add_argument("--warmup", type=int, default=20, help="untimed training steps (default 20)")
+    p.add_argument("--steps", type=int, default=100, help="timed training steps (default 100)")
+    p.add_argument("--infer-warmup", type=int, default=20, help="untimed inference steps (default 20)")
+    p.add_argument("--infer-steps", type=int, default=100, help="timed inference steps (default 100)")
+    p.add_argument("--data-root", help="ImageFolder (DIR/train, DIR/val) for data=dali; without it dali rows are skipped")
+    p.add_argument("--out", help="the matrix's runs directory (default runs/matrix-<time>); reused: finished runs are kept")
+    p.add_argument("--force", action="store_true", help="measure again the runs --out already holds as ok")
+    p.add_argument("--timeout", type=float, default=600, help="seconds one combination may take (default 600)")
+    p.add_argument("--time-budget", type=float,
+                   help="seconds for the whole invocation: no combination starts (or runs) past it; run the same "
+                        "command again to continue")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and the skip reasons, measure nothing")
+    p.add_argument("overrides", nargs="*",
+                   help="Hydra-style axis selections (backend=torch,cudnn amp=off,fp16 channels_last=true compile=false "
+                        "data=synthetic), and Hydra overrides for every run (e.g. data.num_classes=100); put them after `--`")
+    args = p.parse_args(argv)
+    passthrough = []
+    for override in args.overrides:
+        key, _, value = override.partition("=")
+        axis = HYDRA_AXES.get(key)
+        if axis is None:
+            passthrough.append(override)
+            continue
+        try:
+            setattr(args, axis, _choices(value, axis))
+        except argparse.ArgumentTypeError as e:
+            p.error(str(e))
+    args.overrides = passthrough
+    for name in ("batch_size", "resolution", "steps", "infer_steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup < 0 or args.infer_warmup < 0:
+        p.error("--warmup and --infer-warmup must be >= 0")
+    bad = [o for o in args.overrides if "=" not in o]
+    if bad:
+        p.error(f"Hydra overrides look like key=value, got {bad}")
+    return args
+
+
+def plan(args: argparse.Namespace) -> list[Combo]:
+    """Every combination asked for, grouped so that all runs of one data kind and compile setting are adjacent."""
+    combos = []
+    for data, compile_ in itertools.product(args.data, args.compile):
+        backends = [] if args.peer == "only" else list(args.backends)
+        if args.peer != "no" and data == "synthetic":
+            backends.append(PEER_BACKEND)
+        for backend, amp, cl in itertools.product(backends, args.amp, args.channels_last):
+            combos.append(Combo(backend, amp, cl == "true", compile_ == "true", data))
+    return combos
+
+
+def hydra_overrides(combo: Combo, args: argparse.Namespace) -> list[str]:
+    amp = ["amp=false"] if combo.amp == "off" else ["amp=true", f"amp_dtype={combo.amp}"]
+    data = []
+    if combo.data == "dali":
+        data = ["data=dali"] + ([f"data.root={args.data_root}"] if args.data_root else [])
+    return [
+        "experiment=benchmark", *data,
+        # The peer runs the same config (for its loader, optimizer and checks) with the plain torch backend.
+        f"backend={'torch' if combo.peer else combo.backend}", *amp,
+        f"channels_last={str(combo.channels_last).lower()}", f"compile={str(combo.compile).lower()}",
+        f"data.batch_size={args.batch_size}", f"data.resolution={args.resolution}",
+        f"data.steps_per_epoch={args.warmup + args.steps}", "data.val_steps=1", f"perf.warmup_steps={args.warmup}",
+        f"model.width_mult={args.width_mult}", "epochs=1", "evaluate=false", "save_checkpoints=false",
+        "progress=false", *args.overrides,
+    ]
+
+
+# --------------------------------------------------------------------------------------- the parent: plan, skip, run
+
+
+def _error_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}".strip().splitlines()[0]
+
+
+class Prechecks:
+    """Why a combination cannot run here, found cheaply before any subprocess starts (None if it can)."""
+
+    def __init__(self):
+        self._cache: dict[tuple, str | None] = {}
+
+    def _once(self, key: tuple, check) -> str | None:
+        if key not in self._cache:
+            try:
+                check()
+                self._cache[key] = None
+            except Exception as e:  # any failure here is the reason this combination is skipped
+                self._cache[key] = _error_line(e)
+        return self._cache[key]
+
+    def reason(self, combo: Combo, overrides: list[str]) -> str | None:
+        if combo.peer:
+            if importlib.util.find_spec("timm") is None:
+                return TIMM_MISSING
+        if combo.data == "dali":
+            from mobilenet.data.dali import import_dali
+
+            why = self._once(("dali",), import_dali)
+            if why:
+                return why
+            if not any(o.startswith(("data.root=", "data.builtin=")) for o in overrides):
+                return "data=dali reads JPEGs: pass --data-root DIR (an ImageFolder with DIR/train and DIR/val)"
+        return self._once(tuple(overrides), lambda: _validate(overrides))
+
+
+def _validate(overrides: list[str]) -> None:
+    """The engine's own up-front checks (backend availability, fp16 without CUDA, ...) on the composed config."""
+    from mobilenet.config import compose
+    from mobilenet.engine import resolve_device, validate
+
+    cfg = compose(overrides)
+    validate(cfg, resolve_device(cfg.device))
+
+
+def last_error_line(log_text: str) -> str:
+    """The exception line of the last traceback in a log, else its last non-empty line."""
+    lines = [line.rstrip() for line in log_text.splitlines() if line.strip()]
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    if starts:
+        tail = [line for line in lines[starts[-1] + 1:] if not line.startswith((" ", "\t"))]
+        if tail:
+            return tail[-1]
+    return lines[-1] if lines else "no output"
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def run_combo(combo: Combo, run_dir: Path, overrides: list[str], args: argparse.Namespace, timeout: float) -> dict:
+    """Measure one combination in a subprocess; returns its record (also written to run_dir/benchmark.json)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in run_dir.glob("events.out.tfevents.*"):  # a re-measured run must not mix with an earlier attempt
+        stale.unlink()
+    (run_dir / RESULT_FILE).unlink(missing_ok=True)
+    record = {**asdict(combo), "name": combo.name, "overrides": overrides, "status": "running", "reason": "",
+              "infer_warmup": args.infer_warmup, "infer_steps": args.infer_steps}
+    _write_json(run_dir / SPEC_FILE, record)
+    started = time.perf_counter()
+    with open(run_dir / LOG_FILE, "w") as log:
+        # Its own session, so that a timeout also ends the compile workers torch.compile forks.
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--run-one", str(run_dir)],
+                                cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except BaseException as e:  # timeout, Ctrl-C or SIGTERM: the child has its own session, so end it here
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            if not isinstance(e, subprocess.TimeoutExpired):
+                raise
+            rc = None
+    record["seconds"] = round(time.perf_counter() - started, 1)
+    result_path = run_dir / RESULT_FILE
+    if rc == 0 and result_path.is_file():
+        record.update(status="ok", **json.loads(result_path.read_text()))
+    elif rc is None:
+        record.update(status="failed", reason=f"timed out after {timeout:.0f} s (--timeout / --time-budget)")
+    else:
+        record.update(status="failed", reason=f"exit {rc}: {last_error_line((run_dir / LOG_FILE).read_text(errors='replace'))}")
+    _write_json(run_dir / SPEC_FILE, record)
+    return record
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    # A SIGTERM (e.g. a job's time limit) unwinds like Ctrl-C, so the running child is ended too.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    out = Path(args.out or REPO / "runs" / f"matrix-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    combos = plan(args)
+    if not combos:
+        print("nothing to run: the selection is empty (e.g. --peer only without synthetic data)", file=sys.stderr)
+        return 2
+    deadline = time.monotonic() + args.time_budget if args.time_budget else None
+    longest: dict[bool, float] = {}  # the longest run so far, eager and compiled: what the next one may need
+    prechecks = Prechecks()
+    records: list[dict] = []
+    print(f"{len(combos)} combinations -> {out}", flush=True)
+    for i, combo in enumerate(combos, 1):
+        run_dir = out / combo.name
+        overrides = hydra_overrides(combo, args)
+        previous = run_dir / SPEC_FILE
+        earlier = json.loads(previous.read_text()) if previous.is_file() else {}
+        # Keep a finished run only if it was measured with exactly these settings.
+        if not args.force and earlier.get("status") == "ok" and earlier.get("overrides") == overrides \
+                and (earlier.get("infer_warmup"), earlier.get("infer_steps")) == (args.infer_warmup, args.infer_steps):
+            record = {**earlier, "note": "kept from an earlier invocation"}
+            longest[combo.compile] = max(longest.get(combo.compile, 0.0), earlier.get("seconds", 0.0))
+        elif reason := prechecks.reason(combo, overrides):
+            record = {**asdict(combo), "name": combo.name, "overrides": overrides, "status": "skipped", "reason": reason}
+            if not args.dry_run:
+                run_dir.mkdir(parents=True, exist_ok=True)
+                _write_json(previous, record)
+        elif args.dry_run:
+            record = {**asdict(combo), "name": combo.name, "status": "planned", "reason": " ".join(overrides)}
+        else:
+            timeout = args.timeout
+            if deadline is not None:
+                timeout = min(timeout, deadline - time.monotonic())
+            # Not worth starting if it would likely be cut off: leave it for the next invocation.
+            if deadline is not None and timeout < max(10.0, 1.1 * longest.get(combo.compile, 0.0)):
+                record = {**asdict(combo), "name": combo.name, "status": "not started", "reason": "--time-budget spent"}
+            else:
+                record = run_combo(combo, run_dir, overrides, args, timeout)
+                longest[combo.compile] = max(longest.get(combo.compile, 0.0), record["seconds"])
+        records.append(record)
+        print(f"[{i}/{len(combos)}] {combo.name}: {_one_line(record)}", flush=True)
+    print_table(records, out)
+    if any(r["status"] == "not started" for r in records):
+        print("some combinations did not start within --time-budget: run the same command again to continue "
+              "(finished runs are kept)")
+    return 1 if any(r["status"] in ("failed", "not started") for r in records) else 0
+
+
+def _one_line(record: dict) -> str:
+    if record["status"] != "ok":
+        return f"{record['status']}: {record['reason']}"
+    return (f"ok, train {record['train_img_s']:,.0f} img/s, infer {record['infer_img_s']:,.0f} img/s"
+            + (f" ({record['note']})" if record.get("note") else f" ({record['seconds']:.0f} s)"))
+
+
+def print_table(records: list[dict], out: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"throughput matrix: {out}")
+    for col in ("backend", "amp", "channels_last", "compile", "data", "status", "train img/s", "infer img/s", "reason"):
+        table.add_column(col, justify="right" if "img/s" in col else "left", overflow="fold")
+    for r in records:
+        ok = r["status"] == "ok"
+        table.add_row(r["backend"], r["amp"], str(r["channels_last"]), str(r["compile"]), r["data"], r["status"],
+                      f"{r['train_img_s']:,.0f}" if ok else "", f"{r['infer_img_s']:,.0f}" if ok else "", r.get("reason", ""))
+    Console(width=max(160, Console().width)).print(table)
+    print(f"compare: python scripts/compare.py {out}")
+
+
+# ------------------------------------------------------------------------------------- the child: one measurement
+
+
+def measure_inference(model, forward, cfg, device, warmup: int, steps: int):
+    """Forward passes on one device-resident batch under inference_mode, timed by StepMeter (the same loop as
+    mobilenet.inference.benchmark, here for any module so the peer row is measured identically)."""
+    import torch
+
+    from mobilenet.engine import AMP_DTYPES, _value, run_dtype
+    from mobilenet.meter import StepMeter
+
+    amp_dtype = AMP_DTYPES[_value(cfg.amp_dtype)] if cfg.amp else None
+    fmt = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    gen = torch.Generator().manual_seed(cfg.seed)
+    x = torch.randn(cfg.data.batch_size, 3, cfg.data.resolution, cfg.data.resolution, generator=gen)
+    x = x.to(device, run_dtype(cfg)).contiguous(memory_format=fmt)
+    was_training = model.training
+    model.eval()
+    meter = StepMeter(device, warmup)
+    with torch.inference_mode():
+        for _ in range(warmup + steps):
+            meter.data_start()
+            meter.compute_start()
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                forward(x)
+            meter.step_end(x.shape[0])
+        tp = meter.result()
+    model.train(was_training)
+    return tp
+
+
+def measure_training(model, forward, cfg, device):
+    """The engine's training step (autocast forward, scaled backward, optimizer step) on the configured loader, for
+    any module, timed by StepMeter with the engine's warm-up. Used for the peer row."""
+    import torch
+    from torch import nn
+
+    from mobilenet.data import LoaderSpec, build_loaders
+    from mobilenet.engine import AMP_DTYPES, _value, build_optimizer, run_dtype
+    from mobilenet.meter import StepMeter
+
+    amp_dtype = AMP_DTYPES[_value(cfg.amp_dtype)] if cfg.amp else None
+    loader, _ = build_loaders(cfg.data, LoaderSpec(device, run_dtype(cfg), cfg.channels_last, seed=cfg.seed))
+    optimizer = build_optimizer(cfg, model, cfg.data.batch_size)
+    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+    criterion = nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
+    model.train()
+    meter = StepMeter(device, cfg.perf.warmup_steps)
+    batches = iter(loader)
+    for _ in range(len(loader)):
+        meter.data_start()
+        images, labels = next(batches)
+        meter.compute_start()
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            loss = criterion(forward(images), labels)
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        meter.step_end(labels.shape[0])
+    tp = meter.result()
+    if not torch.isfinite(loss.detach()).item():
+        raise FloatingPointError(f"{PEER_MODEL}: training loss is {float(loss)}")
+    return tp
+
+
+def _perf_scalars(train, infer) -> dict[str, float]:
+    """The tags the engine logs for a training epoch, plus the inference measurement."""
+    return {"perf/train_img_s": train.img_s, "perf/compute_img_s": train.compute_img_s, "perf/step_ms": train.step_ms,
+            "perf/data_wait_ms": train.data_wait_ms, "perf/infer_img_s": infer.img_s, "perf/infer_step_ms": infer.step_ms}
+
+
+def run_project(cfg, run_dir: Path, spec: dict) -> dict:
+    """The project's MobileNetV1 through the Trainer, with inference measured on the same model first."""
+    from mobilenet.engine import Trainer
+
+    trainer = Trainer(cfg, run_dir=run_dir, overrides=spec["name"])
+    infer = measure_inference(trainer.model, trainer.forward, cfg, trainer.device, spec["infer_warmup"], spec["infer_steps"])
+    # The Trainer writes its hparams at the end of fit(); add the inference figure there so that the HParams tab
+    # lists it as a metric and the scalar sits at the training's last step.
+    log_hparams = trainer.tb.hparams
+
+    def hparams_with_inference(hparams: dict, metrics: dict) -> None:
+        trainer.tb.scalars({"perf/infer_img_s": infer.img_s, "perf/infer_step_ms": infer.step_ms}, trainer.global_step)
+        log_hparams(hparams, {**metrics, "hparam/infer_img_s": infer.img_s})
+
+    trainer.tb.hparams = hparams_with_inference
+    result = trainer.fit()
+    return {"train_img_s": result.train.img_s, "infer_img_s": infer.img_s}
+
+
+def run_peer(cfg, run_dir: Path, spec: dict) -> dict:
+    """timm's mobilenetv1_100 under the same settings, logged under the same tags and hparam names as a Trainer run."""
+    import timm
+    import torch
+
+    from mobilenet.engine import _value, resolve_device, seed_everything, validate
+    from mobilenet.reporting import TensorBoardLog, environment, print_summary
+
+    device = resolve_device(cfg.device)
+    validate(cfg, device)
+    seed_everything(cfg.seed)
+    torch.backends.cudnn.benchmark = True  # as the Trainer sets it
+    model = timm.create_model(PEER_MODEL, num_classes=cfg.data.num_classes).to(device)
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    forward = torch.compile(model) if cfg.compile else model
+    infer = measure_inference(model, forward, cfg, device, spec["infer_warmup"], spec["infer_steps"])
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    train = measure_training(model, forward, cfg, device)
+    env = environment(device)
+    scalars = _perf_scalars(train, infer)
+    if device.type == "cuda":
+        scalars["sys/max_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+    tb = TensorBoardLog(str(run_dir))
+    tb.scalars(scalars, cfg.data.steps_per_epoch)  # the step a Trainer run logs its epoch's figures at
+    hparams = {  # the same names and values as Trainer._finish, with backend "timm"
+        "backend": PEER_BACKEND, "amp": cfg.amp, "amp_dtype": _value(cfg.amp_dtype), "channels_last": cfg.channels_last,
+        "data": cfg.data.name, "batch_size": cfg.data.batch_size, "resolution": cfg.data.resolution, "compile": cfg.compile,
+        "gpu": env.get("gpu", "none"), "torch": env["torch"], "cudnn": env["cudnn"],
+    }
+    tb.hparams(hparams, {"hparam/train_img_s": train.img_s, "hparam/val_top1": float("nan"), "hparam/infer_img_s": infer.img_s})
+    tb.close()
+    print_summary(f"peer {spec['name']} (timm {timm.__version__} {PEER_MODEL})",
+                  {**hparams, "train img/s": train.img_s, "train img/s (compute)": train.compute_img_s,
+                   "infer img/s": infer.img_s, "timed steps": train.steps})
+    return {"train_img_s": train.img_s, "infer_img_s": infer.img_s}
+
+
+def run_one(run_dir: Path) -> int:
+    from omegaconf import OmegaConf
+
+    from mobilenet.config import compose
+
+    spec = json.loads((run_dir / SPEC_FILE).read_text())
+    cfg = compose(spec["overrides"])
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    result = (run_peer if spec["backend"] == PEER_BACKEND else run_project)(cfg, run_dir, spec)
+    _write_json(run_dir / RESULT_FILE, result)
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--run-one"]:
+        sys.exit(run_one(Path(sys.argv[2])))
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,394 @@
+"""Compare the runs of a throughput matrix: a sorted markdown table, a CSV and a bar chart, from TensorBoard files.
+
+    python scripts/compare.py RUNS_DIR [RUNS_DIR ...] [--out DIR] [--name matrix] [--allow-mixed] [--allow-incomplete]
+
+Every directory under RUNS_DIR holding TensorBoard event files is a run (scripts/benchmark.py writes one per
+combination; train.py runs work too when they have the scalars). From each run it reads the hparams that the run
+logged (hparams plugin data: backend, amp, amp_dtype, channels_last, compile, data, batch_size, resolution, gpu,
+torch, cudnn) and the last value of the scalars perf/train_img_s and perf/infer_img_s (plus perf/compute_img_s,
+perf/step_ms and sys/max_mem_gb where present). Combinations that scripts/benchmark.py skipped or that failed (their
+benchmark.json says so) are listed with their reason.
+
+Writes DIR/NAME.md (also printed), DIR/NAME.csv and DIR/NAME.png (DIR defaults to the first RUNS_DIR). Exit status:
+0; 1 when batch size or resolution differ between runs (img/s would not be comparable) unless --allow-mixed;
+2 when there is nothing to compare or a run lacks its hparams or a required scalar, unless --allow-incomplete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REQUIRED_SCALARS = {"train_img_s": "perf/train_img_s", "infer_img_s": "perf/infer_img_s"}
+OPTIONAL_SCALARS = {"compute_img_s": "perf/compute_img_s", "step_ms": "perf/step_ms", "max_mem_gb": "sys/max_mem_gb"}
+HPARAMS = ("backend", "amp", "amp_dtype", "channels_last", "compile", "data", "batch_size", "resolution", "gpu", "torch", "cudnn")
+BACKEND_ORDER = ("torch", "cudnn", "custom", "timm")
+PRECISION_ORDER = ("fp32", "fp16", "bf16")
+LAYOUT_ORDER = ("NCHW", "channels_last")
+BASELINE = {"backend": "torch", "precision": "fp32", "layout": "NCHW", "compile": False}
+STATUS_FILE = "benchmark.json"  # scripts/benchmark.py's record of a combination
+
+
+class CompareError(Exception):
+    """Nothing comparable: the message says what is missing."""
+
+
+@dataclass
+class Row:
+    run: str
+    status: str = "ok"  # ok | skipped | failed | incomplete
+    reason: str = ""
+    backend: str = ""
+    precision: str = ""  # fp32 | fp16 | bf16
+    layout: str = ""  # NCHW | channels_last
+    compile: bool | None = None
+    data: str = ""
+    batch_size: int | None = None
+    resolution: int | None = None
+    gpu: str = ""
+    torch: str = ""
+    cudnn: str = ""
+    metrics: dict[str, float] = field(default_factory=dict)
+    train_speedup: float = math.nan
+    infer_speedup: float = math.nan
+
+    @property
+    def key(self) -> tuple:
+        return (self.backend, self.precision, self.layout, self.compile, self.data)
+
+    @property
+    def pair(self) -> tuple:
+        """What a backend is compared under: everything but the backend."""
+        return (self.precision, self.layout, self.compile, self.data)
+
+
+# ----------------------------------------------------------------------------------------------- reading the runs
+
+
+def _bool(value) -> bool:
+    if isinstance(value, (bool, int, float)):  # add_hparams stores bools as numbers (1.0 / 0.0)
+        return bool(value)
+    return str(value).lower() in ("true", "1", "yes")
+
+
+def _settings(hp: dict) -> dict:
+    """Row fields from hparams, however they were spelled (TensorBoard values or benchmark.json)."""
+    amp = hp.get("amp")
+    if isinstance(amp, str) and amp in ("off", "fp16", "bf16"):  # benchmark.json's spelling
+        precision = "fp32" if amp == "off" else amp
+    else:
+        precision = str(hp.get("amp_dtype", "fp16")) if _bool(amp) else "fp32"
+    out = {
+        "backend": str(hp.get("backend", "")),
+        "precision": precision,
+        "layout": "channels_last" if _bool(hp.get("channels_last", False)) else "NCHW",
+        "compile": _bool(hp.get("compile", False)),
+        "data": str(hp.get("data", "")),
+    }
+    for name in ("batch_size", "resolution"):
+        if hp.get(name) is not None:
+            out[name] = int(hp[name])
+    for name in ("gpu", "torch", "cudnn"):
+        if hp.get(name) is not None:
+            out[name] = str(hp[name])
+    return out
+
+
+def _hparams_of(content: bytes) -> dict:
+    from tensorboard.plugins.hparams import metadata
+
+    values = {}
+    for name, value in metadata.parse_session_start_info_plugin_data(content).hparams.items():
+        kind = value.WhichOneof("kind")
+        values[name] = getattr(value, kind) if kind else None
+    return values
+
+
+def _read_tensorboard(root: Path) -> dict[Path, tuple[dict | None, dict[str, float]]]:
+    """{run dir: (hparams or None, {scalar tag: last value})} for every directory under root with event files."""
+    from tensorboard.backend.event_processing import event_accumulator as ea
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+    from tensorboard.plugins.hparams import metadata
+
+    mux = EventMultiplexer(size_guidance={ea.SCALARS: 0, ea.TENSORS: 0})
+    mux.AddRunsFromDirectory(str(root))
+    mux.Reload()
+    hparams_content = mux.PluginRunToTagToContent(metadata.PLUGIN_NAME)
+    runs = {}
+    for run, tags in mux.Runs().items():
+        scalars = {tag: mux.Scalars(run, tag)[-1].value for tag in tags.get(ea.SCALARS, [])}
+        content = hparams_content.get(run, {}).get(metadata.SESSION_START_INFO_TAG)
+        runs[(root / run).resolve()] = (_hparams_of(content) if content is not None else None, scalars)
+    return runs
+
+
+def load_rows(roots: list[Path]) -> list[Row]:
+    rows: list[Row] = []
+    for root in roots:
+        if not root.is_dir():
+            raise CompareError(f"{root}: no such directory")
+        runs = _read_tensorboard(root)
+        records = {p.parent.resolve(): json.loads(p.read_text()) for p in sorted(root.rglob(STATUS_FILE))}
+        if not runs and not records:
+            raise CompareError(f"{root}: no TensorBoard event files (events.out.tfevents.*) and no {STATUS_FILE} under "
+                               "it; is it a runs directory written by scripts/benchmark.py or train.py?")
+        for run_dir in sorted(set(runs) | set(records)):
+            name = str(run_dir.relative_to(root.resolve())) if run_dir != root.resolve() else root.name
+            rows.append(_row(name, runs.get(run_dir), records.get(run_dir)))
+    return rows
+
+
+def _row(name: str, tensorboard: tuple | None, record: dict | None) -> Row:
+    status = record.get("status", "ok") if record else "ok"
+    if status != "ok":  # skipped up front, failed, or interrupted while running
+        reason = record.get("reason") or ("interrupted: no result recorded" if status == "running" else "")
+        return Row(name, status="failed" if status == "running" else status, reason=reason, **_settings(record))
+    hparams, scalars = tensorboard or (None, {})
+    if hparams is None:
+        return Row(name, status="incomplete", reason=f"run {name!r}: no hparams in its event files (written by "
+                   "train.py or scripts/benchmark.py, and finished?)", **(_settings(record) if record else {}))
+    row = Row(name, **_settings(hparams))
+    missing = [tag for tag in REQUIRED_SCALARS.values() if tag not in scalars]
+    invalid = [tag for tag in REQUIRED_SCALARS.values() if tag in scalars and not math.isfinite(scalars[tag])]
+    if missing or invalid:
+        row.status = "incomplete"
+        row.reason = "; ".join(
+            [f"run {name!r}: missing scalar {tag!r}" for tag in missing]
+            + [f"run {name!r}: scalar {tag!r} is {scalars[tag]} (no timed steps? warm-up >= steps)" for tag in invalid])
+        if missing:
+            row.reason += f" (it has: {', '.join(sorted(scalars)) or 'no scalars'})"
+    for key, tag in {**REQUIRED_SCALARS, **OPTIONAL_SCALARS}.items():
+        if tag in scalars:
+            row.metrics[key] = scalars[tag]
+    return row
+
+
+# ---------------------------------------------------------------------------------------------------- comparing
+
+
+def _order(row: Row) -> tuple:
+    def index(seq, value):
+        return seq.index(value) if value in seq else len(seq)
+
+    return (row.data, row.compile is True, index(PRECISION_ORDER, row.precision), index(LAYOUT_ORDER, row.layout),
+            index(BACKEND_ORDER, row.backend), row.backend)
+
+
+def add_speedups(rows: list[Row]) -> list[str]:
+    """Speed-up over the fp32 NCHW eager torch run on the same data; notes for data kinds that lack that baseline."""
+    notes = []
+    ok = [r for r in rows if r.status == "ok"]
+    for data in sorted({r.data for r in ok}):
+        base = next((r for r in ok if r.data == data and all(getattr(r, k) == v for k, v in BASELINE.items())), None)
+        if base is None:
+            notes.append(f"no baseline (backend torch, fp32, NCHW, no compile) for data={data}: speed-ups left blank")
+            continue
+        for r in ok:
+            if r.data == data:
+                r.train_speedup = r.metrics["train_img_s"] / base.metrics["train_img_s"]
+                r.infer_speedup = r.metrics["infer_img_s"] / base.metrics["infer_img_s"]
+    return notes
+
+
+def duplicates(rows: list[Row]) -> list[str]:
+    seen: dict[tuple, str] = {}
+    notes = []
+    for r in rows:
+        if r.status == "ok":
+            if r.key in seen:
+                notes.append(f"WARNING: runs {seen[r.key]!r} and {r.run!r} measure the same combination; both are listed")
+            seen.setdefault(r.key, r.run)
+    return notes
+
+
+def mixed_settings(rows: list[Row]) -> list[str]:
+    """Warnings for settings that must be equal across compared runs (batch, resolution) or should be (gpu, torch)."""
+    ok = [r for r in rows if r.status == "ok"]
+    warnings = []
+    for name in ("batch_size", "resolution", "gpu", "torch"):
+        values = sorted({str(getattr(r, name)) for r in ok})
+        if len(values) > 1:
+            warnings.append(f"WARNING: mixed {name} in one comparison ({', '.join(values)}): img/s are not directly comparable")
+    return warnings
+
+
+def custom_vs_cudnn(rows: list[Row]) -> list[dict]:
+    by_key = {r.key: r for r in rows if r.status == "ok"}
+    pairs = []
+    for r in sorted((r for r in rows if r.status == "ok" and r.backend == "cudnn"), key=_order):
+        custom = by_key.get(("custom",) + r.pair)
+        if custom is not None:
+            pairs.append({"row": r, "custom": custom,
+                          "train": custom.metrics["train_img_s"] / r.metrics["train_img_s"],
+                          "infer": custom.metrics["infer_img_s"] / r.metrics["infer_img_s"]})
+    return pairs
+
+
+# ------------------------------------------------------------------------------------------------------ writing
+
+
+def _num(v: float | None, digits: int = 0) -> str:
+    return "" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:,.{digits}f}"
+
+
+def _speed(v: float) -> str:
+    return "" if math.isnan(v) else f"{v:.2f}x"
+
+
+def markdown(rows: list[Row], notes: list[str]) -> str:
+    ok = sorted((r for r in rows if r.status == "ok"), key=lambda r: -r.metrics["train_img_s"])
+    other = sorted((r for r in rows if r.status != "ok"), key=_order)
+    lines = ["# MobileNetV1 throughput matrix", ""]
+    if ok:
+        facts = {name: sorted({str(getattr(r, name)) for r in ok}) for name in ("batch_size", "resolution", "gpu", "torch", "cudnn")}
+        lines.append("batch " + "/".join(facts["batch_size"]) + ", resolution " + "/".join(facts["resolution"])
+                     + ", GPU " + "/".join(facts["gpu"]) + ", torch " + "/".join(facts["torch"])
+                     + ", cuDNN " + "/".join(facts["cudnn"]) + ". Sorted by training img/s; speed-ups are over "
+                     "backend torch, fp32, NCHW, no compile on the same data.")
+        lines.append("")
+    lines += [n for n in notes]
+    if notes:
+        lines.append("")
+    if ok:
+        lines += ["| backend | precision | layout | compile | data | train img/s | train speed-up | infer img/s "
+                  "| infer speed-up | compute img/s | step ms | max mem GB |",
+                  "|---|---|---|---|---|--:|--:|--:|--:|--:|--:|--:|"]
+        for r in ok:
+            m = r.metrics
+            lines.append(f"| {r.backend} | {r.precision} | {r.layout} | {r.compile} | {r.data} | {_num(m['train_img_s'])} "
+                         f"| {_speed(r.train_speedup)} | {_num(m['infer_img_s'])} | {_speed(r.infer_speedup)} "
+                         f"| {_num(m.get('compute_img_s'))} | {_num(m.get('step_ms'), 1)} | {_num(m.get('max_mem_gb'), 2)} |")
+        lines.append("")
+    pairs = custom_vs_cudnn(rows)
+    if pairs:
+        lines += ["## custom vs cudnn", "",
+                  "| precision | layout | compile | data | cudnn train img/s | custom train img/s | custom / cudnn "
+                  "| cudnn infer img/s | custom infer img/s | custom / cudnn |",
+                  "|---|---|---|---|--:|--:|--:|--:|--:|--:|"]
+        for p in pairs:
+            r, c = p["row"], p["custom"]
+            lines.append(f"| {r.precision} | {r.layout} | {r.compile} | {r.data} | {_num(r.metrics['train_img_s'])} "
+                         f"| {_num(c.metrics['train_img_s'])} | {p['train']:.2f}x | {_num(r.metrics['infer_img_s'])} "
+                         f"| {_num(c.metrics['infer_img_s'])} | {p['infer']:.2f}x |")
+        lines.append("")
+    if other:
+        lines += ["## Not measured", "", "| backend | precision | layout | compile | data | status | reason |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in other:
+            lines.append(f"| {r.backend} | {r.precision} | {r.layout} | {r.compile} | {r.data} | {r.status} "
+                         f"| {r.reason.replace('|', '/')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+CSV_COLUMNS = ["run", "status", "reason", "backend", "precision", "layout", "compile", "data", "batch_size", "resolution",
+               "gpu", "torch", "cudnn", *REQUIRED_SCALARS, *OPTIONAL_SCALARS, "train_speedup", "infer_speedup"]
+
+
+def write_csv(rows: list[Row], path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        for r in sorted(rows, key=lambda r: (r.status != "ok", -r.metrics.get("train_img_s", 0.0), _order(r))):
+            values = {c: getattr(r, c) for c in CSV_COLUMNS if hasattr(r, c)}
+            values.update(r.metrics)  # full precision: the CSV is for further analysis
+            for c in ("train_speedup", "infer_speedup"):
+                values[c] = "" if math.isnan(values[c]) else values[c]
+            writer.writerow({c: "" if values.get(c) is None else values[c] for c in CSV_COLUMNS})
+
+
+def write_plot(rows: list[Row], path: Path) -> None:
+    """One panel per (data, compile) and metric; groups are precision x layout, one bar per backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r.status == "ok"]
+    facets = sorted({(r.data, r.compile) for r in ok})
+    backends = sorted({r.backend for r in ok}, key=lambda b: (BACKEND_ORDER.index(b) if b in BACKEND_ORDER else 99, b))
+    metrics = [("train_img_s", "training img/s"), ("infer_img_s", "inference img/s")]
+    fig, axes = plt.subplots(len(facets), len(metrics), figsize=(7 * len(metrics), 3.6 * len(facets)), squeeze=False)
+    width = 0.8 / max(1, len(backends))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for (data, compiled), ax_row in zip(facets, axes):
+        rows_here = [r for r in ok if (r.data, r.compile) == (data, compiled)]
+        groups = sorted({(r.precision, r.layout) for r in rows_here},
+                        key=lambda g: (PRECISION_ORDER.index(g[0]) if g[0] in PRECISION_ORDER else 9, LAYOUT_ORDER.index(g[1])))
+        for ax, (metric, label) in zip(ax_row, metrics):
+            for b, backend in enumerate(backends):
+                xs, ys = [], []
+                for g, group in enumerate(groups):
+                    r = next((r for r in rows_here if r.backend == backend and (r.precision, r.layout) == group), None)
+                    if r is not None:
+                        xs.append(g + (b - (len(backends) - 1) / 2) * width)
+                        ys.append(r.metrics[metric])
+                bars = ax.bar(xs, ys, width, label=backend, color=colors[b % len(colors)])
+                ax.bar_label(bars, fmt="{:,.0f}", fontsize=6, rotation=90, padding=2)
+            ax.set_xticks(range(len(groups)), [f"{p}\n{layout}" for p, layout in groups])
+            ax.set_ylabel(label)
+            ax.set_title(f"{label}, data={data}, compile={compiled}", fontsize=10)
+            ax.margins(y=0.2)
+            ax.grid(axis="y", alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper right", title="backend")
+    facts = {name: sorted({str(getattr(r, name)) for r in ok}) for name in ("batch_size", "resolution", "gpu")}
+    fig.suptitle(f"MobileNetV1 throughput: batch {'/'.join(facts['batch_size'])}, {'/'.join(facts['resolution'])} px, "
+                 f"{'/'.join(facts['gpu'])}")
+    fig.tight_layout(rect=(0, 0, 0.93, 0.97))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs_dirs", nargs="+", type=Path, metavar="RUNS_DIR", help="one or more runs directories (e.g. one per slice)")
+    p.add_argument("--out", type=Path, help="where NAME.md/.csv/.png go (default: the first RUNS_DIR)")
+    p.add_argument("--name", default="matrix", help="file name stem (default: matrix)")
+    p.add_argument("--allow-mixed", action="store_true", help="compare runs of different batch sizes or resolutions anyway")
+    p.add_argument("--allow-incomplete", action="store_true",
+                   help="list runs lacking hparams or required scalars as not measured instead of failing")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        rows = load_rows(args.runs_dirs)
+    except CompareError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    incomplete = [r for r in rows if r.status == "incomplete"]
+    for r in incomplete:
+        print(f"error: {r.reason}", file=sys.stderr)
+    if incomplete and not args.allow_incomplete:
+        print(f"error: {len(incomplete)} run(s) lack hparams or required scalars ({', '.join(REQUIRED_SCALARS.values())}); "
+              "fix or remove them, or pass --allow-incomplete", file=sys.stderr)
+        return 2
+    if not any(r.status == "ok" for r in rows):
+        print("error: no run with results to compare (all skipped, failed or incomplete):\n  "
+              + "\n  ".join(f"{r.run}: {r.status}: {r.reason}" for r in rows), file=sys.stderr)
+        return 2
+    mixed = [w for w in mixed_settings(rows) if "batch_size" in w or "resolution" in w]
+    notes = mixed_settings(rows) + duplicates(rows) + add_speedups(rows)
+    out = args.out or args.runs_dirs[0]
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown(rows, notes)
+    (out / f"{args.name}.md").write_text(table + "\n")
+    write_csv(rows, out / f"{args.name}.csv")
+    write_plot(rows, out / f"{args.name}.png")
+    print(table)
+    print(f"wrote {out / args.name}.md, .csv, .png")
+    if mixed and not args.allow_mixed:
+        print("error: " + "; ".join(w.removeprefix("WARNING: ") for w in mixed) + " (pass --allow-mixed to accept)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

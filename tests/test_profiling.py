@@ -1,0 +1,337 @@
+"""StepProfiler on CPU with the real model, and the trace analysis on real H200 traces (tests/fixtures/traces)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mobilenet.model import MobileNetV1
+from mobilenet.profiling import (
+    CATEGORIES,
+    REPORT_FILE,
+    TRACE_FILE,
+    StepProfiler,
+    analyse_trace,
+    implementation_of,
+    load_trace,
+    slim_trace,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "tests" / "fixtures" / "traces"
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def _cfg(**kw):
+    return SimpleNamespace(**{"skip_first": 1, "warmup": 1, "active": 2, "top_k": 10, **kw})
+
+
+def _assert_partition(report):
+    total = sum(report.categories[c].pct for c in CATEGORIES)
+    assert math.isclose(total, 100.0, abs_tol=1e-6), total
+    assert math.isclose(sum(report.categories[c].ms_per_step for c in CATEGORIES), report.gpu_ms_per_step, rel_tol=1e-9)
+    assert math.isclose(report.busy_pct + report.idle_host_pct + report.idle_gap_pct, 100.0, abs_tol=1e-6)
+    assert report.idle_host_sync_pct <= report.idle_host_pct + 1e-9
+    assert report.idle_host_data_pct <= report.idle_host_pct + 1e-9
+
+
+# --- capture on CPU, real model -----------------------------------------------------------------------------
+
+
+def _run(tmp_path, mode: str):
+    torch.manual_seed(0)
+    model = MobileNetV1(num_classes=10, width_mult=0.25)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
+    meta = {"mode": mode, "backend": "torch", "precision": "fp32", "memory_format": "NCHW", "batch_size": 2}
+    prof = StepProfiler(tmp_path, "cpu", meta, _cfg(), print_report=False)
+    model.train(mode == "train")
+    with prof:
+        while not prof.finished:
+            with prof.range("data"):
+                images, labels = x.clone(), y.clone()
+            if mode == "train":
+                with prof.range("forward"):
+                    loss = torch.nn.functional.cross_entropy(model(images), labels)
+                with prof.range("backward"):
+                    opt.zero_grad()
+                    loss.backward()
+                with prof.range("optimizer"):
+                    opt.step()
+            else:
+                with torch.inference_mode(), prof.range("forward"):
+                    model(images)
+            prof.step()
+    return prof, prof.finish(baseline_step_ms=1.0)
+
+
+@pytest.mark.parametrize("mode", ["infer", "train"])
+def test_cpu_capture_writes_trace_and_report(tmp_path, mode):
+    prof, report = _run(tmp_path, mode)
+    assert prof.finished and prof.recorded_steps == 2
+    assert (tmp_path / TRACE_FILE).exists() and (tmp_path / REPORT_FILE).exists()
+    assert not report.gpu and report.steps == 2
+    assert report.profiler_overhead_pct is not None
+    md = (tmp_path / REPORT_FILE).read_text()
+    assert "No GPU" in md and "only CPU ops" in md
+    assert any("conv" in o["op"] for o in report.top_ops)
+    # The run's facts travel inside the trace, for offline analysis.
+    trace = load_trace(tmp_path / TRACE_FILE)
+    assert trace["mobilenet_meta"]["mode"] == mode
+    offline = analyse_trace(tmp_path / TRACE_FILE)
+    assert offline.env["batch_size"] == 2 and offline.steps == 2
+    names = {e["name"] for e in trace["traceEvents"]}
+    wanted = {"data", "forward"} | ({"backward", "optimizer"} if mode == "train" else set())
+    assert wanted <= names
+
+
+def test_finish_without_active_step_raises(tmp_path):
+    prof = StepProfiler(tmp_path, "cpu", {}, _cfg(skip_first=5), print_report=False)
+    with prof:
+        prof.step()
+    with pytest.raises(RuntimeError, match="recorded no step"):
+        prof.finish()
+
+
+def test_bad_schedule_rejected(tmp_path):
+    with pytest.raises(ValueError):
+        StepProfiler(tmp_path, "cpu", {}, _cfg(active=0))
+
+
+# --- classification table ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,impl", [
+    ("void at::native::(anonymous namespace)::conv_depthwise2d_forward_kernel<3, float, int>(...)", "PyTorch native"),
+    ("void at::native::(anonymous namespace)::conv_depthwise2d_grad_weight_kernel<float, int>(...)", "PyTorch native"),
+    ("void mobilenet_dw::depthwise3x3_fwd_nhwc<__half>(...)", "custom (kernels/)"),
+    ("sm90_xmma_fprop_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc_tilesize64x64x64", "cuDNN"),
+    ("void cudnn::cnn::conv2d_grouped_direct_kernel<false, true, ...>", "cuDNN"),
+    ("some_unknown_kernel", "unidentified"),
+])
+def test_implementation_table(name, impl):
+    assert implementation_of(name) == impl
+
+
+# --- analysis on a hand-made GPU trace: every code path, exact numbers ------------------------------------
+
+
+def _synthetic_gpu_trace() -> dict:
+    ev = []
+    corr = iter(range(1, 10_000))
+
+    def x(name, cat, ts, dur, tid=1, pid=1, **args):
+        ev.append({"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": pid, "tid": tid, "args": args})
+
+    def launch(t0, kname, kts, kdur, tid=1, call="cudaLaunchKernel", cat="kernel", **kargs):
+        c = next(corr)
+        x(call, "cuda_runtime", t0, 5, tid=tid, correlation=c)
+        x(kname, cat, kts, kdur, tid=7, pid=0, correlation=c, **kargs)
+
+    for s, base in enumerate((0.0, 1000.0)):
+        x(f"ProfilerStep#{s + 5}", "user_annotation", base, 1000)
+        x("data", "user_annotation", base, 100)
+        x("aten::to", "cpu_op", base + 10, 80)
+        x("aten::copy_", "cpu_op", base + 15, 72, **{"Input type": ["float", "float", "Scalar"]})
+        launch(base + 20, "Memcpy HtoD (Pageable -> Device)", base + 30, 25, call="cudaMemcpyAsync", cat="gpu_memcpy", bytes=4_000_000)
+        x("cudaStreamSynchronize", "cuda_runtime", base + 60, 25)
+        x("forward", "user_annotation", base + 100, 400)
+        x("aten::conv2d", "cpu_op", base + 110, 95, **{"Input Dims": [[32, 64, 56, 56], [64, 1, 3, 3], []]})
+        x("aten::cudnn_convolution", "cpu_op", base + 115, 80, **{"Input Dims": [[32, 64, 56, 56], [64, 1, 3, 3]]})
+        launch(base + 120, "void cudnn::ops::nchwToNhwcKernel<__half, __half, float, false, true>", base + 130, 10)
+        launch(base + 126, "sm90_xmma_fprop_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc", base + 140, 60)
+        x("aten::_to_copy", "cpu_op", base + 206, 12)
+        x("aten::copy_", "cpu_op", base + 208, 9, **{"Input type": ["c10::Half", "float", "Scalar"]})
+        launch(base + 210, "void at::native::vectorized_elementwise_kernel<4, direct_copy_kernel_cuda>", base + 216, 2)
+        x("aten::conv2d", "cpu_op", base + 220, 20, **{"Input Dims": [[32, 64, 56, 56], [128, 64, 1, 1], []]})
+        launch(base + 222, "sm90_xmma_fprop_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc", base + 230, 70)
+        x("mobilenet_dw::depthwise_fwd", "cpu_op", base + 300, 20)
+        launch(base + 305, "void mobilenet_dw::depthwise3x3_fwd<float>", base + 310, 40)
+        x("backward", "user_annotation", base + 500, 400)
+        # The autograd engine runs backward ops on its own thread.
+        x("aten::convolution_backward", "cpu_op", base + 590, 30, tid=2,
+          **{"Input Dims": [[32, 64, 56, 56], [32, 64, 56, 56], [64, 1, 3, 3]]})
+        launch(base + 600, "void at::native::conv_depthwise2d_grad_weight_kernel<float>", base + 610, 90, tid=2)
+        x("optimizer", "user_annotation", base + 900, 100)
+        x("aten::_foreach_add_", "cpu_op", base + 910, 20)
+        launch(base + 915, "void at::native::multi_tensor_apply_kernel<...>", base + 920, 30)
+    return {"traceEvents": ev, "deviceProperties": [{"name": "Synthetic GPU"}],
+            "mobilenet_meta": {"backend": "torch", "memory_format": "NCHW", "precision": "amp fp16"}}
+
+
+def test_synthetic_gpu_trace_exact_figures():
+    r = analyse_trace(_synthetic_gpu_trace(), baseline_step_ms=0.8)
+    _assert_partition(r)
+    assert r.gpu and r.steps == 2 and r.env["gpu"] == "Synthetic GPU"
+    cat = r.categories
+    # Per step: memcpy 25, transpose 10, cast 2, depthwise 60 + 40 + 90, other 70 + 30 (microseconds).
+    assert math.isclose(r.gpu_ms_per_step, 0.327)
+    assert math.isclose(cat["memcpy"].ms_per_step, 0.025)
+    assert math.isclose(cat["transpose"].ms_per_step, 0.010) and cat["transpose"].count_per_step == 1
+    assert math.isclose(cat["cast"].ms_per_step, 0.002) and r.casts_per_step == 1
+    assert math.isclose(cat["depthwise"].ms_per_step, 0.190)
+    assert math.isclose(cat["other"].ms_per_step, 0.100)
+    assert r.transposes[0]["op"] == "aten::conv2d > aten::cudnn_convolution" and r.transposes[0]["phase"] == "forward"
+    assert r.casts[0]["op"] == "aten::_to_copy > aten::copy_"
+    assert set(r.depthwise_impls) == {"cuDNN", "custom (kernels/)", "PyTorch native"}
+    assert r.depthwise_implementation == "PyTorch native"  # 90 of 190 us
+    # The stream sync and the pageable copy itself, which blocks the host too.
+    assert r.pageable_copies_per_step == 1 and r.syncs_per_step == 2
+    assert {s["call"] for s in r.syncs} == {"cudaStreamSynchronize", "cudaMemcpyAsync (pageable)"}
+    assert {s["phase"] for s in r.syncs} == {"data"}
+    # Idle split, per step: the GPU idles 0-30 (host issues the copy at 20), 55-130 (next launch issued at 120), ...
+    assert r.idle_host_data_pct > 0 and r.idle_host_sync_pct > 0
+    assert r.kernels_per_step == 7 and r.short_kernels_per_step == 1  # the 2 us cast under a 5 us launch
+    assert math.isclose(r.profiler_overhead_pct, 25.0)
+    titles = {f.title for f in r.findings}
+    assert {"layout transposes", "pageable host copies", "blocking synchronisations", "dtype casts"} <= titles
+    assert any("channels_last=true would remove" in f.hint for f in r.findings)
+    md = r.markdown()
+    assert "nchwToNhwcKernel" in md and "Pageable" in md
+
+
+def _cold_trace() -> dict:
+    """Three steps; the first launches 50 autotune kernels and loads a module inside its first launch."""
+    ev = []
+    corr = iter(range(1, 10_000))
+
+    def launch(t0, kname, kts, kdur, launch_dur=5.0):
+        c = next(corr)
+        ev.append({"ph": "X", "name": "cudaLaunchKernel", "cat": "cuda_runtime", "ts": t0, "dur": launch_dur, "pid": 1, "tid": 1,
+                   "args": {"correlation": c}})
+        ev.append({"ph": "X", "name": kname, "cat": "kernel", "ts": kts, "dur": kdur, "pid": 0, "tid": 7, "args": {"correlation": c}})
+
+    ev.append({"ph": "X", "name": "ProfilerStep#0", "cat": "user_annotation", "ts": 0, "dur": 20_000, "pid": 1, "tid": 1, "args": {}})
+    launch(10, "gemm_a", 3000, 100, launch_dur=2900)  # lazy module load inside the first launch
+    for i in range(50):
+        launch(3100 + 100 * i, f"autotune_candidate_{i}", 3200 + 100 * i, 50)
+    for s, base in ((1, 20_000), (2, 21_000)):
+        ev.append({"ph": "X", "name": f"ProfilerStep#{s}", "cat": "user_annotation", "ts": base, "dur": 1000, "pid": 1, "tid": 1, "args": {}})
+        launch(base + 10, "gemm_a", base + 20, 100)
+    return {"traceEvents": ev}
+
+
+def test_first_call_effects_are_flagged():
+    r = analyse_trace(_cold_trace())
+    _assert_partition(r)
+    assert r.first_step_ratio == pytest.approx(20.0)
+    assert r.first_step_extra_kernels == 50
+    assert len(r.slow_launches) == 1 and r.slow_launches[0]["max_ms"] == pytest.approx(2.9)
+    finding = next(f for f in r.findings if f.title == "first-call effects in the window")
+    assert "skip_first" in finding.hint and "--skip-steps 1" in finding.hint
+    steady = analyse_trace(_cold_trace(), skip_steps=1)
+    assert steady.steps == 2 and steady.kernels_per_step == 1
+    assert "first-call effects in the window" not in {f.title for f in steady.findings}
+    with pytest.raises(ValueError):
+        analyse_trace(_cold_trace(), skip_steps=3)
+
+
+def test_slim_trace_analyses_the_same():
+    trace = _synthetic_gpu_trace()
+    trace["traceEvents"].append({"ph": "s", "cat": "ac2g", "name": "flow", "id": 1, "ts": 0, "pid": 1, "tid": 1})
+    a, b = analyse_trace(trace), analyse_trace(slim_trace(trace))
+    assert a.to_dict() == b.to_dict()
+
+
+# --- analysis on real H200 traces ---------------------------------------------------------------------------
+
+
+def _fixture(name: str):
+    path = FIXTURES / f"{name}.json.gz"
+    if not path.exists():
+        pytest.skip(f"fixture {path.name} not recorded (scripts/record_trace_fixtures.py on a GPU)")
+    return analyse_trace(path)
+
+
+def test_fixtures_are_small():
+    files = list(FIXTURES.glob("*.json.gz"))
+    assert sum(f.stat().st_size for f in files) < 5e6
+
+
+FIXTURE_NAMES = ["amp_fp16_nchw_torch", "amp_fp16_cl", "fp32_pageable_infer", "amp_fp16_nchw_cudnn_infer"]
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_fixture_partition_and_environment(name):
+    r = _fixture(name)
+    assert r.gpu and "H200" in r.env["gpu"] and r.steps == 3
+    assert r.env["cudnn"] == "91900" and r.env["torch"].startswith("2.11")
+    assert r.env["batch_size"] == 32 and r.baseline_step_ms > 0 and r.profiler_overhead_pct is not None
+    _assert_partition(r)
+    # Every GPU row was linked to the call that launched it, so each one has an op.
+    assert not any("unlinked" in n for n in r.notes)
+    assert r.kernels_per_step > 0 and r.top_kernels and r.top_kernels[0]["op"] != "(no op)"
+    assert "unidentified" not in r.depthwise_impls
+
+
+def test_fixture_amp_nchw_has_cudnn_transposes():
+    """User report 3: AMP fp16 NCHW training, cuDNN transposes inside the conv backward, thousands of casts."""
+    r = _fixture("amp_fp16_nchw_torch")
+    assert r.env["precision"] == "amp fp16" and r.env["memory_format"] == "NCHW"
+    tr = r.categories["transpose"]
+    assert tr.count_per_step >= 10 and tr.pct > 1
+    by_phase = {t["phase"]: t for t in r.transposes}
+    assert "aten::convolution_backward" in by_phase["backward"]["op"]
+    assert "aten::cudnn_convolution" in by_phase["forward"]["op"]
+    assert any("nchwToNhwc" in k["kernel"] and k["category"] == "transpose" for k in r.top_kernels)
+    assert any("channels_last=true would remove" in f.hint for f in r.findings)
+    assert r.casts_per_step > 20 and {c["phase"] for c in r.casts} >= {"forward", "backward"}
+    # PyTorch's heuristic splits fp16 NCHW depthwise layers between its own kernel and cuDNN.
+    assert set(r.depthwise_impls) == {"PyTorch native", "cuDNN"}
+    # GradScaler reads found_inf back every step.
+    assert any("_local_scalar_dense" in s["op"] and s["phase"] == "optimizer" for s in r.syncs)
+
+
+def test_fixture_channels_last_has_no_transposes():
+    r = _fixture("amp_fp16_cl")
+    assert r.env["memory_format"] == "channels_last"
+    assert r.categories["transpose"].count_per_step == 0 and r.transposes == []
+    assert "layout transposes" not in {f.title for f in r.findings}
+    assert r.depthwise_impls == {"cuDNN": 100.0}
+    assert any("depthwise_convolution" in k["kernel"] and k["category"] == "depthwise" for k in r.top_kernels) or \
+        r.categories["depthwise"].pct > 10
+
+
+def test_fixture_pageable_copies():
+    """User report 1: host-to-device copies of pageable memory dominate the GPU time."""
+    r = _fixture("fp32_pageable_infer")
+    assert r.env["mode"] == "infer"
+    assert r.pageable_copies_per_step >= 1
+    htod = [m for m in r.memcpys if "HtoD" in m["kind"] and m["pageable"]]
+    assert htod and htod[0]["MB_per_step"] == pytest.approx(32 * 3 * 224 * 224 * 4 / 1e6, rel=0.01)
+    assert r.categories["memcpy"].pct > 30
+    assert r.syncs_per_step >= 1 and any(s["phase"] == "data" for s in r.syncs)
+    titles = {f.title for f in r.findings}
+    assert {"pageable host copies", "copies dominate"} <= titles
+    assert any("pin_memory=True" in f.hint for f in r.findings)
+    assert r.depthwise_impls == {"PyTorch native": 100.0}  # fp32 NCHW depthwise: PyTorch's own kernel
+    assert r.casts_per_step == 0
+
+
+def test_fixture_cudnn_backend_is_identified():
+    """backend=cudnn runs every depthwise conv through its own custom op, on cuDNN's kernels."""
+    r = _fixture("amp_fp16_nchw_cudnn_infer")
+    assert r.env["backend"] == "cudnn" and r.env["mode"] == "infer"
+    assert r.depthwise_impls == {"cuDNN": 100.0}
+    dw = [k for k in r.top_kernels if k["category"] == "depthwise"]
+    assert dw and all(k["op"].startswith("mobilenet::cudnn_depthwise_fwd") for k in dw)
+    assert not any(f.severity == "warn" and f.title == "depthwise implementation" for f in r.findings)
+
+
+def test_diagnose_cli(tmp_path, capsys):
+    import diagnose
+
+    trace = tmp_path / "t.json.gz"
+    with gzip.open(trace, "wt") as f:
+        json.dump(_synthetic_gpu_trace(), f)
+    assert diagnose.main([str(trace), "--md", str(tmp_path / "r.md"), "--baseline-ms", "0.8"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU time by category" in out and "profiler overhead" in out
+    assert (tmp_path / "r.md").read_text() in out
