@@ -3,7 +3,8 @@
     python infer.py [--profile] [--checkpoint PATH] [--images FILE ...] [HYDRA OVERRIDES ...]
 
 Flags come first; everything after them is a Hydra override, as for train.py
-(`python infer.py --profile backend=custom amp=true`).
+(`python infer.py --profile backend=custom amp=true`). Benchmark and profile runs use `data=synthetic`
+(ImageNet-shaped: 224px, batch 256) unless a `data=` override says otherwise.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     from mobilenet.config import compose
     from mobilenet import inference
 
+    if not (args.checkpoint or args.images) and not any(o.startswith("data=") for o in overrides):
+        # Benchmarking and profiling measure the model on ImageNet-shaped device-resident batches unless told otherwise.
+        overrides = ["data=synthetic", *overrides]
     cfg = compose(overrides)
     run_dir = Path(cfg.log_root) / "infer" / (",".join(overrides) or "default") / time.strftime("%Y%m%d-%H%M%S")
     if args.images:

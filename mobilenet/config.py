@@ -56,7 +56,7 @@ class DaliConfig:
     threads: int = 4
     prefetch: int = 2
     seed: int = 42
-    # Extra host memory nvJPEG may use for the hardware decoder (bytes, 0 = DALI's default).
+    # Share of images nvJPEG sends to the hardware JPEG decoder where the GPU has one (0..1).
     hw_decoder_load: float = 0.65
     # Check every file's image signature / JPEG structure before DALI starts (DALI's decode errors do not name
     # the file); needed for data.skip_corrupt. Costs one small read at each end of every file.

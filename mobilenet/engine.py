@@ -211,7 +211,10 @@ def evaluate(model: nn.Module, loader, device: torch.device, amp_dtype: torch.dt
 class Trainer:
     """Builds everything a run needs from the config, then `fit()` runs the epochs."""
 
-    def __init__(self, cfg, run_dir: str | os.PathLike, overrides: str = ""):
+    def __init__(self, cfg, run_dir: str | os.PathLike, overrides: str = "", model: nn.Module | None = None,
+                 backend_label: str | None = None):
+        """`model` replaces the project's MobileNetV1 (a peer model measured by this same loop); `backend_label`
+        names it in summaries and hparams."""
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.device = resolve_device(cfg.device)
@@ -226,7 +229,15 @@ class Trainer:
             self.steps_per_epoch = min(self.steps_per_epoch, cfg.data.steps_per_epoch)
         if self.steps_per_epoch < 1:
             raise ValueError("the training loader yields no full batch; lower data.batch_size")
-        self.model = build_for_run(cfg, self.device, self.train_loader.num_classes)
+        if model is None:
+            self.model = build_for_run(cfg, self.device, self.train_loader.num_classes)
+        else:
+            self.model = model.to(self.device)
+            if cfg.channels_last:
+                self.model = self.model.to(memory_format=torch.channels_last)
+        self.backend_label = backend_label or cfg.backend.name
+        # Figures measured outside fit() (e.g. inference img/s) to log as perf/<name> and hparam/<name>.
+        self.extra_metrics: dict[str, float] = {}
         self.forward = torch.compile(self.model) if cfg.compile else self.model
         self.optimizer = build_optimizer(cfg, self.model, cfg.data.batch_size)
         total = cfg.epochs * self.steps_per_epoch
@@ -409,7 +420,7 @@ class Trainer:
     def summary_rows(self, result: RunResult) -> dict[str, Any]:
         cfg, tp = self.cfg, result.train
         rows: dict[str, Any] = {
-            "backend": cfg.backend.name,
+            "backend": self.backend_label,
             "precision": f"amp {_value(cfg.amp_dtype)}" if cfg.amp else "fp32",
             "memory format": "channels_last" if cfg.channels_last else "NCHW",
             "compile": cfg.compile,
@@ -437,12 +448,14 @@ class Trainer:
         md = print_summary(f"run {self.overrides or 'default'}", self.summary_rows(result))
         self.tb.text("summary", md)
         hparams = {
-            "backend": cfg.backend.name, "amp": cfg.amp, "amp_dtype": _value(cfg.amp_dtype), "channels_last": cfg.channels_last,
+            "backend": self.backend_label, "amp": cfg.amp, "amp_dtype": _value(cfg.amp_dtype), "channels_last": cfg.channels_last,
             "data": cfg.data.name, "batch_size": cfg.data.batch_size, "resolution": cfg.data.resolution, "compile": cfg.compile,
             "gpu": self.env.get("gpu", "none"), "torch": self.env["torch"], "cudnn": self.env["cudnn"],
         }
         metrics = {"hparam/train_img_s": result.train.img_s if result.train else float("nan"),
                    "hparam/val_top1": result.val_top1}
+        self.tb.scalars({f"perf/{k}": v for k, v in self.extra_metrics.items()}, self.global_step)
+        metrics.update({f"hparam/{k}": v for k, v in self.extra_metrics.items()})
         self.tb.hparams(hparams, metrics)
         self.tb.close()
 

@@ -8,7 +8,7 @@ import torch
 
 from .data import LoaderSpec, build_loaders
 from .engine import _value, build_for_run, evaluate, load_checkpoint, resolve_device, run_dtype, validate
-from .meter import StepMeter
+from .meter import StepMeter, Throughput
 from .reporting import environment, print_summary
 
 
@@ -34,7 +34,8 @@ def _setup(cfg, checkpoint: str | None, num_classes: int | None = None):
 
 def _synthetic_batch(cfg, device):
     fmt = torch.channels_last if cfg.channels_last else torch.contiguous_format
-    x = torch.randn(cfg.data.batch_size, 3, cfg.data.resolution, cfg.data.resolution, device=device)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    x = torch.randn(cfg.data.batch_size, 3, cfg.data.resolution, cfg.data.resolution, generator=gen).to(device)
     return x.to(run_dtype(cfg)).contiguous(memory_format=fmt)
 
 
@@ -51,19 +52,29 @@ def _rows(cfg, device, env) -> dict:
     }
 
 
-@torch.inference_mode()
+def measure(forward, model: torch.nn.Module, cfg, device: torch.device, warmup: int, steps: int) -> Throughput:
+    """Inference throughput of any model (this project's or a peer) on one device-resident batch."""
+    amp_dtype = run_dtype(cfg) if cfg.amp else None
+    x = _synthetic_batch(cfg, device)
+    was_training = model.training
+    model.eval()
+    meter = StepMeter(device, warmup)
+    with torch.inference_mode():
+        for _ in range(warmup + steps):
+            meter.data_start()
+            meter.compute_start()
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                forward(x)
+            meter.step_end(x.shape[0])
+        tp = meter.result()
+    model.train(was_training)
+    return tp
+
+
 def benchmark(cfg, warmup: int, steps: int) -> float:
     """Inference img/s of the configured combination on a device-resident batch (no input pipeline)."""
-    device, _, forward, amp_dtype, _ = _setup(cfg, None)
-    x = _synthetic_batch(cfg, device)
-    meter = StepMeter(device, warmup)
-    for _ in range(warmup + steps):
-        meter.data_start()
-        meter.compute_start()
-        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            forward(x)
-        meter.step_end(x.shape[0])
-    tp = meter.result()
+    device, model, forward, _, _ = _setup(cfg, None)
+    tp = measure(forward, model, cfg, device, warmup, steps)
     rows = _rows(cfg, device, environment(device))
     rows.update({"infer img/s": tp.img_s, "ms / batch": tp.step_ms, "timed steps": tp.steps, "warm-up steps": warmup})
     print_summary("inference benchmark", rows)

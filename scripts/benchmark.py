@@ -345,131 +345,25 @@ def print_table(records: list[dict], out: Path) -> None:
 # ------------------------------------------------------------------------------------- the child: one measurement
 
 
-def measure_inference(model, forward, cfg, device, warmup: int, steps: int):
-    """Forward passes on one device-resident batch under inference_mode, timed by StepMeter (the same loop as
-    mobilenet.inference.benchmark, here for any module so the peer row is measured identically)."""
-    import torch
-
-    from mobilenet.engine import AMP_DTYPES, _value, run_dtype
-    from mobilenet.meter import StepMeter
-
-    amp_dtype = AMP_DTYPES[_value(cfg.amp_dtype)] if cfg.amp else None
-    fmt = torch.channels_last if cfg.channels_last else torch.contiguous_format
-    gen = torch.Generator().manual_seed(cfg.seed)
-    x = torch.randn(cfg.data.batch_size, 3, cfg.data.resolution, cfg.data.resolution, generator=gen)
-    x = x.to(device, run_dtype(cfg)).contiguous(memory_format=fmt)
-    was_training = model.training
-    model.eval()
-    meter = StepMeter(device, warmup)
-    with torch.inference_mode():
-        for _ in range(warmup + steps):
-            meter.data_start()
-            meter.compute_start()
-            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                forward(x)
-            meter.step_end(x.shape[0])
-        tp = meter.result()
-    model.train(was_training)
-    return tp
-
-
-def measure_training(model, forward, cfg, device):
-    """The engine's training step (autocast forward, scaled backward, optimizer step) on the configured loader, for
-    any module, timed by StepMeter with the engine's warm-up. Used for the peer row."""
-    import torch
-    from torch import nn
-
-    from mobilenet.data import LoaderSpec, build_loaders
-    from mobilenet.engine import AMP_DTYPES, _value, build_optimizer, run_dtype
-    from mobilenet.meter import StepMeter
-
-    amp_dtype = AMP_DTYPES[_value(cfg.amp_dtype)] if cfg.amp else None
-    loader, _ = build_loaders(cfg.data, LoaderSpec(device, run_dtype(cfg), cfg.channels_last, seed=cfg.seed))
-    optimizer = build_optimizer(cfg, model, cfg.data.batch_size)
-    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
-    criterion = nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
-    model.train()
-    meter = StepMeter(device, cfg.perf.warmup_steps)
-    batches = iter(loader)
-    for _ in range(len(loader)):
-        meter.data_start()
-        images, labels = next(batches)
-        meter.compute_start()
-        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            loss = criterion(forward(images), labels)
-        optimizer.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        meter.step_end(labels.shape[0])
-    tp = meter.result()
-    if not torch.isfinite(loss.detach()).item():
-        raise FloatingPointError(f"{PEER_MODEL}: training loss is {float(loss)}")
-    return tp
-
-
-def _perf_scalars(train, infer) -> dict[str, float]:
-    """The tags the engine logs for a training epoch, plus the inference measurement."""
-    return {"perf/train_img_s": train.img_s, "perf/compute_img_s": train.compute_img_s, "perf/step_ms": train.step_ms,
-            "perf/data_wait_ms": train.data_wait_ms, "perf/infer_img_s": infer.img_s, "perf/infer_step_ms": infer.step_ms}
-
-
-def run_project(cfg, run_dir: Path, spec: dict) -> dict:
-    """The project's MobileNetV1 through the Trainer, with inference measured on the same model first."""
+def run_project(cfg, run_dir: Path, spec: dict, model=None, backend_label: str | None = None) -> dict:
+    """One row: inference measured on the run's model first, then training through the project's one loop."""
     from mobilenet.engine import Trainer
+    from mobilenet.inference import measure
 
-    trainer = Trainer(cfg, run_dir=run_dir, overrides=spec["name"])
-    infer = measure_inference(trainer.model, trainer.forward, cfg, trainer.device, spec["infer_warmup"], spec["infer_steps"])
-    # The Trainer writes its hparams at the end of fit(); add the inference figure there so that the HParams tab
-    # lists it as a metric and the scalar sits at the training's last step.
-    log_hparams = trainer.tb.hparams
-
-    def hparams_with_inference(hparams: dict, metrics: dict) -> None:
-        trainer.tb.scalars({"perf/infer_img_s": infer.img_s, "perf/infer_step_ms": infer.step_ms}, trainer.global_step)
-        log_hparams(hparams, {**metrics, "hparam/infer_img_s": infer.img_s})
-
-    trainer.tb.hparams = hparams_with_inference
+    trainer = Trainer(cfg, run_dir=run_dir, overrides=spec["name"], model=model, backend_label=backend_label)
+    infer = measure(trainer.forward, trainer.model, cfg, trainer.device, spec["infer_warmup"], spec["infer_steps"])
+    trainer.extra_metrics = {"infer_img_s": infer.img_s, "infer_step_ms": infer.step_ms}
     result = trainer.fit()
     return {"train_img_s": result.train.img_s, "infer_img_s": infer.img_s}
 
 
 def run_peer(cfg, run_dir: Path, spec: dict) -> dict:
-    """timm's mobilenetv1_100 under the same settings, logged under the same tags and hparam names as a Trainer run."""
+    """timm's mobilenetv1_100 under the same settings, measured by the same loop and meter as the project."""
     import timm
-    import torch
 
-    from mobilenet.engine import _value, resolve_device, seed_everything, validate
-    from mobilenet.reporting import TensorBoardLog, environment, print_summary
-
-    device = resolve_device(cfg.device)
-    validate(cfg, device)
-    seed_everything(cfg.seed)
-    torch.backends.cudnn.benchmark = True  # as the Trainer sets it
-    model = timm.create_model(PEER_MODEL, num_classes=cfg.data.num_classes).to(device)
-    if cfg.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    forward = torch.compile(model) if cfg.compile else model
-    infer = measure_inference(model, forward, cfg, device, spec["infer_warmup"], spec["infer_steps"])
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    train = measure_training(model, forward, cfg, device)
-    env = environment(device)
-    scalars = _perf_scalars(train, infer)
-    if device.type == "cuda":
-        scalars["sys/max_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
-    tb = TensorBoardLog(str(run_dir))
-    tb.scalars(scalars, cfg.data.steps_per_epoch)  # the step a Trainer run logs its epoch's figures at
-    hparams = {  # the same names and values as Trainer._finish, with backend "timm"
-        "backend": PEER_BACKEND, "amp": cfg.amp, "amp_dtype": _value(cfg.amp_dtype), "channels_last": cfg.channels_last,
-        "data": cfg.data.name, "batch_size": cfg.data.batch_size, "resolution": cfg.data.resolution, "compile": cfg.compile,
-        "gpu": env.get("gpu", "none"), "torch": env["torch"], "cudnn": env["cudnn"],
-    }
-    tb.hparams(hparams, {"hparam/train_img_s": train.img_s, "hparam/val_top1": float("nan"), "hparam/infer_img_s": infer.img_s})
-    tb.close()
-    print_summary(f"peer {spec['name']} (timm {timm.__version__} {PEER_MODEL})",
-                  {**hparams, "train img/s": train.img_s, "train img/s (compute)": train.compute_img_s,
-                   "infer img/s": infer.img_s, "timed steps": train.steps})
-    return {"train_img_s": train.img_s, "infer_img_s": infer.img_s}
+    print(f"peer: timm {timm.__version__} {PEER_MODEL}")
+    model = timm.create_model(PEER_MODEL, num_classes=cfg.data.num_classes)
+    return run_project(cfg, run_dir, spec, model=model, backend_label=PEER_BACKEND)
 
 
 def run_one(run_dir: Path) -> int:

@@ -35,8 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from . import LoaderSpec, register_loader, resolve_root
-from .folder import CorruptImageError, check_batch_fits, scan_split
+from . import LoaderSpec, register_loader
+from .folder import CorruptImageError, check_batch_fits, scan_image_folder
 
 log = logging.getLogger(__name__)
 
@@ -366,14 +366,7 @@ def _device_id(spec: LoaderSpec) -> int | None:
 @register_loader("dali")
 def build(cfg, spec: LoaderSpec):
     _, types, _, _, _ = import_dali()  # before anything else: a missing DALI is the error to report
-    root = resolve_root(cfg)
-    train_samples, classes = scan_split(root, "train")
-    val_samples, val_classes = scan_split(root, "val")
-    if val_classes != classes:
-        raise ValueError(f"train/ and val/ under {str(root)!r} have different classes: "
-                         f"{sorted(set(classes) ^ set(val_classes))[:5]} appear in only one")
-    if len(classes) != cfg.num_classes:
-        raise ValueError(f"{str(root)!r} has {len(classes)} classes but data.num_classes={cfg.num_classes}; set data.num_classes={len(classes)}")
+    _, train_samples, val_samples, classes = scan_image_folder(cfg)
     dali_cfg = cfg.dali
     skipped = {"train": 0, "val": 0}
     if dali_cfg.check_files:

@@ -182,8 +182,8 @@ def check_batch_fits(num_train: int, cfg, world_size: int) -> None:
         )
 
 
-@register_loader("folder")
-def build(cfg, spec: LoaderSpec):
+def scan_image_folder(cfg) -> tuple[Path, list[tuple[str, int]], list[tuple[str, int]], list[str]]:
+    """(root, train samples, val samples, classes) of the data config's ImageFolder, checked for consistency."""
     root = resolve_root(cfg)
     train_samples, classes = scan_split(root, "train")
     val_samples, val_classes = scan_split(root, "val")
@@ -192,6 +192,12 @@ def build(cfg, spec: LoaderSpec):
                          f"{sorted(set(classes) ^ set(val_classes))[:5]} appear in only one")
     if len(classes) != cfg.num_classes:
         raise ValueError(f"{str(root)!r} has {len(classes)} classes but data.num_classes={cfg.num_classes}; set data.num_classes={len(classes)}")
+    return root, train_samples, val_samples, classes
+
+
+@register_loader("folder")
+def build(cfg, spec: LoaderSpec):
+    root, train_samples, val_samples, classes = scan_image_folder(cfg)
     check_batch_fits(len(train_samples), cfg, spec.world_size)
 
     train_ds = ImageFiles(train_samples, _transforms(cfg, True), cfg.skip_corrupt)
