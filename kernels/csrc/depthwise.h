@@ -1,0 +1,39 @@
+// Host-side interface between the op layer (depthwise_ops.cpp) and the CUDA launchers (*.cu).
+// Kept free of ATen so the .cu files compile quickly.
+#pragma once
+
+#include <cstddef>
+#include <cuda_runtime_api.h>
+
+namespace mdw {
+
+enum class DType { F32, F16, BF16, F64 };
+
+// One depthwise convolution; every tensor is contiguous in the layout named by channels_last.
+struct ConvShape {
+  int N, C, H, W;    // input
+  int OH, OW;        // output
+  int KH, KW;        // kernel
+  int SH, SW;        // stride
+  int PH, PW;        // padding
+  int DH, DW;        // dilation
+  bool channels_last;
+};
+
+// y = conv(x, w) + bias; bias may be null.
+void launch_forward(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
+                    cudaStream_t stream);
+
+// grad_input from grad_out (gather over the taps that touch each input pixel).
+void launch_dgrad(const ConvShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,
+                  cudaStream_t stream);
+
+// Weight/bias gradients are reduced in two fixed-order stages through a workspace of partial sums
+// (fp32, or fp64 for double inputs); this says how many elements of that type the workspace needs.
+size_t wgrad_workspace_elems(const ConvShape& s, DType dt, const void* grad_out, const void* x);
+
+// grad_weight and/or grad_bias (either may be null). `workspace` has wgrad_workspace_elems() elements.
+void launch_wgrad(const ConvShape& s, DType dt, const void* grad_out, const void* x, void* workspace,
+                  void* grad_weight, void* grad_bias, cudaStream_t stream);
+
+}  // namespace mdw

@@ -1,0 +1,182 @@
+// Op schemas and their CUDA implementations: argument checks, layout handling, allocation; the
+// kernels themselves live in the .cu files behind depthwise.h.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <array>
+#include <optional>
+#include <tuple>
+
+#include "depthwise.h"
+
+namespace mdw {
+namespace {
+
+DType to_dtype(c10::ScalarType t) {
+  switch (t) {
+    case c10::ScalarType::Float: return DType::F32;
+    case c10::ScalarType::Half: return DType::F16;
+    case c10::ScalarType::BFloat16: return DType::BF16;
+    case c10::ScalarType::Double: return DType::F64;
+    default:
+      TORCH_CHECK(false, "depthwise_conv2d: dtype ", t,
+                  " is not supported (float32, float16, bfloat16, float64)");
+  }
+  return DType::F32;  // not reached
+}
+
+// The layout the kernels compute in, and the output's. The two standard layouts are used as they
+// are; a tensor that is neither (a slice, a permutation) is copied once into its suggested layout.
+// Same rule as kernels/ops.py's fake implementation.
+c10::MemoryFormat layout_of(const at::Tensor& x) {
+  if (x.is_contiguous(c10::MemoryFormat::ChannelsLast) && !x.is_contiguous()) return c10::MemoryFormat::ChannelsLast;
+  if (x.is_contiguous()) return c10::MemoryFormat::Contiguous;
+  return x.suggest_memory_format();
+}
+
+int64_t out_size(int64_t in, int64_t k, int64_t s, int64_t p, int64_t d) { return (in + 2 * p - d * (k - 1) - 1) / s + 1; }
+
+ConvShape check_and_shape(const at::Tensor& x, const at::Tensor& w, at::IntArrayRef stride, at::IntArrayRef padding,
+                          at::IntArrayRef dilation, c10::MemoryFormat fmt) {
+  TORCH_CHECK(x.dim() == 4, "depthwise_conv2d: input must be 4-D (N, C, H, W), got ", x.dim(), "-D");
+  TORCH_CHECK(x.is_cuda(), "depthwise_conv2d: input must be a CUDA tensor, got ", x.device());
+  TORCH_CHECK(w.device() == x.device(), "depthwise_conv2d: weight is on ", w.device(), " but input is on ", x.device());
+  TORCH_CHECK(w.scalar_type() == x.scalar_type(), "depthwise_conv2d: weight dtype ", w.scalar_type(),
+              " differs from input dtype ", x.scalar_type());
+  to_dtype(x.scalar_type());
+  TORCH_CHECK(w.dim() == 4 && w.size(1) == 1, "depthwise_conv2d: weight must have shape (C, 1, kh, kw), got ",
+              w.sizes());
+  const int64_t C = x.size(1);
+  TORCH_CHECK(!(C > 0 && w.size(0) != C && w.size(0) % C == 0),
+              "depthwise_conv2d: depth multiplier ", C > 0 ? w.size(0) / C : 0,
+              " is not supported (weight must have as many filters as input channels, ", C, ")");
+  TORCH_CHECK(w.size(0) == C, "depthwise_conv2d: weight has ", w.size(0), " filters but the input has ", C,
+              " channels");
+  TORCH_CHECK(C <= 65535, "depthwise_conv2d: ", C, " channels is not supported (at most 65535)");
+  TORCH_CHECK(stride.size() == 2 && padding.size() == 2 && dilation.size() == 2,
+              "depthwise_conv2d: stride, padding and dilation must have two values each");
+  const int64_t k[2] = {w.size(2), w.size(3)};
+  for (int i = 0; i < 2; ++i) {
+    TORCH_CHECK(k[i] >= 1 && k[i] <= 7 && k[i] % 2 == 1, "depthwise_conv2d: kernel size ", k[i],
+                " is not supported (odd sizes 1-7)");
+    TORCH_CHECK(stride[i] == 1 || stride[i] == 2, "depthwise_conv2d: stride ", stride[i],
+                " is not supported (1 or 2)");
+    TORCH_CHECK(dilation[i] == 1 || dilation[i] == 2, "depthwise_conv2d: dilation ", dilation[i],
+                " is not supported (1 or 2)");
+    TORCH_CHECK(padding[i] >= 0 && padding[i] <= 1 << 20, "depthwise_conv2d: padding ", padding[i],
+                " is not supported (must be >= 0)");
+  }
+  const int64_t OH = out_size(x.size(2), k[0], stride[0], padding[0], dilation[0]);
+  const int64_t OW = out_size(x.size(3), k[1], stride[1], padding[1], dilation[1]);
+  TORCH_CHECK(OH >= 1 && OW >= 1, "depthwise_conv2d: input ", x.size(2), "x", x.size(3),
+              " is smaller than the dilated kernel after padding (output would be ", OH, "x", OW, ")");
+  TORCH_CHECK(x.numel() < (int64_t(1) << 31) && x.size(0) * C * OH * OW < (int64_t(1) << 31),
+              "depthwise_conv2d: tensors of 2^31 or more elements are not supported");
+  ConvShape s{};
+  s.N = static_cast<int>(x.size(0));
+  s.C = static_cast<int>(C);
+  s.H = static_cast<int>(x.size(2));
+  s.W = static_cast<int>(x.size(3));
+  s.OH = static_cast<int>(OH);
+  s.OW = static_cast<int>(OW);
+  s.KH = static_cast<int>(k[0]);
+  s.KW = static_cast<int>(k[1]);
+  s.SH = static_cast<int>(stride[0]);
+  s.SW = static_cast<int>(stride[1]);
+  s.PH = static_cast<int>(padding[0]);
+  s.PW = static_cast<int>(padding[1]);
+  s.DH = static_cast<int>(dilation[0]);
+  s.DW = static_cast<int>(dilation[1]);
+  s.channels_last = fmt == c10::MemoryFormat::ChannelsLast;
+  return s;
+}
+
+at::Tensor in_layout(const at::Tensor& t, c10::MemoryFormat fmt) {
+  return t.is_contiguous(fmt) ? t : t.contiguous(fmt);
+}
+
+at::Tensor depthwise_fwd(const at::Tensor& x_in, const at::Tensor& w_in, const std::optional<at::Tensor>& bias,
+                         at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation) {
+  const c10::MemoryFormat fmt = layout_of(x_in);
+  const ConvShape s = check_and_shape(x_in, w_in, stride, padding, dilation, fmt);
+  c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = in_layout(x_in, fmt);
+  const at::Tensor w = w_in.contiguous();
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == s.C, "depthwise_conv2d: bias must have shape (", s.C,
+                ",), got ", bias->sizes());
+    TORCH_CHECK(bias->device() == x.device() && bias->scalar_type() == x.scalar_type(),
+                "depthwise_conv2d: bias must be on the input's device with the input's dtype");
+    b = bias->contiguous();
+  }
+  at::Tensor y = at::empty({s.N, s.C, s.OH, s.OW}, x.options().memory_format(fmt));
+  if (y.numel() == 0) return y;
+  launch_forward(s, to_dtype(x.scalar_type()), x.const_data_ptr(), w.const_data_ptr(),
+                 b.defined() ? b.const_data_ptr() : nullptr, y.mutable_data_ptr(),
+                 c10::cuda::getCurrentCUDAStream().stream());
+  return y;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_bwd(const at::Tensor& grad_out, const at::Tensor& x_in,
+                                                             const at::Tensor& w_in, at::IntArrayRef stride,
+                                                             at::IntArrayRef padding, at::IntArrayRef dilation,
+                                                             std::array<bool, 3> output_mask) {
+  const c10::MemoryFormat fmt = layout_of(x_in);
+  const ConvShape s = check_and_shape(x_in, w_in, stride, padding, dilation, fmt);
+  TORCH_CHECK(grad_out.dim() == 4 && grad_out.size(0) == s.N && grad_out.size(1) == s.C &&
+                  grad_out.size(2) == s.OH && grad_out.size(3) == s.OW,
+              "depthwise_conv2d backward: grad_out must have shape (", s.N, ", ", s.C, ", ", s.OH, ", ", s.OW,
+              "), got ", grad_out.sizes());
+  TORCH_CHECK(grad_out.device() == x_in.device() && grad_out.scalar_type() == x_in.scalar_type(),
+              "depthwise_conv2d backward: grad_out must be on the input's device with the input's dtype");
+  c10::cuda::CUDAGuard guard(x_in.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const DType dt = to_dtype(x_in.scalar_type());
+  const at::Tensor x = in_layout(x_in, fmt);
+  // grad_out normally arrives in the forward output's layout (= x's); anything else is copied once.
+  const at::Tensor go = in_layout(grad_out, fmt);
+  const at::Tensor w = w_in.contiguous();
+  const bool empty = go.numel() == 0 || x.numel() == 0;
+
+  at::Tensor grad_input, grad_weight, grad_bias;
+  if (output_mask[0]) {
+    grad_input = empty ? at::zeros(x.sizes(), x.options().memory_format(fmt))
+                       : at::empty(x.sizes(), x.options().memory_format(fmt));
+    if (!empty) launch_dgrad(s, dt, go.const_data_ptr(), w.const_data_ptr(), grad_input.mutable_data_ptr(), stream);
+  } else {
+    grad_input = at::empty({0}, x.options());
+  }
+  grad_weight = output_mask[1] ? (empty ? at::zeros(w.sizes(), w.options()) : at::empty(w.sizes(), w.options()))
+                               : at::empty({0}, w.options());
+  grad_bias = output_mask[2] ? (empty ? at::zeros({s.C}, w.options()) : at::empty({s.C}, w.options()))
+                             : at::empty({0}, w.options());
+  if ((output_mask[1] || output_mask[2]) && !empty) {
+    const size_t elems = wgrad_workspace_elems(s, dt, go.const_data_ptr(), x.const_data_ptr());
+    const at::Tensor workspace = at::empty({static_cast<int64_t>(elems)},
+                                           x.options().dtype(dt == DType::F64 ? at::kDouble : at::kFloat));
+    launch_wgrad(s, dt, go.const_data_ptr(), x.const_data_ptr(), workspace.mutable_data_ptr(),
+                 output_mask[1] ? grad_weight.mutable_data_ptr() : nullptr,
+                 output_mask[2] ? grad_bias.mutable_data_ptr() : nullptr, stream);
+  }
+  return {grad_input, grad_weight, grad_bias};
+}
+
+}  // namespace
+}  // namespace mdw
+
+TORCH_LIBRARY(mobilenet_dw, m) {
+  m.def("depthwise_fwd(Tensor x, Tensor w, Tensor? bias, int[2] stride, int[2] padding, int[2] dilation) -> Tensor");
+  m.def(
+      "depthwise_bwd(Tensor grad_out, Tensor x, Tensor w, int[2] stride, int[2] padding, int[2] dilation, "
+      "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(mobilenet_dw, CUDA, m) {
+  m.impl("depthwise_fwd", &mdw::depthwise_fwd);
+  m.impl("depthwise_bwd", &mdw::depthwise_bwd);
+}

@@ -1,0 +1,231 @@
+// Device-side helpers shared by the CUDA kernels: element types, vector loads, tile geometry.
+#pragma once
+
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <c10/cuda/CUDAException.h>
+
+#include "depthwise.h"
+
+namespace mdw {
+
+// Storage type S plus conversions to/from the accumulation type. 16-bit types are stored as raw
+// uint16_t so that PyTorch's __CUDA_NO_HALF_CONVERSIONS__ flags never get in the way.
+struct F32T {
+  using S = float;
+  using Acc = float;
+  static __device__ __forceinline__ float to_acc(S v) { return v; }
+  static __device__ __forceinline__ S from_acc(float v) { return v; }
+};
+struct F16T {
+  using S = uint16_t;
+  using Acc = float;
+  static __device__ __forceinline__ float to_acc(S v) { return __half2float(__ushort_as_half(v)); }
+  static __device__ __forceinline__ S from_acc(float v) { return __half_as_ushort(__float2half_rn(v)); }
+  static __device__ __forceinline__ void widen2(uint32_t w, float& lo, float& hi) {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w));
+    lo = f.x;
+    hi = f.y;
+  }
+};
+struct BF16T {
+  using S = uint16_t;
+  using Acc = float;
+  // bf16 is the top half of an fp32: widening is a shift.
+  static __device__ __forceinline__ float to_acc(S v) { return __uint_as_float(static_cast<uint32_t>(v) << 16); }
+  static __device__ __forceinline__ S from_acc(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
+  static __device__ __forceinline__ void widen2(uint32_t w, float& lo, float& hi) {
+    lo = __uint_as_float(w << 16);
+    hi = __uint_as_float(w & 0xffff0000u);
+  }
+};
+struct F64T {
+  using S = double;
+  using Acc = double;
+  static __device__ __forceinline__ double to_acc(S v) { return v; }
+  static __device__ __forceinline__ S from_acc(double v) { return v; }
+};
+
+template <typename S, int V>
+struct alignas(sizeof(S) * V) Pack {
+  S v[V];
+};
+
+// Widen a pack to fp32. 16-bit packs are converted a 32-bit word (two elements) at a time: for bf16
+// that is one shift and one mask per pair instead of extract-then-shift per element.
+template <class TT, int V>
+__device__ __forceinline__ void widen(const Pack<typename TT::S, V>& pk, float (&out)[V]) {
+  if constexpr (sizeof(typename TT::S) == 2 && V % 2 == 0) {
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(pk.v);
+#pragma unroll
+    for (int i = 0; i < V / 2; ++i) TT::widen2(words[i], out[2 * i], out[2 * i + 1]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i) out[i] = TT::to_acc(pk.v[i]);
+  }
+}
+
+// V consecutive elements in one load instruction (the caller guarantees alignment).
+template <class TT, int V>
+__device__ __forceinline__ void load_vec(const typename TT::S* p, float (&out)[V]) {
+  const Pack<typename TT::S, V> pk = *reinterpret_cast<const Pack<typename TT::S, V>*>(p);
+  widen<TT, V>(pk, out);
+}
+
+template <class TT, int V>
+__device__ __forceinline__ void store_vec(typename TT::S* p, const float (&in)[V]) {
+  Pack<typename TT::S, V> pk;
+#pragma unroll
+  for (int i = 0; i < V; ++i) pk.v[i] = TT::from_acc(in[i]);
+  *reinterpret_cast<Pack<typename TT::S, V>*>(p) = pk;
+}
+
+template <int V>
+__device__ __forceinline__ void load_f32(const float* p, float (&out)[V]) {
+  if constexpr (V % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < V; i += 4) {
+      const float4 q = *reinterpret_cast<const float4*>(p + i);
+      out[i] = q.x; out[i + 1] = q.y; out[i + 2] = q.z; out[i + 3] = q.w;
+    }
+  } else if constexpr (V % 2 == 0) {
+#pragma unroll
+    for (int i = 0; i < V; i += 2) {
+      const float2 q = *reinterpret_cast<const float2*>(p + i);
+      out[i] = q.x; out[i + 1] = q.y;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i) out[i] = p[i];
+  }
+}
+
+// How a block's lanes cover an output (or input, for dgrad) tile.
+//   NHWC: lane = cv + lanes_c * (sx + sx_n * sy); cv picks a vector of V channels, so a warp reads
+//         lanes_c*V contiguous channels of a few neighbouring pixels.
+//   NCHW: lane = sx + sx_n * (sy + sy_n * q); sx runs along the row for coalescing, q picks the plane.
+// Each (sx, sy) lane computes `tw` consecutive columns of one row.
+struct Tiling {
+  int lanes_c;   // NHWC: channel vectors per block; NCHW: planes per block
+  int sx_n;      // strips per tile row
+  int sy_n;      // rows per tile
+  int tiles_h;   // tiles along the rows
+  int tiles_w;   // tiles along the strips
+  int groups;    // NHWC: channel groups; NCHW: plane groups
+  int strip0;    // first strip index (dgrad starts its strips at padding/tw)
+  int threads;   // lanes_c * sx_n * sy_n
+  int block;     // threads rounded up to whole warps
+  int images;    // NHWC forward/dgrad: images each block loops over (amortises its weight staging)
+  int group_fastest;     // NHWC forward/dgrad: channel group is the fastest-varying block index
+  int blocks_per_group;  // NHWC forward/dgrad: blocks of one channel group
+};
+
+inline int ceil_div(long long a, long long b) { return static_cast<int>((a + b - 1) / b); }
+
+inline int floor_pow2(int v) {
+  int p = 1;
+  while (p * 2 <= v) p *= 2;
+  return p;
+}
+
+// rows x strips to cover; `units` = channel vectors (NHWC) or planes (NCHW).
+inline Tiling make_tiling(bool channels_last, int rows, int strip0, int strips, int units, int max_lanes_c = 8) {
+  Tiling t{};
+  t.strip0 = strip0;
+  if (channels_last) {
+    // max_lanes_c vectors = one 128-byte line of channels per pixel; the other lanes take a 2-D
+    // patch of pixels so that neighbouring lanes share input rows and columns through L1.
+    t.lanes_c = floor_pow2(units < max_lanes_c ? units : max_lanes_c);
+    const int spatial = 256 / t.lanes_c;
+    t.sx_n = strips < 4 ? strips : 4;
+    t.sy_n = spatial / t.sx_n;
+    if (t.sy_n > rows) t.sy_n = rows;
+    t.groups = ceil_div(units, t.lanes_c);
+  } else {
+    t.sx_n = strips < 32 ? strips : 32;
+    t.sy_n = 256 / t.sx_n;
+    if (t.sy_n > rows) t.sy_n = rows;
+    t.lanes_c = 256 / (t.sx_n * t.sy_n);
+    if (t.lanes_c > units) t.lanes_c = units;
+    if (t.lanes_c < 1) t.lanes_c = 1;
+    t.groups = ceil_div(units, t.lanes_c);
+  }
+  t.tiles_h = ceil_div(rows, t.sy_n);
+  t.tiles_w = ceil_div(strips, t.sx_n);
+  // Same number of tiles, no more idle lanes than needed (14 rows: 2 tiles of 7, not 8 + 6).
+  t.sy_n = ceil_div(rows, t.tiles_h);
+  t.sx_n = ceil_div(strips, t.tiles_w);
+  if (!channels_last) {
+    t.lanes_c = 256 / (t.sx_n * t.sy_n);
+    if (t.lanes_c > units) t.lanes_c = units;
+    if (t.lanes_c < 1) t.lanes_c = 1;
+    t.groups = ceil_div(units, t.lanes_c);
+  }
+  t.threads = t.lanes_c * t.sx_n * t.sy_n;
+  t.block = ceil_div(t.threads, 32) * 32;
+  t.images = 1;
+  t.group_fastest = 1;
+  t.blocks_per_group = 0;
+  return t;
+}
+
+int num_sms();  // of the current device, cached
+
+// Compile-time strip width (outputs per lane along a row) for the fast kernels.
+template <int K, int S>
+struct StripWidth {
+  static constexpr int value = K <= 3 ? 4 : (K == 5 && S == 1 ? 4 : 2);
+};
+
+// Fast kernels cover square odd kernels 3/5/7, equal strides 1 or 2, dilation 1, 16/32-bit types.
+inline bool fast_geometry(const ConvShape& s, DType dt) {
+  return dt != DType::F64 && s.KH == s.KW && (s.KH == 3 || s.KH == 5 || s.KH == 7) && s.SH == s.SW &&
+         (s.SH == 1 || s.SH == 2) && s.DH == 1 && s.DW == 1;
+}
+
+// Channels per lane in the NHWC forward/dgrad kernels: one 16-byte vector (4 fp32, 8 fp16/bf16).
+// 8-byte vectors of 16-bit data (more lanes, fewer registers) measured slower (docs/kernel_notes.md).
+template <typename S>
+struct NhwcVec {
+  static constexpr int value = 16 / sizeof(S);
+};
+inline int nhwc_vec(DType dt) { return dt == DType::F32 ? 4 : 8; }
+
+// Launch-shape knobs, per dtype, with measured defaults; MDW_<NAME>_<F32|F16|BF16> or MDW_<NAME>
+// override them (used by the benchmark sweeps that picked the defaults).
+enum class Knob { kGroupFastest, kImages, kWgradBlocksPerSm, kWgradStream, kNchwRows };
+int knob(Knob k, DType dt);
+// Images each NHWC forward/dgrad block loops over (amortises its weight staging).
+int images_per_block(DType dt, int blocks_per_image, int N);
+// Lanes along the channels: one 128-byte line per pixel.
+inline int nhwc_lanes_c(int vec, int elem_bytes) { return 128 / (vec * elem_bytes); }
+
+inline int elem_size(DType dt) {
+  return dt == DType::F64 ? 8 : (dt == DType::F32 ? 4 : 2);
+}
+
+// NCHW 3x3 / stride 1 / padding 1 with vector loads (flip: kernel rotated 180 degrees, i.e. the input
+// gradient); returns false when the shape or alignment does not allow it.
+bool conv3x3_nchw_vec(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
+                      bool flip, cudaStream_t stream);
+
+// Generic kernels: any supported kernel size, stride, dilation, padding, dtype and layout; one output
+// element per thread. The fast paths fall back to these.
+void forward_generic(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
+                     cudaStream_t stream);
+void dgrad_generic(const ConvShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,
+                   cudaStream_t stream);
+// Writes partial sums ws[chunk][C][KH*KW+1] for `chunks` chunks.
+int wgrad_generic_chunks(const ConvShape& s);
+void wgrad_generic_partials(const ConvShape& s, DType dt, const void* grad_out, const void* x, void* ws, int chunks,
+                            cudaStream_t stream);
+// grad_weight[c][k] = sum over chunks of ws (fixed order), grad_bias[c] likewise from slot KH*KW.
+void wgrad_finalize(const ConvShape& s, DType dt, const void* ws, int chunks, void* grad_weight, void* grad_bias,
+                    cudaStream_t stream);
+
+inline bool aligned(const void* p, size_t bytes) { return (reinterpret_cast<uintptr_t>(p) % bytes) == 0; }
+
+}  // namespace mdw

@@ -1,0 +1,236 @@
+// Input gradient: grad_input[ih, iw] = sum over taps (kh, kw) with ih = oh*S - P + kh, iw = ow*S - P + kw
+// of grad_out[oh, ow] * w[kh, kw]. A lane owns TW consecutive input columns, aligned in padded
+// coordinates (vw = iw + P) to a multiple of the stride, so which taps hit which grad_out column is
+// known at compile time for stride 2 too (output parity); the row parity is checked at run time.
+#include "device_common.h"
+
+#include <type_traits>
+
+namespace mdw {
+namespace {
+
+template <class TT, int K, int S, int TW, int V>
+__global__ void __launch_bounds__(256, V == 8 ? 2 : 3)
+    dgrad_nhwc_kernel(const typename TT::S* __restrict__ go, const typename TT::S* __restrict__ w,
+                      typename TT::S* __restrict__ gx, ConvShape s, Tiling t) {
+  using Sx = typename TT::S;
+  constexpr int A = (K - 1) / S;  // grad_out columns left of vw0/S that reach this strip
+  constexpr int L = A + (TW - 1) / S + 1;
+  constexpr bool kWeightsInRegs = K * V <= 32;
+  extern __shared__ float w_smem[];
+  const int cw = t.lanes_c * V;
+  // Channel group fastest across blocks (default): the blocks sharing a pixel's cache lines run together.
+  const int group = t.group_fastest ? blockIdx.x % t.groups : blockIdx.x / t.blocks_per_group;
+  const int c_base = group * cw;
+  for (int e = threadIdx.x; e < K * K * cw; e += blockDim.x) {
+    const int kk = e / cw, c = c_base + (e - kk * cw);
+    w_smem[e] = c < s.C ? TT::to_acc(w[c * K * K + kk]) : 0.f;
+  }
+  __syncthreads();
+
+  const int lane = threadIdx.x;
+  if (lane >= t.threads) return;
+  const int cv = lane % t.lanes_c;
+  const int sp = lane / t.lanes_c;
+  const int sx = sp % t.sx_n, sy = sp / t.sx_n;
+  const int c0 = c_base + cv * V;
+  int b = t.group_fastest ? blockIdx.x / t.groups : blockIdx.x % t.blocks_per_group;
+  const int tile_w = b % t.tiles_w;
+  b /= t.tiles_w;
+  const int tile_h = b % t.tiles_h;
+  const int n_begin = (b / t.tiles_h) * t.images;
+  const int n_end = n_begin + t.images < s.N ? n_begin + t.images : s.N;
+  const int ih = tile_h * t.sy_n + sy;
+  const int vw0 = (t.strip0 + tile_w * t.sx_n + sx) * TW;
+  if (c0 >= s.C || ih >= s.H || vw0 >= s.PW + s.W) return;
+
+#pragma unroll 1
+  for (int n = n_begin; n < n_end; ++n) {
+    float acc[TW][V];
+#pragma unroll
+    for (int j = 0; j < TW; ++j)
+#pragma unroll
+      for (int v = 0; v < V; ++v) acc[j][v] = 0.f;
+    const int owb = vw0 / S - A;
+    const int vh = ih + s.PH;
+    const float* wl = w_smem + cv * V;
+#pragma unroll
+    for (int kh = 0; kh < K; ++kh) {
+      const int th = vh - kh;
+      if (th < 0 || th % S != 0) continue;
+      const int oh = th / S;
+      if (oh >= s.OH) continue;
+      const Sx* row = go + ((static_cast<size_t>(n) * s.OH + oh) * s.OW) * s.C + c0;
+      Pack<Sx, V> raw[L];
+#pragma unroll
+      for (int i = 0; i < L; ++i) {
+        const int ow = owb + i;
+        if (ow >= 0 && ow < s.OW) {
+          raw[i] = *reinterpret_cast<const Pack<Sx, V>*>(row + static_cast<size_t>(ow) * s.C);
+        } else {
+#pragma unroll
+          for (int v = 0; v < V; ++v) raw[i].v[v] = Sx(0);
+        }
+      }
+      float wk[kWeightsInRegs ? K : 1][V];
+      if constexpr (kWeightsInRegs) {
+#pragma unroll
+        for (int kw = 0; kw < K; ++kw) load_f32<V>(wl + (kh * K + kw) * cw, wk[kw]);
+      }
+#pragma unroll
+      for (int i = 0; i < L; ++i) {
+        float gv[V];
+        widen<TT, V>(raw[i], gv);
+#pragma unroll
+        for (int j = 0; j < TW; ++j) {
+          const int kw = j - (i - A) * S;
+          if (kw >= 0 && kw < K) {
+            float wv[V];
+            if constexpr (kWeightsInRegs) {
+#pragma unroll
+              for (int v = 0; v < V; ++v) wv[v] = wk[kw][v];
+            } else {
+              load_f32<V>(wl + (kh * K + kw) * cw, wv);
+            }
+#pragma unroll
+            for (int v = 0; v < V; ++v) acc[j][v] = fmaf(wv[v], gv[v], acc[j][v]);
+          }
+        }
+      }
+    }
+    Sx* xp = gx + (static_cast<size_t>(n) * s.H + ih) * s.W * s.C + c0;
+#pragma unroll
+    for (int j = 0; j < TW; ++j) {
+      const int iw = vw0 + j - s.PW;
+      if (iw >= 0 && iw < s.W) store_vec<TT, V>(xp + static_cast<size_t>(iw) * s.C, acc[j]);
+    }
+  }
+}
+
+template <class TT, int K, int S, int TW>
+__global__ void __launch_bounds__(256)
+    dgrad_nchw_kernel(const typename TT::S* __restrict__ go, const typename TT::S* __restrict__ w,
+                      typename TT::S* __restrict__ gx, ConvShape s, Tiling t) {
+  using Sx = typename TT::S;
+  constexpr int A = (K - 1) / S;
+  constexpr int L = A + (TW - 1) / S + 1;
+  const int lane = threadIdx.x;
+  if (lane >= t.threads) return;
+  const int sx = lane % t.sx_n;
+  const int r = lane / t.sx_n;
+  const int sy = r % t.sy_n, q = r / t.sy_n;
+  int b = blockIdx.x;
+  const int tile_w = b % t.tiles_w;
+  b /= t.tiles_w;
+  const int tile_h = b % t.tiles_h;
+  const int plane_group = b / t.tiles_h;
+  const long long plane = static_cast<long long>(plane_group) * t.lanes_c + q;
+  const int ih = tile_h * t.sy_n + sy;
+  const int vw0 = (t.strip0 + tile_w * t.sx_n + sx) * TW;
+  if (plane >= static_cast<long long>(s.N) * s.C || ih >= s.H || vw0 >= s.PW + s.W) return;
+  const int c = static_cast<int>(plane % s.C);
+
+  float acc[TW];
+#pragma unroll
+  for (int j = 0; j < TW; ++j) acc[j] = 0.f;
+  const Sx* gp = go + plane * s.OH * s.OW;
+  const Sx* wc = w + c * K * K;
+  const int owb = vw0 / S - A;
+  const int vh = ih + s.PH;
+#pragma unroll
+  for (int kh = 0; kh < K; ++kh) {
+    const int th = vh - kh;
+    if (th < 0 || th % S != 0) continue;
+    const int oh = th / S;
+    if (oh >= s.OH) continue;
+    const Sx* row = gp + static_cast<size_t>(oh) * s.OW;
+    Sx raw[L];
+#pragma unroll
+    for (int i = 0; i < L; ++i) {
+      const int ow = owb + i;
+      raw[i] = (ow >= 0 && ow < s.OW) ? row[ow] : Sx(0);
+    }
+    float wk[K];
+#pragma unroll
+    for (int kw = 0; kw < K; ++kw) wk[kw] = TT::to_acc(wc[kh * K + kw]);
+#pragma unroll
+    for (int i = 0; i < L; ++i) {
+      const float gv = TT::to_acc(raw[i]);
+#pragma unroll
+      for (int j = 0; j < TW; ++j) {
+        const int kw = j - (i - A) * S;
+        if (kw >= 0 && kw < K) acc[j] = fmaf(wk[kw], gv, acc[j]);
+      }
+    }
+  }
+  Sx* xp = gx + (plane * s.H + ih) * s.W;
+#pragma unroll
+  for (int j = 0; j < TW; ++j) {
+    const int iw = vw0 + j - s.PW;
+    if (iw >= 0 && iw < s.W) xp[iw] = TT::from_acc(acc[j]);
+  }
+}
+
+template <class TT, int K, int S, int TW, int V>
+void launch_dgrad_nhwc(const ConvShape& s, const void* go, const void* w, void* gx, int strip0, int strips,
+                       cudaStream_t stream) {
+  using Sx = typename TT::S;
+  Tiling t = make_tiling(true, s.H, strip0, strips, s.C / V, nhwc_lanes_c(V, sizeof(Sx)));
+  const int blocks_per_image = t.groups * t.tiles_h * t.tiles_w;
+  const DType dt = sizeof(Sx) == 4 ? DType::F32 : (std::is_same_v<TT, F16T> ? DType::F16 : DType::BF16);
+  t.images = images_per_block(dt, blocks_per_image, s.N);
+  t.group_fastest = knob(Knob::kGroupFastest, dt);
+  t.blocks_per_group = t.tiles_h * t.tiles_w * ceil_div(s.N, t.images);
+  const dim3 grid(blocks_per_image * ceil_div(s.N, t.images));
+  const size_t smem = sizeof(float) * K * K * t.lanes_c * V;
+  dgrad_nhwc_kernel<TT, K, S, TW, V><<<grid, t.block, smem, stream>>>(
+      static_cast<const Sx*>(go), static_cast<const Sx*>(w), static_cast<Sx*>(gx), s, t);
+}
+
+template <class TT, int K, int S>
+void run_dgrad(const ConvShape& s, const void* go, const void* w, void* gx, cudaStream_t stream) {
+  using Sx = typename TT::S;
+  constexpr int TW = StripWidth<K, S>::value;
+  static_assert(TW % S == 0, "strips must start on a stride multiple");
+  // Strips tile the padded columns [PW, PW + W).
+  const int strip0 = s.PW / TW;
+  const int strips = (s.PW + s.W - 1) / TW - strip0 + 1;
+  if (s.channels_last) {
+    launch_dgrad_nhwc<TT, K, S, TW, NhwcVec<Sx>::value>(s, go, w, gx, strip0, strips, stream);
+  } else {
+    const Tiling t = make_tiling(false, s.H, strip0, strips, s.N * s.C);
+    const dim3 grid(t.groups * t.tiles_h * t.tiles_w);
+    dgrad_nchw_kernel<TT, K, S, TW><<<grid, t.block, 0, stream>>>(
+        static_cast<const Sx*>(go), static_cast<const Sx*>(w), static_cast<Sx*>(gx), s, t);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <class TT>
+void dgrad_fast(const ConvShape& s, const void* go, const void* w, void* gx, cudaStream_t st) {
+  const int k = s.KH, str = s.SH;
+  if (k == 3) (str == 1 ? run_dgrad<TT, 3, 1> : run_dgrad<TT, 3, 2>)(s, go, w, gx, st);
+  else if (k == 5) (str == 1 ? run_dgrad<TT, 5, 1> : run_dgrad<TT, 5, 2>)(s, go, w, gx, st);
+  else (str == 1 ? run_dgrad<TT, 7, 1> : run_dgrad<TT, 7, 2>)(s, go, w, gx, st);
+}
+
+}  // namespace
+
+void launch_dgrad(const ConvShape& s, DType dt, const void* go, const void* w, void* gx, cudaStream_t stream) {
+  bool fast = fast_geometry(s, dt);
+  if (fast && s.channels_last) {
+    const int v = nhwc_vec(dt);
+    fast = s.C % v == 0 && aligned(go, v * elem_size(dt)) && aligned(gx, v * elem_size(dt));
+  }
+  if (!fast) return dgrad_generic(s, dt, go, w, gx, stream);
+  // 3x3/stride 1/padding 1: the input gradient is the same stencil with the kernel rotated.
+  if (conv3x3_nchw_vec(s, dt, go, w, nullptr, gx, /*flip=*/true, stream)) return;
+  switch (dt) {
+    case DType::F32: return dgrad_fast<F32T>(s, go, w, gx, stream);
+    case DType::F16: return dgrad_fast<F16T>(s, go, w, gx, stream);
+    case DType::BF16: return dgrad_fast<BF16T>(s, go, w, gx, stream);
+    default: return dgrad_generic(s, dt, go, w, gx, stream);
+  }
+}
+
+}  // namespace mdw

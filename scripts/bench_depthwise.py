@@ -1,0 +1,317 @@
+#!/usr/bin/env python
+"""Benchmark MobileNetV1's 13 depthwise layers: torch vs cudnn vs custom, forward and forward+backward.
+
+For every dtype x layout: per-layer rows and the 13-layer sums, with the HBM floor (the fewest bytes the
+pass must move over the device-to-device copy bandwidth measured in this run). Timing: CUDA events around
+CUDA-graph replays (launch overhead out of the numbers; eager fallback if capture fails), warm-up, median
+of repeats, and a rotation over several input sets totalling well above the 60 MB L2 so that no pass
+reads its inputs from L2. Writes docs/results/depthwise_<gpu>.md and .csv.
+
+  python scripts/bench_depthwise.py                      # everything (a few minutes on an H200)
+  python scripts/bench_depthwise.py --dtypes fp16 --layouts nhwc --backends cudnn,custom --batch 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# (C, H, stride) at 224x224 input; 3x3, padding 1.
+LAYERS = [(32, 112, 1), (64, 112, 2), (128, 56, 1), (128, 56, 2), (256, 28, 1), (256, 28, 2)] + [(512, 14, 1)] * 5 + [
+    (512, 14, 2), (1024, 7, 1)]
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+LAYOUTS = {"nchw": torch.contiguous_format, "nhwc": torch.channels_last}
+ROTATION_BYTES = 512 << 20  # input sets per case total at least this: > 8x the H200's 60 MB L2
+
+
+def conv_fn(backend: str):
+    try:
+        from mobilenet.depthwise import get_backend
+
+        return get_backend(backend).conv2d
+    except ImportError:
+        if backend == "torch":
+            return lambda x, w, b, s, p, d: F.conv2d(x, w, b, s, p, d, groups=x.shape[1])
+        if backend == "custom":
+            from kernels.ops import depthwise_conv2d
+
+            return depthwise_conv2d
+        raise
+
+
+def device_copy_bandwidth() -> float:
+    """Bytes/s of a large device-to-device copy, counting bytes read plus bytes written."""
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(20):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    return 2 * n / statistics.median(times)
+
+
+def layer_bytes(n, c, h, stride, elem, mode):
+    oh = (h + 2 - 3) // stride + 1
+    x = n * c * h * h * elem
+    y = n * c * oh * oh * elem
+    w = c * 9 * elem
+    fwd = x + y + w
+    # backward: read grad_out and x, write grad_input (and the tiny weight gradient)
+    return fwd if mode == "fwd" else fwd + y + x + x + w
+
+
+def time_case(step, n_sets: int, repeats: int) -> tuple[float, str]:
+    """Median ms of one step, from graph replays of n_sets steps (one per input set)."""
+    for i in range(3):  # warm-up: JIT, cuDNN plans, allocator
+        step(i % n_sets)
+    torch.cuda.synchronize()
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for i in range(n_sets):
+                step(i)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(n_sets):
+                step(i)
+        run, how = graph.replay, "graph"
+    except Exception as e:  # noqa: BLE001 - report and time eagerly instead
+        print(f"    graph capture failed ({type(e).__name__}: {str(e)[:100]}); timing eagerly", flush=True)
+        torch.cuda.synchronize()
+
+        def run():
+            for i in range(n_sets):
+                step(i)
+
+        how = "eager"
+    run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / n_sets)
+    return statistics.median(times), how
+
+
+def bench_layer(backends, dtype, fmt, n, c, h, stride, modes, repeats, check):
+    elem = torch.finfo(dtype).bits // 8
+    oh = (h + 2 - 3) // stride + 1
+    set_bytes = n * c * (h * h + oh * oh) * elem
+    n_sets = max(2, min(16, math.ceil(ROTATION_BYTES / set_bytes)))
+    gen = torch.Generator(device="cuda").manual_seed(1234 + c + h)
+    xs = [torch.randn(n, c, h, h, device="cuda", dtype=dtype, generator=gen).contiguous(memory_format=fmt)
+          for _ in range(n_sets)]
+    gos = [torch.randn(n, c, oh, oh, device="cuda", dtype=dtype, generator=gen).contiguous(memory_format=fmt)
+           for _ in range(n_sets)]
+    w = (torch.randn(c, 1, 3, 3, device="cuda", dtype=dtype, generator=gen) / 3).requires_grad_()
+    for x in xs:
+        x.requires_grad_()
+    out = {}
+    ref = None
+    for name, fn in backends.items():
+        if check:
+            with torch.no_grad():
+                y = fn(xs[0], w, None, (stride, stride), (1, 1), (1, 1)).double()
+            if ref is None:
+                ref = F.conv2d(xs[0].double(), w.double(), None, stride, 1, 1, c)
+            err = ((y - ref).norm() / ref.norm()).item()
+            if not err <= (1e-5 if dtype == torch.float32 else 1e-2):
+                print(f"    WARNING {name}: forward rel. error {err:.2e} vs float64", flush=True)
+        for mode in modes:
+            if mode == "fwd":
+                def step(i, fn=fn):
+                    with torch.no_grad():
+                        fn(xs[i], w, None, (stride, stride), (1, 1), (1, 1))
+            else:
+                def step(i, fn=fn):
+                    y = fn(xs[i], w, None, (stride, stride), (1, 1), (1, 1))
+                    torch.autograd.grad(y, (xs[i], w), gos[i])
+            try:
+                out[(name, mode)] = time_case(step, n_sets, repeats)
+            except Exception as e:  # noqa: BLE001 - a backend that cannot run a case is reported, not fatal
+                print(f"    {name} {mode} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                out[(name, mode)] = (float("nan"), "failed")
+    del xs, gos
+    return out
+
+
+def env_info(argv) -> dict:
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=30).stdout.strip().splitlines()[0]
+    except Exception:  # noqa: BLE001
+        driver = "unknown"
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "driver": driver,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": str(torch.backends.cudnn.version()),
+        "python": platform.python_version(),
+        "command": " ".join(shlex.quote(a) for a in ["python"] + argv),
+        # launch-shape overrides of the custom kernels (kernels/csrc/generic.cu, knob())
+        "knobs": " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MDW_")) or "none (defaults)",
+    }
+
+
+def fmt_ms(v):
+    return "n/a" if v != v else f"{v:.3f}"
+
+
+def main(argv=None):
+    argv = sys.argv if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtypes", default="fp32,fp16,bf16")
+    ap.add_argument("--layouts", default="nchw,nhwc")
+    ap.add_argument("--backends", default="torch,cudnn,custom")
+    ap.add_argument("--modes", default="fwd,fwdbwd", help="fwd and/or fwdbwd")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--layers", default="", help="comma-separated layer indices 0-12 (default: all)")
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--no-check", action="store_true", help="skip the forward correctness check")
+    ap.add_argument("--out", default=None, help="output stem (default docs/results/depthwise_<gpu>)")
+    args = ap.parse_args(argv[1:])
+    if not torch.cuda.is_available():
+        sys.exit("bench_depthwise: needs a CUDA GPU")
+
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    layouts = [l for l in args.layouts.split(",") if l]
+    modes = [m for m in args.modes.split(",") if m]
+    backends = {b: conv_fn(b) for b in args.backends.split(",") if b}
+    layer_ids = [int(i) for i in args.layers.split(",")] if args.layers else list(range(len(LAYERS)))
+    info = env_info(argv)
+    bw = device_copy_bandwidth()
+    print(f"{info['gpu']}  torch {info['torch']}  CUDA {info['cuda']}  cuDNN {info['cudnn']}  "
+          f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+
+    rows = []
+    t_start = time.time()
+    for dname in dtypes:
+        for lname in layouts:
+            for li in layer_ids:
+                c, h, s = LAYERS[li]
+                res = bench_layer(backends, DTYPES[dname], LAYOUTS[lname], args.batch, c, h, s, modes, args.repeats,
+                                  not args.no_check)
+                for mode in modes:
+                    elem = torch.finfo(DTYPES[dname]).bits // 8
+                    floor = layer_bytes(args.batch, c, h, s, elem, mode) / bw * 1e3
+                    row = {"dtype": dname, "layout": lname, "mode": mode, "layer": li, "C": c, "H": h, "stride": s,
+                           "floor_ms": floor}
+                    for b in backends:
+                        row[f"{b}_ms"], row[f"{b}_timing"] = res[(b, mode)]
+                    rows.append(row)
+                    print("  " + " ".join(f"{k}={fmt_ms(v) if isinstance(v, float) else v}" for k, v in row.items()
+                                          if not k.endswith("_timing")), flush=True)
+    print(f"benchmark took {time.time() - t_start:.0f} s", flush=True)
+    write_results(rows, backends, dtypes, layouts, modes, layer_ids, info, bw, args)
+
+
+def write_results(rows, backends, dtypes, layouts, modes, layer_ids, info, bw, args):
+    stem = Path(args.out) if args.out else ROOT / "docs" / "results" / ("depthwise_" + short_gpu(info["gpu"]))
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    names = list(backends)
+    others = [b for b in names if b != "custom"]
+    mode_title = {"fwd": "forward", "fwdbwd": "forward+backward"}
+
+    def ratio_cols(times, floor):
+        cust = times.get("custom", float("nan"))
+        best_other = min((times[b] for b in others if times[b] == times[b]), default=float("nan"))
+        return cust / floor if cust == cust else float("nan"), best_other / cust if cust == cust else float("nan")
+
+    md = [f"# Depthwise convolution benchmark: {info['gpu']}", "",
+          f"- GPU: {info['gpu']}, driver {info['driver']}",
+          f"- torch {info['torch']}, CUDA {info['cuda']}, cuDNN {info['cudnn']}, Python {info['python']}",
+          f"- command: `{info['command']}`",
+          f"- custom-kernel launch knobs from the environment: {info['knobs']}",
+          f"- batch {args.batch}; MobileNetV1's 13 depthwise layers (3x3, padding 1) at 224x224 input",
+          f"- device-to-device copy bandwidth measured in this run: {bw / 1e12:.2f} TB/s (bytes read + written); "
+          "HBM floor = (input + output [+ grad_out + input + grad_input]) bytes / that bandwidth",
+          "- times: median over repeats of CUDA-graph replays, each replay running the pass once per input set of a "
+          f"rotation totalling >= {ROTATION_BYTES >> 20} MB (inputs never sit in L2); ms per pass",
+          "- `speed-up` = best of the other backends / custom (>= 1.00 means custom is at least as fast)", ""]
+    intro_len = len(md)
+    summary = []
+    for dname in dtypes:
+        for lname in layouts:
+            for mode in modes:
+                sel = [r for r in rows if r["dtype"] == dname and r["layout"] == lname and r["mode"] == mode]
+                if not sel:
+                    continue
+                md += [f"## {dname} {lname.upper()} {mode_title[mode]}", "",
+                       "| layer | C | H | stride | " + " | ".join(f"{b} ms" for b in names)
+                       + " | HBM floor ms | custom / floor | speed-up |",
+                       "|" + "---|" * (4 + len(names) + 3)]
+                sums = {b: 0.0 for b in names}
+                floor_sum = 0.0
+                for r in sel:
+                    times = {b: r[f"{b}_ms"] for b in names}
+                    cf, sp = ratio_cols(times, r["floor_ms"]) if "custom" in names else (float("nan"),) * 2
+                    md.append(f"| {r['layer']} | {r['C']} | {r['H']} | {r['stride']} | "
+                              + " | ".join(fmt_ms(times[b]) for b in names)
+                              + f" | {fmt_ms(r['floor_ms'])} | {cf:.2f} | {sp:.2f} |")
+                    for b in names:
+                        sums[b] += times[b]
+                    floor_sum += r["floor_ms"]
+                cf, sp = ratio_cols(sums, floor_sum) if "custom" in names else (float("nan"),) * 2
+                label = "sum (13 layers)" if len(sel) == len(LAYERS) else f"sum ({len(sel)} layers)"
+                md.append(f"| **{label}** | | | | " + " | ".join(f"**{fmt_ms(sums[b])}**" for b in names)
+                          + f" | **{fmt_ms(floor_sum)}** | **{cf:.2f}** | **{sp:.2f}** |")
+                md.append("")
+                summary.append((dname, lname, mode, sums, floor_sum, cf, sp))
+    head = ["## Summary: sums over the layers (ms)", "",
+            "| dtype | layout | pass | " + " | ".join(names) + " | HBM floor | custom / floor | speed-up |",
+            "|" + "---|" * (3 + len(names) + 3)]
+    for dname, lname, mode, sums, floor_sum, cf, sp in summary:
+        head.append(f"| {dname} | {lname.upper()} | {mode_title[mode]} | " + " | ".join(fmt_ms(sums[b]) for b in names)
+                    + f" | {fmt_ms(floor_sum)} | {cf:.2f} | {sp:.2f} |")
+    md = md[:intro_len] + head + [""] + md[intro_len:]
+    stem.with_suffix(".md").write_text("\n".join(md) + "\n")
+    with open(stem.with_suffix(".csv"), "w", newline="") as f:
+        fields = list(rows[0].keys()) if rows else []
+        wr = csv.DictWriter(f, fieldnames=fields + ["gpu", "driver", "torch", "cuda", "cudnn", "copy_TBps"])
+        wr.writeheader()
+        for r in rows:
+            wr.writerow({**r, "gpu": info["gpu"], "driver": info["driver"], "torch": info["torch"],
+                         "cuda": info["cuda"], "cudnn": info["cudnn"], "copy_TBps": f"{bw / 1e12:.3f}"})
+    print("\n".join(head))
+    print(f"wrote {stem.with_suffix('.md')} and .csv")
+
+
+def short_gpu(name: str) -> str:
+    for tag in ("H200", "H100", "A100", "L40S", "L4", "B200", "GH200"):
+        if tag in name:
+            return tag.lower()
+    return "".join(ch for ch in name.lower() if ch.isalnum())[:16]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,283 @@
+"""Tests of the custom depthwise CUDA op (kernels/).
+
+CPU (CI): the extension compiles; without CUDA, load() and `import kernels.ops` raise KernelUnavailable
+with a clear message. GPU (`pytest -m gpu`): opcheck, gradcheck in fp64, forward and both gradients against
+a float64 reference over a sample of the whole coverage grid with poisoned outputs, bitwise determinism,
+autocast, torch.compile(fullgraph=True), and the profiler showing our kernels and no cuDNN.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import random
+import shutil
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels import KernelUnavailable
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _have_nvcc() -> bool:
+    from torch.utils import cpp_extension
+
+    return torch.version.cuda is not None and (cpp_extension.CUDA_HOME is not None or shutil.which("nvcc") is not None)
+
+
+# ---------------------------------------------------------------------------------------------- CPU tests
+
+
+@pytest.mark.skipif(not _have_nvcc(), reason="needs nvcc (set CUDA_HOME) and a CUDA build of torch")
+def test_extension_compiles(monkeypatch, tmp_path):
+    # A fresh build directory: CI must compile the sources, not find an earlier build in the cache.
+    monkeypatch.setenv("MOBILENET_KERNELS_CACHE", str(tmp_path))
+    directory = kernels.build()
+    assert directory.is_relative_to(tmp_path)
+    assert any(directory.glob("mobilenet_dw_kernels*.so"))
+
+
+def test_load_without_cuda_raises_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(kernels, "_loaded", False)
+    with pytest.raises(KernelUnavailable, match=r"need a CUDA GPU.*torch\.cuda\.is_available\(\) is False"):
+        kernels.load()
+
+
+def test_build_without_nvcc_says_what_to_set(monkeypatch):
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", "/nonexistent-cuda")
+    monkeypatch.setenv("CUDA_HOME", "/nonexistent-cuda")
+    with pytest.raises(KernelUnavailable, match="CUDA_HOME|CUDA build"):
+        kernels.build()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
+def test_importing_ops_without_cuda_raises_kernel_unavailable():
+    sys.modules.pop("kernels.ops", None)
+    with pytest.raises(KernelUnavailable, match="CUDA GPU"):
+        importlib.import_module("kernels.ops")
+
+
+def test_kernel_unavailable_is_a_runtime_error():
+    assert issubclass(KernelUnavailable, RuntimeError)
+
+
+# ---------------------------------------------------------------------------------------------- GPU tests
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2, torch.float64: 1e-12}
+
+
+@pytest.fixture(scope="module")
+def dw():
+    from kernels.ops import depthwise_conv2d
+
+    return depthwise_conv2d
+
+
+def _rel(out, ref):
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _poison_allocator(nbytes: int):
+    """Fill freed allocator blocks with NaN bytes so that an output element the kernels never write
+    shows up as NaN (every output of the op comes from the caching allocator)."""
+    big = torch.empty(max(nbytes, 1 << 20) * 2, dtype=torch.uint8, device="cuda").fill_(0xFF)
+    small = [torch.empty(1 << 19, dtype=torch.uint8, device="cuda").fill_(0xFF) for _ in range(8)]
+    del big, small
+
+
+def _make_input(n, c, h, w, dtype, layout, gen):
+    if layout == "noncontig":  # neither layout: a strided slice of a wider tensor
+        base = torch.randn(n, c, h, 2 * w + 1, device="cuda", dtype=dtype, generator=gen)
+        return base[..., 1::2]
+    x = torch.randn(n, c, h, w, device="cuda", dtype=dtype, generator=gen)
+    return x.contiguous(memory_format=torch.channels_last) if layout == "nhwc" else x
+
+
+def _padding_value(padding, k, d):
+    if padding == "same":
+        return (d * (k - 1) // 2,) * 2
+    return (padding, padding)
+
+
+def _check_case(dw, dtype, layout, k, stride, dilation, padding, bias, n, c, h, w, gen):
+    if padding == "same" and stride != 1:
+        return
+    pad = _padding_value(padding, k, dilation)
+    if (h + 2 * pad[0] - dilation * (k - 1) - 1) < 0 or (w + 2 * pad[1] - dilation * (k - 1) - 1) < 0:
+        return  # no output
+    x = _make_input(n, c, h, w, dtype, layout, gen).requires_grad_()
+    wt = (torch.randn(c, 1, k, k, device="cuda", dtype=dtype, generator=gen) / k).requires_grad_()
+    b = torch.randn(c, device="cuda", dtype=dtype, generator=gen).requires_grad_() if bias else None
+    ref = F.conv2d(x.double(), wt.double(), None if b is None else b.double(), stride, pad, dilation, c)
+    go = torch.randn(ref.shape, device="cuda", dtype=dtype, generator=gen)
+    if layout == "nhwc":
+        go = go.contiguous(memory_format=torch.channels_last)
+    ref_grads = torch.autograd.grad(ref, [x, wt] + ([b] if bias else []), go.double())
+
+    _poison_allocator(2 * x.numel() * x.element_size())
+    y = dw(x, wt, b, stride, padding, dilation)
+    grads = torch.autograd.grad(y, [x, wt] + ([b] if bias else []), go)
+    what = f"{dtype} {layout} k={k} s={stride} d={dilation} p={padding} bias={bias} x={tuple(x.shape)}"
+    assert y.dtype == dtype and y.shape == ref.shape, what
+    want_cl = layout == "nhwc" and not x.is_contiguous()
+    assert y.is_contiguous(memory_format=torch.channels_last if want_cl else torch.contiguous_format), what
+    tol = TOL[dtype]
+    for name, out, r in [("forward", y, ref)] + list(zip(["grad_input", "grad_weight", "grad_bias"], grads, ref_grads)):
+        assert torch.isfinite(out).all(), f"{name} has unwritten (NaN) elements: {what}"
+        err = _rel(out, r)
+        assert err <= tol, f"{name} rel. error {err:.2e} > {tol}: {what}"
+    # bitwise identical on a rerun (deterministic weight gradient: fixed-order reduction, no atomics)
+    y2 = dw(x, wt, b, stride, padding, dilation)
+    grads2 = torch.autograd.grad(y2, [x, wt] + ([b] if bias else []), go)
+    assert torch.equal(y, y2), what
+    for g1, g2 in zip(grads, grads2):
+        assert torch.equal(g1, g2), f"gradients differ between runs: {what}"
+
+
+@pytest.mark.gpu
+@cuda
+def test_coverage_grid_against_float64(dw):
+    grid = list(itertools.product(
+        DTYPES + [torch.float64], ["nchw", "nhwc", "noncontig"], [1, 3, 5, 7], [1, 2], [1, 2], [0, 1, 2, "same"],
+        [False, True]))
+    rng = random.Random(0)  # which grid points: fixed; the data: fresh each run
+    sample = rng.sample(grid, 260)
+    # every dtype x layout x fast kernel size at stride 1 and 2 (MobileNet-like, C a multiple of 8) too
+    sample += [(dt, lay, k, s, 1, k // 2, bias) for dt in DTYPES for lay in ["nchw", "nhwc"] for k in (3, 5, 7)
+               for s in (1, 2) for bias in (False,)]
+    gen = torch.Generator(device="cuda").manual_seed(random.randrange(1 << 30))
+    sizes = [(1, 3, 5, 7), (2, 8, 9, 9), (3, 13, 11, 6), (2, 16, 15, 15), (1, 24, 8, 13), (2, 40, 7, 7), (3, 32, 12, 17)]
+    for i, (dtype, layout, k, stride, dilation, padding, bias) in enumerate(sample):
+        n, c, h, w = sizes[i % len(sizes)]
+        _check_case(dw, dtype, layout, k, stride, dilation, padding, bias, n, c, h, w, gen)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_mobilenet_shapes(dw, dtype, layout):
+    gen = torch.Generator(device="cuda").manual_seed(random.randrange(1 << 30))
+    for c, h, stride in [(32, 28, 1), (64, 28, 2), (512, 14, 1), (512, 14, 2), (1024, 7, 1)]:
+        _check_case(dw, dtype, layout, 3, stride, 1, 1, False, 4, c, h, h, gen)
+
+
+@pytest.mark.gpu
+@cuda
+def test_gradcheck_fp64(dw):
+    for layout, stride, dilation, k in [("nchw", 1, 1, 3), ("nhwc", 2, 1, 3), ("nchw", 2, 2, 5), ("nhwc", 1, 2, 1)]:
+        x = _make_input(2, 3, 7, 6, torch.float64, layout, None).requires_grad_()
+        w = torch.randn(3, 1, k, k, device="cuda", dtype=torch.float64, requires_grad=True)
+        b = torch.randn(3, device="cuda", dtype=torch.float64, requires_grad=True)
+        assert torch.autograd.gradcheck(lambda x, w, b: dw(x, w, b, stride, 1, dilation), (x, w, b))
+
+
+@pytest.mark.gpu
+@cuda
+def test_opcheck(dw):
+    ops = torch.ops.mobilenet_dw
+    for dtype, fmt, bias in [(torch.float32, torch.contiguous_format, True), (torch.float16, torch.channels_last, False),
+                             (torch.float64, torch.channels_last, True)]:
+        x = torch.randn(2, 8, 9, 9, device="cuda", dtype=dtype).contiguous(memory_format=fmt)
+        w = torch.randn(8, 1, 3, 3, device="cuda", dtype=dtype)
+        b = torch.randn(8, device="cuda", dtype=dtype) if bias else None
+        torch.library.opcheck(ops.depthwise_fwd.default, (x, w, b, [2, 2], [1, 1], [1, 1]))
+        torch.library.opcheck(ops.depthwise_fwd.default,
+                              (x.requires_grad_(), w.requires_grad_(), b, [1, 1], [1, 1], [1, 1]))
+        go = torch.randn(2, 8, 5, 5, device="cuda", dtype=dtype).contiguous(memory_format=fmt)
+        for mask in ([True, True, True], [True, False, False], [False, True, False]):
+            torch.library.opcheck(ops.depthwise_bwd.default,
+                                  (go, x.detach(), w.detach(), [2, 2], [1, 1], [1, 1], mask))
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("amp_dtype", [torch.float16, torch.bfloat16])
+def test_autocast(dw, amp_dtype):
+    x = torch.randn(2, 16, 12, 12, device="cuda", requires_grad=True)
+    w = torch.randn(16, 1, 3, 3, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=amp_dtype):
+        y = dw(x, w, None, 1, 1, 1)
+    assert y.dtype == amp_dtype
+    ref = F.conv2d(x.double(), w.double(), None, 1, 1, 1, 16)
+    assert _rel(y, ref) <= 1e-2
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
+    assert _rel(w.grad, torch.autograd.grad(ref.sum(), w)[0]) <= 1e-2
+
+
+@pytest.mark.gpu
+@cuda
+def test_torch_compile_fullgraph(dw):
+    def f(x, w, b):
+        return torch.relu(dw(x, w, b, 2, "valid", 1) * 2)
+
+    compiled = torch.compile(f, fullgraph=True)
+    for fmt in (torch.contiguous_format, torch.channels_last):
+        x = torch.randn(2, 16, 11, 11, device="cuda").contiguous(memory_format=fmt).requires_grad_()
+        w = torch.randn(16, 1, 3, 3, device="cuda", requires_grad=True)
+        b = torch.randn(16, device="cuda", requires_grad=True)
+        y = compiled(x, w, b)
+        y_eager = f(x, w, b)
+        torch.testing.assert_close(y, y_eager)
+        g = torch.autograd.grad(y.sum(), (x, w, b))
+        g_eager = torch.autograd.grad(y_eager.sum(), (x, w, b))
+        for a, e in zip(g, g_eager):
+            torch.testing.assert_close(a, e)
+
+
+@pytest.mark.gpu
+@cuda
+def test_profiler_shows_our_kernels_and_no_cudnn(dw):
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(4, 32, 28, 28, device="cuda").contiguous(memory_format=torch.channels_last).requires_grad_()
+    w = torch.randn(32, 1, 3, 3, device="cuda", requires_grad=True)
+    dw(x, w, None, 1, 1, 1).sum().backward()  # warm-up
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for dtype in (torch.float32, torch.float16):
+            xd = x.detach().to(dtype).requires_grad_()
+            wd = w.detach().to(dtype).requires_grad_()
+            y = dw(xd, wd, None, 1, 1, 1)
+            torch.autograd.grad(y, (xd, wd), torch.ones_like(y))
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    ours = [n for n in names if "mdw::" in n]
+    assert any("fwd_nhwc_kernel" in n for n in ours), names
+    assert any("dgrad_nhwc_kernel" in n for n in ours), names
+    assert any("wgrad_nhwc" in n for n in ours), names
+    assert not [n for n in names if "cudnn" in n.lower() or "conv" in n.lower() and "mdw::" not in n], names
+
+
+@pytest.mark.gpu
+@cuda
+def test_unsupported_parameters_raise_clear_errors(dw):
+    # ValueError from the Python checks (RuntimeError would come from the op's own C++ checks)
+    x = torch.randn(1, 4, 12, 12, device="cuda")
+    with pytest.raises((RuntimeError, ValueError), match=r"kernel size 9 is not supported \(odd sizes 1-7\)"):
+        dw(x, torch.randn(4, 1, 9, 9, device="cuda"), None, 1, 4, 1)
+    with pytest.raises((RuntimeError, ValueError), match="kernel size 4 is not supported"):
+        dw(x, torch.randn(4, 1, 4, 4, device="cuda"), None, 1, 1, 1)
+    with pytest.raises((RuntimeError, ValueError), match="stride 3 is not supported"):
+        dw(x, torch.randn(4, 1, 3, 3, device="cuda"), None, 3, 1, 1)
+    with pytest.raises((RuntimeError, ValueError), match="dilation 3 is not supported"):
+        dw(x, torch.randn(4, 1, 3, 3, device="cuda"), None, 1, 1, 3)
+    with pytest.raises((RuntimeError, ValueError), match="depth multiplier 2 is not supported"):
+        dw(x, torch.randn(8, 1, 3, 3, device="cuda"), None, 1, 1, 1)
+    with pytest.raises((RuntimeError, ValueError), match="dtype"):
+        dw(x.to(torch.int32), torch.randn(4, 1, 3, 3, device="cuda").to(torch.int32), None, 1, 1, 1)
+    with pytest.raises(ValueError, match="padding='same' is not supported for strided"):
+        dw(x, torch.randn(4, 1, 3, 3, device="cuda"), None, 2, "same", 1)
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        dw(x.cpu(), torch.randn(4, 1, 3, 3), None, 1, 1, 1)
