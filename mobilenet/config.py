@@ -31,6 +31,13 @@ class DeviceKind(str, Enum):
 class OptimName(str, Enum):
     sgd = "sgd"
     rmsprop = "rmsprop"
+    lamb = "lamb"  # apex's FusedLAMB only (optim.impl=apex)
+
+
+class OptimImpl(str, Enum):
+    foreach = "foreach"  # torch's multi-tensor kernels
+    fused = "fused"  # torch's single fused kernel per parameter group
+    apex = "apex"  # NVIDIA apex's FusedSGD / FusedLAMB
 
 
 class DaliDecode(str, Enum):
@@ -93,6 +100,7 @@ class DataConfig:
 @dataclass
 class OptimConfig:
     name: OptimName = OptimName.sgd
+    impl: OptimImpl = OptimImpl.foreach
     # Learning rate for a batch of 256; scaled linearly with the global batch size.
     lr: float = 0.1
     momentum: float = 0.9
@@ -112,6 +120,14 @@ class PerfConfig:
     warmup_steps: int = 10
     # How often the host reads the loss back (each read is a device sync).
     log_every: int = 50
+    # img/s of the same config on one GPU: with it, a multi-GPU run reports its scaling efficiency.
+    single_gpu_img_s: Optional[float] = None
+
+
+@dataclass
+class DistConfig:
+    # A collective that waits longer than this fails with an error instead of hanging (a crashed rank).
+    timeout_s: int = 600
 
 
 @dataclass
@@ -137,6 +153,9 @@ class Config:
     amp_dtype: AmpDtype = AmpDtype.fp16
     channels_last: bool = False
     compile: bool = False
+    # BatchNorm statistics over all ranks (SyncBatchNorm); needs a process group (torchrun).
+    sync_bn: bool = False
+    dist: DistConfig = field(default_factory=DistConfig)
     device: DeviceKind = DeviceKind.auto
     epochs: int = 10
     seed: int = 0

@@ -16,6 +16,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from . import distributed
 from .data import LoaderSpec, build_loaders
 from .depthwise import get_backend
 from .meter import StepMeter, Throughput
@@ -82,16 +83,38 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+APEX_HINT = ("NVIDIA apex is not installed: build it from source with its CUDA extensions (see the apex README, "
+             "'--cpp_ext --cuda_ext'), or use optim.impl=fused|foreach")
+
+
 def build_optimizer(cfg, model: nn.Module, global_batch: int) -> torch.optim.Optimizer:
     o = cfg.optim
     lr = o.lr * global_batch / 256  # linear scaling from the reference batch of 256
     groups = param_groups(model, o.weight_decay)
-    name = _value(o.name)
+    name, impl = _value(o.name), _value(o.impl)
+    nesterov = o.nesterov and o.momentum > 0
+    if impl == "apex":
+        try:
+            from apex.optimizers import FusedLAMB, FusedSGD
+        except ImportError as e:
+            raise ImportError(f"optim.impl=apex: {APEX_HINT} ({e})") from e
+        if name == "sgd":
+            return FusedSGD(groups, lr=lr, momentum=o.momentum, nesterov=nesterov)
+        if name == "lamb":
+            return FusedLAMB(groups, lr=lr)
+        raise ValueError(f"optim.impl=apex offers optim=sgd (FusedSGD) and optim.name=lamb (FusedLAMB), not {name!r}")
+    if impl not in ("foreach", "fused"):
+        raise ValueError(f"unknown optim.impl {impl!r}; choose one of: foreach, fused, apex")
+    kind = {impl: True}  # foreach=True or fused=True: never PyTorch's silent per-tensor loop
     if name == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=o.momentum, nesterov=o.nesterov and o.momentum > 0)
+        return torch.optim.SGD(groups, lr=lr, momentum=o.momentum, nesterov=nesterov, **kind)
     if name == "rmsprop":
-        return torch.optim.RMSprop(groups, lr=lr, alpha=o.alpha, eps=o.eps, momentum=o.momentum)
-    raise ValueError(f"unknown optimizer {name!r}; choose one of: sgd, rmsprop")
+        if impl == "fused":
+            raise ValueError("torch has no fused RMSprop; use optim.impl=foreach with optim=rmsprop")
+        return torch.optim.RMSprop(groups, lr=lr, alpha=o.alpha, eps=o.eps, momentum=o.momentum, **kind)
+    if name == "lamb":
+        raise ValueError("optim.name=lamb is apex's FusedLAMB: set optim.impl=apex")
+    raise ValueError(f"unknown optimizer {name!r}; choose one of: sgd, rmsprop, lamb (apex)")
 
 
 def warmup_cosine(total_steps: int, warmup_steps: int, min_ratio: float):
@@ -217,12 +240,17 @@ class Trainer:
         names it in summaries and hparams."""
         self.cfg = cfg
         self.run_dir = Path(run_dir)
-        self.device = resolve_device(cfg.device)
+        self.dist, self.device = distributed.init(resolve_device(cfg.device), cfg.dist.timeout_s)
         validate(cfg, self.device)
+        if cfg.sync_bn and not self.dist.enabled:
+            raise ValueError("sync_bn=true needs a process group, and this run is a single process: "
+                             "launch with `torchrun --nproc_per_node=N train.py ... sync_bn=true`")
+        if cfg.profile and self.dist.enabled:
+            raise ValueError("profile=true traces one process: run it without torchrun")
         seed_everything(cfg.seed)
         torch.backends.cudnn.benchmark = True
         self.amp_dtype = AMP_DTYPES[_value(cfg.amp_dtype)] if cfg.amp else None
-        spec = LoaderSpec(self.device, run_dtype(cfg), cfg.channels_last, seed=cfg.seed)
+        spec = LoaderSpec(self.device, run_dtype(cfg), cfg.channels_last, self.dist.rank, self.dist.world_size, seed=cfg.seed)
         self.train_loader, self.val_loader = build_loaders(cfg.data, spec)
         self.steps_per_epoch = len(self.train_loader)
         if cfg.data.steps_per_epoch is not None and cfg.data.name != "synthetic":
@@ -235,11 +263,19 @@ class Trainer:
             self.model = model.to(self.device)
             if cfg.channels_last:
                 self.model = self.model.to(memory_format=torch.channels_last)
+        if cfg.sync_bn:
+            self.model = nn.SyncBatchNorm.convert_sync_batchnorm(self.model)
         self.backend_label = backend_label or cfg.backend.name
         # Figures measured outside fit() (e.g. inference img/s) to log as perf/<name> and hparam/<name>.
         self.extra_metrics: dict[str, float] = {}
-        self.forward = torch.compile(self.model) if cfg.compile else self.model
-        self.optimizer = build_optimizer(cfg, self.model, cfg.data.batch_size)
+        wrapped = self.model
+        if self.dist.enabled:
+            from torch.nn.parallel import DistributedDataParallel
+
+            wrapped = DistributedDataParallel(self.model, device_ids=[self.device] if self.device.type == "cuda" else None,
+                                              gradient_as_bucket_view=True)
+        self.forward = torch.compile(wrapped) if cfg.compile else wrapped
+        self.optimizer = build_optimizer(cfg, self.model, cfg.data.batch_size * self.dist.world_size)
         total = cfg.epochs * self.steps_per_epoch
         warmup = int(round(cfg.optim.warmup_epochs * self.steps_per_epoch))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -254,7 +290,8 @@ class Trainer:
             self._restore(load_checkpoint(cfg.resume))
         self.env = environment(self.device)
         self.overrides = overrides
-        self.tb = TensorBoardLog(str(self.run_dir))
+        # Only rank 0 writes: one TensorBoard run and one checkpoint per training run.
+        self.tb = TensorBoardLog(str(self.run_dir), enabled=self.dist.is_main)
         self.profiler = None
 
     # --- checkpoints ---------------------------------------------------------------------------------------------
@@ -377,6 +414,15 @@ class Trainer:
         self.tb.close()
         return result
 
+    def global_throughput(self, tp: Throughput) -> Throughput:
+        """Images summed over ranks over the slowest rank's time: the run's img/s, not one GPU's."""
+        if not self.dist.enabled:
+            return tp
+        images, = distributed.sum_over_ranks([tp.images], self.device, self.dist)
+        mx = lambda v: distributed.max_over_ranks(v, self.device, self.dist)  # noqa: E731
+        return Throughput(images=int(images), steps=tp.steps, seconds=mx(tp.seconds), compute_seconds=mx(tp.compute_seconds),
+                          data_wait_seconds=mx(tp.data_wait_seconds), step_ms_median=mx(tp.step_ms_median))
+
     def fit(self) -> RunResult:
         cfg = self.cfg
         if cfg.profile:
@@ -387,7 +433,7 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         try:
             while self.epoch < cfg.epochs:
-                tp = self.train_epoch(result)
+                tp = self.global_throughput(self.train_epoch(result))
                 result.train = tp
                 self.epoch += 1
                 scalars = {
@@ -396,6 +442,10 @@ class Trainer:
                     "perf/step_ms": tp.step_ms,
                     "perf/data_wait_ms": tp.data_wait_ms,
                 }
+                if self.dist.enabled:
+                    scalars["perf/train_img_s_per_gpu"] = tp.img_s / self.dist.world_size
+                if cfg.perf.single_gpu_img_s:
+                    scalars["perf/scaling_efficiency"] = tp.img_s / (self.dist.world_size * cfg.perf.single_gpu_img_s)
                 if self.device.type == "cuda":
                     scalars["sys/max_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
                 self.tb.scalars(scalars, self.global_step)
@@ -404,9 +454,12 @@ class Trainer:
                                                   warmup_steps=min(cfg.perf.warmup_steps, max(0, len(self.val_loader) - 1)))
                     result.val_top1, result.val_top5, result.val_images, result.val_img_s = top1, top5, n, vtp.img_s
                     self.tb.scalars({"val/top1": top1, "val/top5": top5, "perf/val_img_s": vtp.img_s}, self.global_step)
-                    log.info("epoch %d: val top1 %.2f%% top5 %.2f%% over %d images", self.epoch, top1, top5, n)
+                    if self.dist.is_main:
+                        log.info("epoch %d: val top1 %.2f%% top5 %.2f%% over %d images", self.epoch, top1, top5, n)
                 if cfg.save_checkpoints:
-                    save_checkpoint(self.checkpoint_path, self._state())
+                    if self.dist.is_main:
+                        save_checkpoint(self.checkpoint_path, self._state())
+                    distributed.barrier(self.dist)  # no rank runs ahead of a checkpoint it may be asked to resume
         except KeyboardInterrupt:
             log.warning("interrupted: the last complete checkpoint (%s) is intact", self.checkpoint_path)
             raise
@@ -430,7 +483,13 @@ class Trainer:
             "device": self.env.get("gpu") if self.device.type == "cuda" else "cpu",
             "torch / CUDA / cuDNN": f"{self.env['torch']} / {self.env['cuda']} / {self.env['cudnn']}",
         }
+        if self.dist.enabled:
+            rows["ranks"] = self.dist.world_size
         if tp is not None:
+            if self.dist.enabled:
+                rows["train img/s per rank (GPU)"] = tp.img_s / self.dist.world_size
+            if cfg.perf.single_gpu_img_s:
+                rows["scaling efficiency"] = tp.img_s / (self.dist.world_size * cfg.perf.single_gpu_img_s)
             rows.update({
                 "train img/s (total)": tp.img_s,
                 "train img/s (compute)": tp.compute_img_s,
@@ -445,12 +504,15 @@ class Trainer:
 
     def _finish(self, result: RunResult) -> None:
         cfg = self.cfg
+        if not self.dist.is_main:
+            return
         md = print_summary(f"run {self.overrides or 'default'}", self.summary_rows(result))
         self.tb.text("summary", md)
         hparams = {
             "backend": self.backend_label, "amp": cfg.amp, "amp_dtype": _value(cfg.amp_dtype), "channels_last": cfg.channels_last,
             "data": cfg.data.name, "batch_size": cfg.data.batch_size, "resolution": cfg.data.resolution, "compile": cfg.compile,
             "gpu": self.env.get("gpu", "none"), "torch": self.env["torch"], "cudnn": self.env["cudnn"],
+            "world_size": self.dist.world_size,
         }
         metrics = {"hparam/train_img_s": result.train.img_s if result.train else float("nan"),
                    "hparam/val_top1": result.val_top1}
