@@ -55,10 +55,10 @@ def run_dtype(cfg) -> torch.dtype:
 
 def validate(cfg, device: torch.device) -> None:
     """Reject combinations that cannot run as asked, before any work is done. Nothing is substituted."""
+    get_backend(cfg.backend.name).check(device)  # first: a GPU-only backend on a CPU is the root cause to report
     if cfg.amp and _value(cfg.amp_dtype) == "fp16" and device.type != "cuda":
         raise ValueError("amp=true with amp_dtype=fp16 needs a CUDA GPU (CPU autocast runs bf16 only); "
                          "use amp_dtype=bf16 on a CPU, or run on a GPU")
-    get_backend(cfg.backend.name).check(device)
 
 
 def seed_everything(seed: int) -> None:

@@ -136,3 +136,11 @@ def test_multirun_cli_runs_each_combination(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     runs = sorted(p.name for p in tmp_path.glob("multirun-*/*") if p.is_dir())
     assert len(runs) == 2 and all("amp=" in r and "backend=torch" in r for r in runs), runs
+
+
+def test_the_documented_gpu_command_on_a_cpu_names_the_backend(run_dir):
+    from mobilenet.depthwise import BackendUnavailable
+
+    # `python train.py backend=custom amp=true` on a CPU: the backend is the reason, not the fp16 autocast.
+    with pytest.raises(BackendUnavailable, match="backend=custom needs a CUDA GPU"):
+        Trainer(compose([*FAST, "backend=custom", "amp=true"]), run_dir)
