@@ -48,9 +48,14 @@ def resolve_device(kind: Any) -> torch.device:
     return torch.device(kind)
 
 
+def autocast_dtype(cfg) -> torch.dtype | None:
+    """The autocast dtype under amp=true, else None (autocast off)."""
+    return AMP_DTYPES[_value(cfg.amp_dtype)] if cfg.amp else None
+
+
 def run_dtype(cfg) -> torch.dtype:
     """The dtype batches are delivered in: the autocast dtype under AMP, else fp32."""
-    return AMP_DTYPES[_value(cfg.amp_dtype)] if cfg.amp else torch.float32
+    return autocast_dtype(cfg) or torch.float32
 
 
 def validate(cfg, device: torch.device) -> None:
@@ -67,8 +72,11 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_for_run(cfg, device: torch.device, num_classes: int) -> nn.Module:
-    model = build_model(cfg.model.name, num_classes, cfg.model.width_mult, cfg.backend.name, cfg.model.dropout).to(device)
+def build_for_run(cfg, device: torch.device, num_classes: int, model: nn.Module | None = None) -> nn.Module:
+    """The configured MobileNetV1 (or a given peer model) on the run's device, in the run's memory format."""
+    if model is None:
+        model = build_model(cfg.model.name, num_classes, cfg.model.width_mult, cfg.backend.name, cfg.model.dropout)
+    model = model.to(device)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     return model
@@ -249,7 +257,7 @@ class Trainer:
             raise ValueError("profile=true traces one process: run it without torchrun")
         seed_everything(cfg.seed)
         torch.backends.cudnn.benchmark = True
-        self.amp_dtype = AMP_DTYPES[_value(cfg.amp_dtype)] if cfg.amp else None
+        self.amp_dtype = autocast_dtype(cfg)
         spec = LoaderSpec(self.device, run_dtype(cfg), cfg.channels_last, self.dist.rank, self.dist.world_size, seed=cfg.seed)
         self.train_loader, self.val_loader = build_loaders(cfg.data, spec)
         self.steps_per_epoch = len(self.train_loader)
@@ -257,12 +265,7 @@ class Trainer:
             self.steps_per_epoch = min(self.steps_per_epoch, cfg.data.steps_per_epoch)
         if self.steps_per_epoch < 1:
             raise ValueError("the training loader yields no full batch; lower data.batch_size")
-        if model is None:
-            self.model = build_for_run(cfg, self.device, self.train_loader.num_classes)
-        else:
-            self.model = model.to(self.device)
-            if cfg.channels_last:
-                self.model = self.model.to(memory_format=torch.channels_last)
+        self.model = build_for_run(cfg, self.device, self.train_loader.num_classes, model)
         if cfg.sync_bn:
             self.model = nn.SyncBatchNorm.convert_sync_batchnorm(self.model)
         self.backend_label = backend_label or cfg.backend.name

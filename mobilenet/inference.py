@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from .data import LoaderSpec, build_loaders
-from .engine import _value, build_for_run, evaluate, load_checkpoint, resolve_device, run_dtype, validate
+from .engine import _value, autocast_dtype, build_for_run, evaluate, load_checkpoint, resolve_device, run_dtype, validate
 from .meter import StepMeter, Throughput
 from .reporting import environment, print_summary
 
@@ -28,7 +28,7 @@ def _setup(cfg, checkpoint: str | None, num_classes: int | None = None):
         model.load_state_dict(state["model"])
     model.eval()
     forward = torch.compile(model) if cfg.compile else model
-    amp_dtype = run_dtype(cfg) if cfg.amp else None
+    amp_dtype = autocast_dtype(cfg)
     return device, model, forward, amp_dtype, state
 
 
@@ -54,7 +54,7 @@ def _rows(cfg, device, env) -> dict:
 
 def measure(forward, model: torch.nn.Module, cfg, device: torch.device, warmup: int, steps: int) -> Throughput:
     """Inference throughput of any model (this project's or a peer) on one device-resident batch."""
-    amp_dtype = run_dtype(cfg) if cfg.amp else None
+    amp_dtype = autocast_dtype(cfg)
     x = _synthetic_batch(cfg, device)
     was_training = model.training
     model.eval()

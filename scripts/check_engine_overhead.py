@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mobilenet.config import compose  # noqa: E402
-from mobilenet.engine import AMP_DTYPES, Trainer, _value, build_for_run, resolve_device  # noqa: E402
+from mobilenet.engine import Trainer, autocast_dtype, build_for_run, resolve_device  # noqa: E402
 from mobilenet.reporting import environment  # noqa: E402
 
 DEFAULT = ["data=synthetic", "backend=cudnn", "amp=true", "channels_last=true"]
@@ -31,7 +31,7 @@ def bare_loop(cfg, device, steps: int, warmup: int) -> float:
     torch.backends.cudnn.benchmark = True
     model = build_for_run(cfg, device, cfg.data.num_classes)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True)
-    amp_dtype = AMP_DTYPES[_value(cfg.amp_dtype)] if cfg.amp else None
+    amp_dtype = autocast_dtype(cfg)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     fmt = torch.channels_last if cfg.channels_last else torch.contiguous_format
     b, r = cfg.data.batch_size, cfg.data.resolution
