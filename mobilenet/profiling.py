@@ -41,6 +41,8 @@ from typing import Any, Iterable
 
 import torch
 
+from .reporting import environment
+
 TRACE_FILE = "trace.json.gz"
 REPORT_FILE = "profile_report.md"
 # Top-level key of the trace JSON that carries the run's facts (environment, config) for offline analysis.
@@ -53,22 +55,6 @@ _DEFAULT_SCHEDULE = {"skip_first": 10, "warmup": 3, "active": 10, "top_k": 15}
 # =============================================================================================================
 # Capture
 # =============================================================================================================
-
-
-def collect_environment(device: torch.device | str) -> dict[str, str]:
-    """The versions a profile depends on; the caller's meta overrides any of these keys."""
-    device = torch.device(device)
-    env = {
-        "device": device.type,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda or "none",
-        "cudnn": str(torch.backends.cudnn.version()) if torch.backends.cudnn.is_available() else "none",
-    }
-    if device.type == "cuda":
-        env["gpu"] = torch.cuda.get_device_name(device)
-    else:
-        env["gpu"] = "none"
-    return env
 
 
 class StepProfiler:
@@ -98,7 +84,7 @@ class StepProfiler:
             raise ValueError(f"profiler schedule needs active >= 1, warmup >= 0, skip_first >= 0; got {sched}")
         self.skip_first, self.warmup, self.active, self.top_k = (int(sched[k]) for k in ("skip_first", "warmup", "active", "top_k"))
         self.baseline_step_ms = baseline_step_ms
-        self.meta = {**collect_environment(self.device), **(meta or {})}
+        self.meta = {**environment(self.device), "device": self.device.type, **(meta or {})}
         self.meta["profiler_schedule"] = {"skip_first": self.skip_first, "warmup": self.warmup, "active": self.active}
         if baseline_step_ms is not None:
             self.meta["baseline_step_ms"] = float(baseline_step_ms)
