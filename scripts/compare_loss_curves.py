@@ -1,0 +1,90 @@
+"""Do two depthwise backends train the same? Loss curves of the same seed, step by step, against the noise floor.
+
+    python scripts/compare_loss_curves.py [--backends custom,cudnn] [--steps 100] [--out FILE] [HYDRA OVERRIDES ...]
+
+Each backend trains `--steps` steps from the same seed (same initial weights, same batches) in one process. The
+reference backend runs twice, the second time with every initial weight perturbed by a random relative 2^-11 (half
+an fp16 ulp): how far that moves the loss curve is the noise floor, what rounding alone does to this training. The
+candidate matches when its gap to the reference stays within `--tolerance` times that floor (plus a small
+absolute slack for the first steps, where both gaps are ~0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mobilenet.config import compose  # noqa: E402
+from mobilenet.engine import Trainer  # noqa: E402
+from mobilenet.reporting import environment  # noqa: E402
+
+DEFAULT = ["data=synthetic", "amp=true", "channels_last=true"]
+
+
+def losses(overrides: list[str], backend: str, steps: int, log_root: Path, perturb: float = 0.0) -> list[float]:
+    cfg = compose([*overrides, f"backend={backend}", f"data.steps_per_epoch={steps}", "epochs=1", "evaluate=false",
+                   "save_checkpoints=false", "progress=false", "perf.log_every=1", "perf.warmup_steps=0"])
+    trainer = Trainer(cfg, log_root / f"{backend}-{time.strftime('%H%M%S')}")
+    if perturb:
+        gen = torch.Generator().manual_seed(12345)
+        with torch.no_grad():
+            for p in trainer.model.parameters():
+                sign = torch.randint(0, 2, p.shape, generator=gen).to(p.device, p.dtype) * 2 - 1
+                p.mul_(1 + perturb * sign)
+    result = trainer.fit()
+    return [v for _, v in sorted(result.losses)]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backends", default="custom,cudnn", help="CANDIDATE,REFERENCE (default custom,cudnn)")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--tolerance", type=float, default=3.0, help="allowed multiple of the reference's own run-to-run gap")
+    p.add_argument("--slack", type=float, default=1e-3, help="absolute loss slack added to the allowed gap")
+    p.add_argument("--out", type=Path)
+    args, overrides = p.parse_known_args()
+    candidate, reference = args.backends.split(",")
+    overrides = overrides or DEFAULT
+    log_root = Path("runs") / "loss_curves"
+    ref1 = losses(overrides, reference, args.steps, log_root)
+    ref2 = losses(overrides, reference, args.steps, log_root, perturb=2.0**-11)
+    cand = losses(overrides, candidate, args.steps, log_root)
+    noise = max(abs(a - b) for a, b in zip(ref1, ref2))
+    gap = max(abs(a - b) for a, b in zip(cand, ref1))
+    allowed = args.tolerance * noise + args.slack
+    ok = gap <= allowed and len(cand) == len(ref1) == args.steps
+    env = environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    lines = [
+        f"# Loss curves: backend={candidate} vs backend={reference}, same seed, {args.steps} steps",
+        "",
+        f"Command: `python scripts/compare_loss_curves.py {' '.join(sys.argv[1:])}`",
+        f"Overrides: `{' '.join(overrides)}`",
+        f"Machine: {env.get('gpu')} (driver {env.get('driver', '?')}), torch {env['torch']}, CUDA {env['cuda']}, cuDNN {env['cudnn']}",
+        "",
+        f"- noise floor (max |loss| gap between {reference} and {reference} from weights perturbed by 2^-11): {noise:.5f}",
+        f"- max |loss| gap {candidate} vs {reference}: {gap:.5f} (allowed {allowed:.5f} = {args.tolerance} x floor + {args.slack})",
+        f"- loss at step 1 / {args.steps}: {reference} {ref1[0]:.4f} / {ref1[-1]:.4f}, {candidate} {cand[0]:.4f} / {cand[-1]:.4f}",
+        "",
+        "| step | " + f"{reference} | {reference} (perturbed) | {candidate} |",
+        "|---|---|---|---|",
+        *[f"| {i + 1} | {a:.4f} | {b:.4f} | {c:.4f} |" for i, (a, b, c) in enumerate(zip(ref1, ref2, cand))
+          if i < 5 or (i + 1) % 10 == 0],
+        "",
+        f"Match within noise: {'yes' if ok else 'NO'}",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

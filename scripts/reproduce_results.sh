@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Re-measure every table in docs/results/ on this machine's GPU, writing into OUT (default docs/results).
+# Each step is one of the project's own commands; run a subset with STEPS="overhead loss profile" etc.
+# Needs a CUDA GPU; DALI steps need nvidia-dali and a dataset (make_fake_imagenet.py writes one).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-docs/results}
+STEPS=${STEPS:-"tests depthwise overhead loss profile loader dali-train"}
+FAKE=${FAKE:-/tmp/fake-imagenet}
+mkdir -p "$OUT"
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+
+has tests && python -m pytest -q -m gpu 2>&1 | tail -5 | tee "$OUT/gpu_tests.log"
+has depthwise && python scripts/bench_depthwise.py --out "$OUT/depthwise_h200"
+has overhead && python scripts/check_engine_overhead.py --steps 300 --warmup 40 --rounds 3 --out "$OUT/engine_overhead_h200.md" || true
+has loss && python scripts/compare_loss_curves.py --backends custom,cudnn --steps 100 --out "$OUT/loss_curves_custom_vs_cudnn.md" || true
+if has profile; then
+  python infer.py --profile backend=cudnn amp=true channels_last=false > "$OUT/profile_infer_cudnn_amp_nchw.txt" 2>&1
+  python infer.py --profile backend=cudnn amp=true channels_last=true > "$OUT/profile_infer_cudnn_amp_cl.txt" 2>&1
+  python train.py profile=true backend=custom amp=true channels_last=true data=synthetic > "$OUT/profile_train_custom_amp_cl.txt" 2>&1
+fi
+if has loader || has dali-train; then
+  [[ -d "$FAKE/train" ]] || python scripts/make_fake_imagenet.py --out "$FAKE" --num 20000 --val-fraction 0.05
+fi
+has loader && python scripts/bench_loader.py --root "$FAKE" --threads "$(nproc)"
+if has dali-train; then
+  # The DALI acceptance: the same command with data=dali and with data=synthetic, back to back.
+  common="backend=cudnn amp=true channels_last=true epochs=2 data.steps_per_epoch=300 evaluate=false save_checkpoints=false progress=false"
+  python train.py data=dali data.root="$FAKE" data.dali.threads="$(nproc)" $common 2>&1 | grep -E "img/s|data wait" | tee "$OUT/dali_train.txt"
+  python train.py data=synthetic $common 2>&1 | grep -E "img/s|data wait" | tee "$OUT/synthetic_train.txt"
+fi
