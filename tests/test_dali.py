@@ -38,7 +38,9 @@ def digits(tmp_path_factory) -> Path:
 
 
 def data_cfg(root, *overrides, loader="dali", batch_size=64):
-    cfg = compose([f"data={loader}", f"data.root={root}", f"data.batch_size={batch_size}", *SMALL, *overrides])
+    # CPU-only DALI decodes on the CPU; GPU tests override this.
+    cfg = compose([f"data={loader}", f"data.root={root}", f"data.batch_size={batch_size}", *SMALL,
+                   "data.dali.decode=cpu", *overrides])
     return cfg.data
 
 
@@ -348,3 +350,8 @@ def test_gpu_yielded_batches_stay_valid(digits):
             kept.append(x)
             sums.append(x.double().sum())  # queued on the current stream, like a training step's use
     assert all(torch.equal(x.double().sum(), s) for x, s in zip(kept, sums))
+
+
+def test_gpu_decode_without_a_gpu_is_refused_not_swapped(digits):
+    with pytest.raises(ValueError, match="data.dali.decode=mixed decodes on the GPU.*data.dali.decode=cpu"):
+        build_loaders(data_cfg(digits, "data.dali.decode=mixed"), CPU_FP32)

@@ -381,8 +381,8 @@ def build(cfg, spec: LoaderSpec):
     on_gpu = device_id is not None
     decode = str(getattr(dali_cfg.decode, "value", dali_cfg.decode))
     if not on_gpu and decode != "cpu":
-        log.info("data=dali: no GPU in this run, so DALI decodes on the CPU (data.dali.decode=%s ignored)", decode)
-        decode = "cpu"
+        raise ValueError(f"data.dali.decode={decode} decodes on the GPU, but this run has none; "
+                         "set data.dali.decode=cpu for DALI's CPU-only mode")
     out_type = _output_type(spec, types)
     common = dict(decode=decode, on_gpu=on_gpu, out_type=out_type, channels_last=spec.channels_last,
                   batch_size=cfg.batch_size, num_threads=dali_cfg.threads, device_id=device_id,
