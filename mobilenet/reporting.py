@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import platform
+import subprocess
 from typing import Any
 
 import torch
@@ -17,18 +19,14 @@ def environment(device: torch.device | None = None) -> dict[str, str]:
         "python": platform.python_version(),
         "host": platform.node(),
         "cpu": platform.processor() or platform.machine(),
+        "cpu_cores": str(os.cpu_count()),
+        "platform": platform.platform(),
     }
     if device is not None and device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         env["gpu"] = props.name
         env["gpu_memory_gb"] = f"{props.total_memory / 2**30:.0f}"
-        try:
-            import pynvml  # optional: only for the driver version
-
-            pynvml.nvmlInit()
-            env["driver"] = pynvml.nvmlSystemGetDriverVersion()
-        except Exception:
-            env["driver"] = "unknown"
+        env["driver"] = _driver_version()
     else:
         env["gpu"] = "none"
     try:
@@ -37,7 +35,30 @@ def environment(device: torch.device | None = None) -> dict[str, str]:
         env["dali"] = dali.__version__
     except ImportError:
         env["dali"] = "not installed"
+    try:
+        import torchvision
+
+        env["torchvision"] = torchvision.__version__
+    except ImportError:
+        env["torchvision"] = "not installed"
     return env
+
+
+def _driver_version() -> str:
+    """The NVIDIA driver, from NVML when nvidia-ml-py is there, else from nvidia-smi."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return str(pynvml.nvmlSystemGetDriverVersion())
+    except Exception:  # not installed, or NVML unusable: ask the command-line tool
+        pass
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        return out.stdout.strip().splitlines()[0]
+    except (OSError, IndexError, subprocess.SubprocessError):
+        return "unknown"
 
 
 class TensorBoardLog:

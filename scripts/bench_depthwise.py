@@ -17,10 +17,8 @@ import argparse
 import csv
 import math
 import os
-import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,6 +29,9 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from mobilenet.depthwise import get_backend  # noqa: E402
+from mobilenet.reporting import environment  # noqa: E402
+
 # (C, H, stride) at 224x224 input; 3x3, padding 1.
 LAYERS = [(32, 112, 1), (64, 112, 2), (128, 56, 1), (128, 56, 2), (256, 28, 1), (256, 28, 2)] + [(512, 14, 1)] * 5 + [
     (512, 14, 2), (1024, 7, 1)]
@@ -40,18 +41,7 @@ ROTATION_BYTES = 512 << 20  # input sets per case total at least this: > 8x the 
 
 
 def conv_fn(backend: str):
-    try:
-        from mobilenet.depthwise import get_backend
-
-        return get_backend(backend).conv2d
-    except ImportError:
-        if backend == "torch":
-            return lambda x, w, b, s, p, d: F.conv2d(x, w, b, s, p, d, groups=x.shape[1])
-        if backend == "custom":
-            from kernels.ops import depthwise_conv2d
-
-            return depthwise_conv2d
-        raise
+    return get_backend(backend).conv2d
 
 
 def device_copy_bandwidth() -> float:
@@ -165,18 +155,8 @@ def bench_layer(backends, dtype, fmt, n, c, h, stride, modes, repeats, check):
 
 
 def env_info(argv) -> dict:
-    try:
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, timeout=30).stdout.strip().splitlines()[0]
-    except Exception:  # noqa: BLE001
-        driver = "unknown"
     return {
-        "gpu": torch.cuda.get_device_name(),
-        "driver": driver,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "cudnn": str(torch.backends.cudnn.version()),
-        "python": platform.python_version(),
+        **environment(torch.device("cuda")),
         "command": " ".join(shlex.quote(a) for a in ["python"] + argv),
         # launch-shape overrides of the custom kernels (kernels/csrc/generic.cu, knob())
         "knobs": " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MDW_")) or "none (defaults)",

@@ -13,9 +13,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,6 +25,7 @@ import torch  # noqa: E402
 
 from mobilenet.config import compose  # noqa: E402
 from mobilenet.data import LoaderSpec, build_loaders  # noqa: E402
+from mobilenet.reporting import environment  # noqa: E402
 
 LOADERS = {
     "dali-mixed": ["data=dali", "data.dali.decode=mixed"],
@@ -69,34 +68,14 @@ def measure(name: str, args, device: torch.device) -> dict:
     return result
 
 
-def versions() -> str:
-    parts = [f"Python {platform.python_version()}", f"torch {torch.__version__}"]
-    try:
-        import nvidia.dali
-
-        parts.append(f"DALI {nvidia.dali.__version__}")
-    except ImportError:
-        parts.append("DALI not installed")
-    try:
-        import torchvision
-
-        parts.append(f"torchvision {torchvision.__version__}")
-    except ImportError:
-        pass
-    if torch.cuda.is_available():
-        parts.append(f"CUDA {torch.version.cuda}")
-    return ", ".join(parts)
+def versions(env: dict) -> str:
+    return (f"Python {env['python']}, torch {env['torch']}, DALI {env['dali']}, torchvision {env['torchvision']}, "
+            f"CUDA {env['cuda']}")
 
 
-def machine(device: torch.device) -> str:
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "no GPU"
-    try:
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, timeout=30).stdout.strip().splitlines()[0]
-        gpu += f" (driver {driver})"
-    except (OSError, IndexError, subprocess.SubprocessError):
-        pass
-    return f"{gpu}; {os.cpu_count()} CPU cores; {platform.platform()}"
+def machine(env: dict) -> str:
+    gpu = f"{env['gpu']} (driver {env['driver']})" if env["gpu"] != "none" else "no GPU"
+    return f"{gpu}; {env['cpu_cores']} CPU cores; {env['platform']}"
 
 
 def dataset_summary(root: Path) -> str:
@@ -112,6 +91,7 @@ def write_markdown(path: Path, args, device: torch.device, results: list[dict]) 
         f"{r['dtype']} {'NHWC/channels_last' if r['channels_last'] else 'NCHW'} on {r['device']} |"
         for r in results
     )
+    env = environment(device)
     command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__, REPO), *sys.argv[1:]])
     text = f"""# Input pipeline throughput ({datetime.date.today().isoformat()})
 
@@ -120,8 +100,8 @@ epoch(s); images/s = images delivered / wall time, device synchronised at both e
 {args.resolution}px, {args.dtype}, {"channels_last" if args.channels_last else "NCHW"}, {args.threads} DALI threads /
 DataLoader workers.
 
-- Machine: {machine(device)}
-- Software: {versions()}
+- Machine: {machine(env)}
+- Software: {versions(env)}
 - Data: {dataset_summary(Path(args.root))} (`scripts/make_fake_imagenet.py`)
 - Command: `{command}`
 

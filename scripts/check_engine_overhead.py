@@ -78,7 +78,7 @@ def main() -> int:
     ratio = statistics.median(engine) / statistics.median(bare)
     env = environment(device)
     lines = [
-        f"# Training loop overhead: train.py engine vs a bare loop, same process",
+        "# Training loop overhead: train.py engine vs a bare loop, same process",
         "",
         f"Command: `python scripts/check_engine_overhead.py {' '.join(sys.argv[1:])}`",
         f"Overrides: `{' '.join(overrides)}`; {args.steps} timed steps after {args.warmup} warm-up, batch {cfg.data.batch_size}, "

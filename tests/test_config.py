@@ -1,7 +1,6 @@
 """Every config group and every documented CLI example composes; typos and wrong types are rejected by name."""
 
 import itertools
-from pathlib import Path
 
 import pytest
 from hydra.errors import ConfigCompositionException
