@@ -123,6 +123,163 @@ struct Tiling {
   int blocks_per_group;  // NHWC forward/dgrad: blocks of one channel group
 };
 
+// Which tile a linear tile index names: tile_w varies fastest, then tile_h, then `outer` (the image,
+// plane group or image batch, depending on the kernel).
+struct TileIndex {
+  int tile_w, tile_h, outer;
+};
+__device__ __forceinline__ TileIndex split_tile_index(int b, const Tiling& t) {
+  TileIndex r;
+  r.tile_w = b % t.tiles_w;
+  b /= t.tiles_w;
+  r.tile_h = b % t.tiles_h;
+  r.outer = b / t.tiles_h;
+  return r;
+}
+
+// A lane's place in its block, decoded as the Tiling comment above describes.
+struct NhwcLane {
+  int cv, sx, sy;
+};
+__device__ __forceinline__ NhwcLane nhwc_lane(int lane, const Tiling& t) {
+  NhwcLane p;
+  p.cv = lane % t.lanes_c;
+  const int sp = lane / t.lanes_c;
+  p.sx = sp % t.sx_n;
+  p.sy = sp / t.sx_n;
+  return p;
+}
+struct NchwLane {
+  int q, sx, sy;
+};
+__device__ __forceinline__ NchwLane nchw_lane(int lane, const Tiling& t) {
+  NchwLane p;
+  p.sx = lane % t.sx_n;
+  const int r = lane / t.sx_n;
+  p.sy = r % t.sy_n;
+  p.q = r / t.sy_n;
+  return p;
+}
+
+// NHWC forward/dgrad blocks: channel group fastest across blocks (default) so that the blocks sharing
+// a pixel's cache lines run together; the rest of the block index is the tile index.
+__device__ __forceinline__ int nhwc_block_group(const Tiling& t) {
+  return t.group_fastest ? blockIdx.x % t.groups : blockIdx.x / t.blocks_per_group;
+}
+__device__ __forceinline__ int nhwc_block_tile(const Tiling& t) {
+  return t.group_fastest ? blockIdx.x / t.groups : blockIdx.x % t.blocks_per_group;
+}
+
+// Images [begin, end) of the `batch`-th run of t.images images.
+struct ImageRange {
+  int begin, end;
+};
+__device__ __forceinline__ ImageRange image_range(int batch, const Tiling& t, int N) {
+  ImageRange r;
+  r.begin = batch * t.images;
+  r.end = r.begin + t.images < N ? r.begin + t.images : N;
+  return r;
+}
+
+// The block's K*K weights of channels [c_base, c_base + cw) into shared memory as fp32, tap-major
+// (w_smem[kk * cw + c - c_base]); channels >= C get zeros. Ends with a barrier.
+template <class TT, int K>
+__device__ __forceinline__ void stage_weights_f32(const typename TT::S* w, int C, int c_base, int cw, float* w_smem) {
+  for (int e = threadIdx.x; e < K * K * cw; e += blockDim.x) {
+    const int kk = e / cw, c = c_base + (e - kk * cw);
+    w_smem[e] = c < C ? TT::to_acc(w[c * K * K + kk]) : 0.f;
+  }
+  __syncthreads();
+}
+
+// L packed vectors at columns col0, col0 + 1, ... of one row, `pitch` elements apart; zeros for
+// columns outside [0, cols). All loads of the row are issued before any use, so they overlap.
+template <typename S, int V, int L>
+__device__ __forceinline__ void load_row_packs(const S* row, int col0, int cols, int pitch, Pack<S, V> (&dst)[L]) {
+#pragma unroll
+  for (int i = 0; i < L; ++i) {
+    const int col = col0 + i;
+    if (col >= 0 && col < cols) {
+      dst[i] = *reinterpret_cast<const Pack<S, V>*>(row + static_cast<size_t>(col) * pitch);
+    } else {
+#pragma unroll
+      for (int v = 0; v < V; ++v) dst[i].v[v] = S(0);
+    }
+  }
+}
+
+// The same for scalars of one NCHW row (contiguous columns).
+template <typename S, int L>
+__device__ __forceinline__ void load_row_scalars(const S* row, int col0, int cols, S (&dst)[L]) {
+#pragma unroll
+  for (int i = 0; i < L; ++i) {
+    const int col = col0 + i;
+    dst[i] = (col >= 0 && col < cols) ? row[col] : S(0);
+  }
+}
+
+// One kernel row kh of the NHWC forward/dgrad stencil: acc[j] += w[kh][kw] * in[i] for each input
+// vector i and output column j whose tap kw = tap(i, j) is in [0, K). The weights come from the
+// block's fp32 copy in shared memory (wl: this lane's channels, cw: channels per tap), held in
+// registers for the row when K*V is small enough.
+template <class TT, int K, int L, int TW, int V, class TapOf>
+__device__ __forceinline__ void accumulate_nhwc_row(const Pack<typename TT::S, V> (&raw)[L], const float* wl, int kh,
+                                                    int cw, float (&acc)[TW][V], TapOf tap) {
+  constexpr bool kWeightsInRegs = K * V <= 32;
+  float wk[kWeightsInRegs ? K : 1][V];
+  if constexpr (kWeightsInRegs) {
+#pragma unroll
+    for (int kw = 0; kw < K; ++kw) load_f32<V>(wl + (kh * K + kw) * cw, wk[kw]);
+  }
+#pragma unroll
+  for (int i = 0; i < L; ++i) {
+    float in[V];
+    widen<TT, V>(raw[i], in);
+#pragma unroll
+    for (int j = 0; j < TW; ++j) {
+      const int kw = tap(i, j);
+      if (kw >= 0 && kw < K) {
+        float wv[V];
+        if constexpr (kWeightsInRegs) {
+#pragma unroll
+          for (int v = 0; v < V; ++v) wv[v] = wk[kw][v];
+        } else {
+          load_f32<V>(wl + (kh * K + kw) * cw, wv);
+        }
+#pragma unroll
+        for (int v = 0; v < V; ++v) acc[j][v] = fmaf(wv[v], in[v], acc[j][v]);
+      }
+    }
+  }
+}
+
+// One kernel row kh of the NCHW forward/dgrad stencil: acc[j] += w[kh][kw] * in[i] for each input
+// column i and output column j whose tap kw = tap(i, j) is in [0, K); wc: the channel's K*K weights.
+template <class TT, int K, int L, int TW, class TapOf>
+__device__ __forceinline__ void accumulate_nchw_row(const typename TT::S (&raw)[L], const typename TT::S* wc, int kh,
+                                                    float (&acc)[TW], TapOf tap) {
+  float wk[K];
+#pragma unroll
+  for (int kw = 0; kw < K; ++kw) wk[kw] = TT::to_acc(wc[kh * K + kw]);
+#pragma unroll
+  for (int i = 0; i < L; ++i) {
+    const float in = TT::to_acc(raw[i]);
+#pragma unroll
+    for (int j = 0; j < TW; ++j) {
+      const int kw = tap(i, j);
+      if (kw >= 0 && kw < K) acc[j] = fmaf(wk[kw], in, acc[j]);
+    }
+  }
+}
+
+template <int A, int B>
+__device__ __forceinline__ void fill(float (&a)[A][B], float value) {
+#pragma unroll
+  for (int i = 0; i < A; ++i)
+#pragma unroll
+    for (int j = 0; j < B; ++j) a[i][j] = value;
+}
+
 inline int ceil_div(long long a, long long b) { return static_cast<int>((a + b - 1) / b); }
 
 inline int floor_pow2(int v) {

@@ -16,87 +16,37 @@ __global__ void __launch_bounds__(256, V == 8 ? 2 : 3)
   using Sx = typename TT::S;
   constexpr int A = (K - 1) / S;  // grad_out columns left of vw0/S that reach this strip
   constexpr int L = A + (TW - 1) / S + 1;
-  constexpr bool kWeightsInRegs = K * V <= 32;
   extern __shared__ float w_smem[];
   const int cw = t.lanes_c * V;
-  // Channel group fastest across blocks (default): the blocks sharing a pixel's cache lines run together.
-  const int group = t.group_fastest ? blockIdx.x % t.groups : blockIdx.x / t.blocks_per_group;
-  const int c_base = group * cw;
-  for (int e = threadIdx.x; e < K * K * cw; e += blockDim.x) {
-    const int kk = e / cw, c = c_base + (e - kk * cw);
-    w_smem[e] = c < s.C ? TT::to_acc(w[c * K * K + kk]) : 0.f;
-  }
-  __syncthreads();
+  const int c_base = nhwc_block_group(t) * cw;
+  stage_weights_f32<TT, K>(w, s.C, c_base, cw, w_smem);
 
   const int lane = threadIdx.x;
   if (lane >= t.threads) return;
-  const int cv = lane % t.lanes_c;
-  const int sp = lane / t.lanes_c;
-  const int sx = sp % t.sx_n, sy = sp / t.sx_n;
-  const int c0 = c_base + cv * V;
-  int b = t.group_fastest ? blockIdx.x / t.groups : blockIdx.x % t.blocks_per_group;
-  const int tile_w = b % t.tiles_w;
-  b /= t.tiles_w;
-  const int tile_h = b % t.tiles_h;
-  const int n_begin = (b / t.tiles_h) * t.images;
-  const int n_end = n_begin + t.images < s.N ? n_begin + t.images : s.N;
-  const int ih = tile_h * t.sy_n + sy;
-  const int vw0 = (t.strip0 + tile_w * t.sx_n + sx) * TW;
+  const NhwcLane ln = nhwc_lane(lane, t);
+  const int c0 = c_base + ln.cv * V;
+  const TileIndex tile = split_tile_index(nhwc_block_tile(t), t);
+  const ImageRange images = image_range(tile.outer, t, s.N);
+  const int ih = tile.tile_h * t.sy_n + ln.sy;
+  const int vw0 = (t.strip0 + tile.tile_w * t.sx_n + ln.sx) * TW;
   if (c0 >= s.C || ih >= s.H || vw0 >= s.PW + s.W) return;
 
 #pragma unroll 1
-  for (int n = n_begin; n < n_end; ++n) {
+  for (int n = images.begin; n < images.end; ++n) {
     float acc[TW][V];
-#pragma unroll
-    for (int j = 0; j < TW; ++j)
-#pragma unroll
-      for (int v = 0; v < V; ++v) acc[j][v] = 0.f;
+    fill(acc, 0.f);
     const int owb = vw0 / S - A;
     const int vh = ih + s.PH;
-    const float* wl = w_smem + cv * V;
+    const float* wl = w_smem + ln.cv * V;
 #pragma unroll
     for (int kh = 0; kh < K; ++kh) {
       const int th = vh - kh;
       if (th < 0 || th % S != 0) continue;
       const int oh = th / S;
       if (oh >= s.OH) continue;
-      const Sx* row = go + ((static_cast<size_t>(n) * s.OH + oh) * s.OW) * s.C + c0;
       Pack<Sx, V> raw[L];
-#pragma unroll
-      for (int i = 0; i < L; ++i) {
-        const int ow = owb + i;
-        if (ow >= 0 && ow < s.OW) {
-          raw[i] = *reinterpret_cast<const Pack<Sx, V>*>(row + static_cast<size_t>(ow) * s.C);
-        } else {
-#pragma unroll
-          for (int v = 0; v < V; ++v) raw[i].v[v] = Sx(0);
-        }
-      }
-      float wk[kWeightsInRegs ? K : 1][V];
-      if constexpr (kWeightsInRegs) {
-#pragma unroll
-        for (int kw = 0; kw < K; ++kw) load_f32<V>(wl + (kh * K + kw) * cw, wk[kw]);
-      }
-#pragma unroll
-      for (int i = 0; i < L; ++i) {
-        float gv[V];
-        widen<TT, V>(raw[i], gv);
-#pragma unroll
-        for (int j = 0; j < TW; ++j) {
-          const int kw = j - (i - A) * S;
-          if (kw >= 0 && kw < K) {
-            float wv[V];
-            if constexpr (kWeightsInRegs) {
-#pragma unroll
-              for (int v = 0; v < V; ++v) wv[v] = wk[kw][v];
-            } else {
-              load_f32<V>(wl + (kh * K + kw) * cw, wv);
-            }
-#pragma unroll
-            for (int v = 0; v < V; ++v) acc[j][v] = fmaf(wv[v], gv[v], acc[j][v]);
-          }
-        }
-      }
+      load_row_packs(go + ((static_cast<size_t>(n) * s.OH + oh) * s.OW) * s.C + c0, owb, s.OW, s.C, raw);
+      accumulate_nhwc_row<TT, K>(raw, wl, kh, cw, acc, [](int i, int j) { return j - (i - A) * S; });
     }
     Sx* xp = gx + (static_cast<size_t>(n) * s.H + ih) * s.W * s.C + c0;
 #pragma unroll
@@ -116,17 +66,11 @@ __global__ void __launch_bounds__(256)
   constexpr int L = A + (TW - 1) / S + 1;
   const int lane = threadIdx.x;
   if (lane >= t.threads) return;
-  const int sx = lane % t.sx_n;
-  const int r = lane / t.sx_n;
-  const int sy = r % t.sy_n, q = r / t.sy_n;
-  int b = blockIdx.x;
-  const int tile_w = b % t.tiles_w;
-  b /= t.tiles_w;
-  const int tile_h = b % t.tiles_h;
-  const int plane_group = b / t.tiles_h;
-  const long long plane = static_cast<long long>(plane_group) * t.lanes_c + q;
-  const int ih = tile_h * t.sy_n + sy;
-  const int vw0 = (t.strip0 + tile_w * t.sx_n + sx) * TW;
+  const NchwLane ln = nchw_lane(lane, t);
+  const TileIndex tile = split_tile_index(blockIdx.x, t);
+  const long long plane = static_cast<long long>(tile.outer) * t.lanes_c + ln.q;
+  const int ih = tile.tile_h * t.sy_n + ln.sy;
+  const int vw0 = (t.strip0 + tile.tile_w * t.sx_n + ln.sx) * TW;
   if (plane >= static_cast<long long>(s.N) * s.C || ih >= s.H || vw0 >= s.PW + s.W) return;
   const int c = static_cast<int>(plane % s.C);
 
@@ -143,25 +87,9 @@ __global__ void __launch_bounds__(256)
     if (th < 0 || th % S != 0) continue;
     const int oh = th / S;
     if (oh >= s.OH) continue;
-    const Sx* row = gp + static_cast<size_t>(oh) * s.OW;
     Sx raw[L];
-#pragma unroll
-    for (int i = 0; i < L; ++i) {
-      const int ow = owb + i;
-      raw[i] = (ow >= 0 && ow < s.OW) ? row[ow] : Sx(0);
-    }
-    float wk[K];
-#pragma unroll
-    for (int kw = 0; kw < K; ++kw) wk[kw] = TT::to_acc(wc[kh * K + kw]);
-#pragma unroll
-    for (int i = 0; i < L; ++i) {
-      const float gv = TT::to_acc(raw[i]);
-#pragma unroll
-      for (int j = 0; j < TW; ++j) {
-        const int kw = j - (i - A) * S;
-        if (kw >= 0 && kw < K) acc[j] = fmaf(wk[kw], gv, acc[j]);
-      }
-    }
+    load_row_scalars(gp + static_cast<size_t>(oh) * s.OW, owb, s.OW, raw);
+    accumulate_nchw_row<TT, K>(raw, wc, kh, acc, [](int i, int j) { return j - (i - A) * S; });
   }
   Sx* xp = gx + (plane * s.H + ih) * s.W;
 #pragma unroll

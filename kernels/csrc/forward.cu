@@ -16,36 +16,23 @@ __global__ void __launch_bounds__(256, V == 8 ? 2 : 3)
                     const typename TT::S* __restrict__ bias, typename TT::S* __restrict__ y, ConvShape s, Tiling t) {
   using Sx = typename TT::S;
   constexpr int L = (TW - 1) * S + K;
-  constexpr bool kWeightsInRegs = K * V <= 32;
   extern __shared__ float w_smem[];  // [K*K][channels of this block], fp32
   const int cw = t.lanes_c * V;
-  // Channel group fastest across blocks (default): the blocks sharing a pixel's cache lines run together.
-  const int group = t.group_fastest ? blockIdx.x % t.groups : blockIdx.x / t.blocks_per_group;
-  const int c_base = group * cw;
-  for (int e = threadIdx.x; e < K * K * cw; e += blockDim.x) {
-    const int kk = e / cw, c = c_base + (e - kk * cw);
-    w_smem[e] = c < s.C ? TT::to_acc(w[c * K * K + kk]) : 0.f;
-  }
-  __syncthreads();
+  const int c_base = nhwc_block_group(t) * cw;
+  stage_weights_f32<TT, K>(w, s.C, c_base, cw, w_smem);
 
   const int lane = threadIdx.x;
   if (lane >= t.threads) return;
-  const int cv = lane % t.lanes_c;
-  const int sp = lane / t.lanes_c;
-  const int sx = sp % t.sx_n, sy = sp / t.sx_n;
-  const int c0 = c_base + cv * V;
-  int b = t.group_fastest ? blockIdx.x / t.groups : blockIdx.x % t.blocks_per_group;
-  const int tile_w = b % t.tiles_w;
-  b /= t.tiles_w;
-  const int tile_h = b % t.tiles_h;
-  const int n_begin = (b / t.tiles_h) * t.images;
-  const int n_end = n_begin + t.images < s.N ? n_begin + t.images : s.N;
-  const int oh = tile_h * t.sy_n + sy;
-  const int ow0 = (tile_w * t.sx_n + sx) * TW;
+  const NhwcLane ln = nhwc_lane(lane, t);
+  const int c0 = c_base + ln.cv * V;
+  const TileIndex tile = split_tile_index(nhwc_block_tile(t), t);
+  const ImageRange images = image_range(tile.outer, t, s.N);
+  const int oh = tile.tile_h * t.sy_n + ln.sy;
+  const int ow0 = (tile.tile_w * t.sx_n + ln.sx) * TW;
   if (c0 >= s.C || oh >= s.OH || ow0 >= s.OW) return;
 
 #pragma unroll 1
-  for (int n = n_begin; n < n_end; ++n) {
+  for (int n = images.begin; n < images.end; ++n) {
     float acc[TW][V];
 #pragma unroll
     for (int v = 0; v < V; ++v) {
@@ -55,49 +42,14 @@ __global__ void __launch_bounds__(256, V == 8 ? 2 : 3)
     }
     const Sx* xn = x + static_cast<size_t>(n) * s.H * s.W * s.C + c0;
     const int iw0 = ow0 * S - s.PW;
-    const float* wl = w_smem + cv * V;
+    const float* wl = w_smem + ln.cv * V;
 #pragma unroll
     for (int kh = 0; kh < K; ++kh) {
       const int ih = oh * S - s.PH + kh;
       if (ih < 0 || ih >= s.H) continue;
-      const Sx* row = xn + static_cast<size_t>(ih) * s.W * s.C;
-      // All loads of the row first, so they are in flight together.
       Pack<Sx, V> raw[L];
-#pragma unroll
-      for (int i = 0; i < L; ++i) {
-        const int iw = iw0 + i;
-        if (iw >= 0 && iw < s.W) {
-          raw[i] = *reinterpret_cast<const Pack<Sx, V>*>(row + static_cast<size_t>(iw) * s.C);
-        } else {
-#pragma unroll
-          for (int v = 0; v < V; ++v) raw[i].v[v] = Sx(0);
-        }
-      }
-      float wk[kWeightsInRegs ? K : 1][V];
-      if constexpr (kWeightsInRegs) {
-#pragma unroll
-        for (int kw = 0; kw < K; ++kw) load_f32<V>(wl + (kh * K + kw) * cw, wk[kw]);
-      }
-#pragma unroll
-      for (int i = 0; i < L; ++i) {
-        float xv[V];
-        widen<TT, V>(raw[i], xv);
-#pragma unroll
-        for (int j = 0; j < TW; ++j) {
-          const int kw = i - j * S;
-          if (kw >= 0 && kw < K) {
-            float wv[V];
-            if constexpr (kWeightsInRegs) {
-#pragma unroll
-              for (int v = 0; v < V; ++v) wv[v] = wk[kw][v];
-            } else {
-              load_f32<V>(wl + (kh * K + kw) * cw, wv);
-            }
-#pragma unroll
-            for (int v = 0; v < V; ++v) acc[j][v] = fmaf(wv[v], xv[v], acc[j][v]);
-          }
-        }
-      }
+      load_row_packs(xn + static_cast<size_t>(ih) * s.W * s.C, iw0, s.W, s.C, raw);
+      accumulate_nhwc_row<TT, K>(raw, wl, kh, cw, acc, [](int i, int j) { return i - j * S; });
     }
     Sx* yp = y + ((static_cast<size_t>(n) * s.OH + oh) * s.OW + ow0) * s.C + c0;
 #pragma unroll
@@ -116,17 +68,11 @@ __global__ void __launch_bounds__(256)
   constexpr int L = (TW - 1) * S + K;
   const int lane = threadIdx.x;
   if (lane >= t.threads) return;
-  const int sx = lane % t.sx_n;
-  const int r = lane / t.sx_n;
-  const int sy = r % t.sy_n, q = r / t.sy_n;
-  int b = blockIdx.x;
-  const int tile_w = b % t.tiles_w;
-  b /= t.tiles_w;
-  const int tile_h = b % t.tiles_h;
-  const int plane_group = b / t.tiles_h;
-  const long long plane = static_cast<long long>(plane_group) * t.lanes_c + q;
-  const int oh = tile_h * t.sy_n + sy;
-  const int ow0 = (tile_w * t.sx_n + sx) * TW;
+  const NchwLane ln = nchw_lane(lane, t);
+  const TileIndex tile = split_tile_index(blockIdx.x, t);
+  const long long plane = static_cast<long long>(tile.outer) * t.lanes_c + ln.q;
+  const int oh = tile.tile_h * t.sy_n + ln.sy;
+  const int ow0 = (tile.tile_w * t.sx_n + ln.sx) * TW;
   if (plane >= static_cast<long long>(s.N) * s.C || oh >= s.OH || ow0 >= s.OW) return;
   const int c = static_cast<int>(plane % s.C);
 
@@ -141,25 +87,9 @@ __global__ void __launch_bounds__(256)
   for (int kh = 0; kh < K; ++kh) {
     const int ih = oh * S - s.PH + kh;
     if (ih < 0 || ih >= s.H) continue;
-    const Sx* row = xp + static_cast<size_t>(ih) * s.W;
     Sx raw[L];
-#pragma unroll
-    for (int i = 0; i < L; ++i) {
-      const int iw = iw0 + i;
-      raw[i] = (iw >= 0 && iw < s.W) ? row[iw] : Sx(0);
-    }
-    float wk[K];
-#pragma unroll
-    for (int kw = 0; kw < K; ++kw) wk[kw] = TT::to_acc(wc[kh * K + kw]);
-#pragma unroll
-    for (int i = 0; i < L; ++i) {
-      const float xv = TT::to_acc(raw[i]);
-#pragma unroll
-      for (int j = 0; j < TW; ++j) {
-        const int kw = i - j * S;
-        if (kw >= 0 && kw < K) acc[j] = fmaf(wk[kw], xv, acc[j]);
-      }
-    }
+    load_row_scalars(xp + static_cast<size_t>(ih) * s.W, iw0, s.W, raw);
+    accumulate_nchw_row<TT, K>(raw, wc, kh, acc, [](int i, int j) { return i - j * S; });
   }
   Sx* yp = y + (plane * s.OH + oh) * s.OW + ow0;
 #pragma unroll
@@ -181,16 +111,11 @@ __global__ void __launch_bounds__(256)
   constexpr int R = TH - 1 + K;
   const int lane = threadIdx.x;
   if (lane >= t.threads) return;
-  const int sx = lane % t.sx_n;
-  const int r = lane / t.sx_n;
-  const int sy = r % t.sy_n, q = r / t.sy_n;
-  int b = blockIdx.x;
-  const int tile_w = b % t.tiles_w;
-  b /= t.tiles_w;
-  const int tile_h = b % t.tiles_h;
-  const long long plane = static_cast<long long>(b / t.tiles_h) * t.lanes_c + q;
-  const int oh0 = (tile_h * t.sy_n + sy) * TH;
-  const int ow0 = (tile_w * t.sx_n + sx) * TW;
+  const NchwLane ln = nchw_lane(lane, t);
+  const TileIndex tile = split_tile_index(blockIdx.x, t);
+  const long long plane = static_cast<long long>(tile.outer) * t.lanes_c + ln.q;
+  const int oh0 = (tile.tile_h * t.sy_n + ln.sy) * TH;
+  const int ow0 = (tile.tile_w * t.sx_n + ln.sx) * TW;
   if (plane >= static_cast<long long>(s.N) * s.C || oh0 >= s.OH || ow0 >= s.OW) return;
   const int c = static_cast<int>(plane % s.C);
 
@@ -209,13 +134,8 @@ __global__ void __launch_bounds__(256)
   for (int rr = 0; rr < R; ++rr) {
     const int ih = oh0 - s.PH + rr;
     if (ih < 0 || ih >= s.H) continue;
-    const Sx* row = xp + static_cast<size_t>(ih) * s.W;
     Sx raw[L];
-#pragma unroll
-    for (int i = 0; i < L; ++i) {
-      const int iw = iw0 + i;
-      raw[i] = (iw >= 0 && iw < s.W) ? row[iw] : Sx(0);
-    }
+    load_row_scalars(xp + static_cast<size_t>(ih) * s.W, iw0, s.W, raw);
 #pragma unroll
     for (int i = 0; i < L; ++i) {
       const float xv = TT::to_acc(raw[i]);
@@ -253,20 +173,15 @@ __global__ void __launch_bounds__(256)
                             Tiling t) {
   using Sx = typename TT::S;
   const int lane = threadIdx.x;
-  const int sx = lane % t.sx_n;
-  const int r = lane / t.sx_n;
-  const int sy = r % t.sy_n, q = r / t.sy_n;
-  int b = blockIdx.x;
-  const int tile_w = b % t.tiles_w;
-  b /= t.tiles_w;
-  const int tile_h = b % t.tiles_h;
-  const long long plane = static_cast<long long>(b / t.tiles_h) * t.lanes_c + q;
-  const int oh = tile_h * t.sy_n + sy;
-  const int ow0 = (tile_w * t.sx_n + sx) * TW;
+  const NchwLane ln = nchw_lane(lane, t);
+  const TileIndex tile = split_tile_index(blockIdx.x, t);
+  const long long plane = static_cast<long long>(tile.outer) * t.lanes_c + ln.q;
+  const int oh = tile.tile_h * t.sy_n + ln.sy;
+  const int ow0 = (tile.tile_w * t.sx_n + ln.sx) * TW;
   // Every lane takes part in the shuffles; only valid lanes load and store.
   const bool valid = lane < t.threads && plane < static_cast<long long>(s.N) * s.C && oh < s.H && ow0 < s.W;
-  const bool left_from_lane = sx > 0 && (lane & 31) != 0;
-  const bool right_from_lane = sx + 1 < t.sx_n && (lane & 31) != 31 && lane + 1 < t.threads;
+  const bool left_from_lane = ln.sx > 0 && (lane & 31) != 0;
+  const bool right_from_lane = ln.sx + 1 < t.sx_n && (lane & 31) != 31 && lane + 1 < t.threads;
   const int c = valid ? static_cast<int>(plane % s.C) : 0;
   const Sx* xp = x + (valid ? plane : 0) * s.H * s.W;
 

@@ -54,6 +54,35 @@ __device__ __forceinline__ void reduce_nhwc_partials(float (&acc)[KK + 1][V], fl
   }
 }
 
+// An NHWC wgrad block: channel groups vary fastest across blocks so the blocks sharing a pixel's
+// cache lines run together; the block's chunk takes every chunks-th tile.
+struct WgradNhwcBlock {
+  int group, chunk, chunks;
+};
+__device__ __forceinline__ WgradNhwcBlock wgrad_nhwc_block(const Tiling& t) {
+  WgradNhwcBlock r;
+  r.group = blockIdx.x % t.groups;
+  r.chunk = blockIdx.x / t.groups;
+  r.chunks = gridDim.x / t.groups;
+  return r;
+}
+
+// Input column i of kernel row kh against the lane's TW grad_out columns: acc[kh*K + kw] += g[j] * x
+// for each kw = i - j*S in [0, K). Per column rather than per row: a whole-row helper (widening
+// included) changed the 16-bit kernels' machine code.
+template <int K, int S, int TW, int V>
+__device__ __forceinline__ void accumulate_wgrad_column(int kh, int i, const float (&xv)[V], const float (&g)[TW][V],
+                                                        float (&acc)[K * K + 1][V]) {
+#pragma unroll
+  for (int j = 0; j < TW; ++j) {
+    const int kw = i - j * S;
+    if (kw >= 0 && kw < K) {
+#pragma unroll
+      for (int v = 0; v < V; ++v) acc[kh * K + kw][v] = fmaf(g[j][v], xv[v], acc[kh * K + kw][v]);
+    }
+  }
+}
+
 // 3 blocks of 256 per SM: caps registers at 80 (uncapped it took ~110 and ran 2 blocks per SM).
 template <class TT, int K, int S, int TW, int V>
 __global__ void __launch_bounds__(256, 3)
@@ -66,31 +95,19 @@ __global__ void __launch_bounds__(256, 3)
   extern __shared__ float red[];    // [warps][lanes_c][E]
 
   const int lane = threadIdx.x;
-  const int cv = lane % t.lanes_c;
-  const int sp = lane / t.lanes_c;
-  const int sx = sp % t.sx_n, sy = sp / t.sx_n;
-  // Channel groups vary fastest across blocks so the blocks sharing a pixel's cache lines run together.
-  const int group = blockIdx.x % t.groups;
-  const int chunk = blockIdx.x / t.groups;
-  const int chunks = gridDim.x / t.groups;
-  const int c0 = (group * t.lanes_c + cv) * V;
+  const NhwcLane ln = nhwc_lane(lane, t);
+  const WgradNhwcBlock blk = wgrad_nhwc_block(t);
+  const int c0 = (blk.group * t.lanes_c + ln.cv) * V;
   const bool active = lane < t.threads && c0 < s.C;
-
   float acc[KK + 1][V];
-#pragma unroll
-  for (int k = 0; k <= KK; ++k)
-#pragma unroll
-    for (int v = 0; v < V; ++v) acc[k][v] = 0.f;
+  fill(acc, 0.f);
 
   if (active) {
-    for (int tile = chunk; tile < num_tiles; tile += chunks) {
-      int b = tile;
-      const int tile_w = b % t.tiles_w;
-      b /= t.tiles_w;
-      const int tile_h = b % t.tiles_h;
-      const int n = b / t.tiles_h;
-      const int oh = tile_h * t.sy_n + sy;
-      const int ow0 = (tile_w * t.sx_n + sx) * TW;
+    for (int tile_index = blk.chunk; tile_index < num_tiles; tile_index += blk.chunks) {
+      const TileIndex tile = split_tile_index(tile_index, t);
+      const int n = tile.outer;
+      const int oh = tile.tile_h * t.sy_n + ln.sy;
+      const int ow0 = (tile.tile_w * t.sx_n + ln.sx) * TW;
       if (oh >= s.OH || ow0 >= s.OW) continue;
       float g[TW][V];
       const Sx* gp = go + ((static_cast<size_t>(n) * s.OH + oh) * s.OW + ow0) * s.C + c0;
@@ -111,36 +128,19 @@ __global__ void __launch_bounds__(256, 3)
       for (int kh = 0; kh < K; ++kh) {
         const int ih = oh * S - s.PH + kh;
         if (ih < 0 || ih >= s.H) continue;
-        const Sx* row = xn + static_cast<size_t>(ih) * s.W * s.C;
         Pack<Sx, V> raw[L];
-#pragma unroll
-        for (int i = 0; i < L; ++i) {
-          const int iw = iw0 + i;
-          if (iw >= 0 && iw < s.W) {
-            raw[i] = *reinterpret_cast<const Pack<Sx, V>*>(row + static_cast<size_t>(iw) * s.C);
-          } else {
-#pragma unroll
-            for (int v = 0; v < V; ++v) raw[i].v[v] = Sx(0);
-          }
-        }
+        load_row_packs(xn + static_cast<size_t>(ih) * s.W * s.C, iw0, s.W, s.C, raw);
 #pragma unroll
         for (int i = 0; i < L; ++i) {
           float xv[V];
           widen<TT, V>(raw[i], xv);
-#pragma unroll
-          for (int j = 0; j < TW; ++j) {
-            const int kw = i - j * S;
-            if (kw >= 0 && kw < K) {
-#pragma unroll
-              for (int v = 0; v < V; ++v) acc[kh * K + kw][v] = fmaf(g[j][v], xv[v], acc[kh * K + kw][v]);
-            }
-          }
+          accumulate_wgrad_column<K, S>(kh, i, xv, g, acc);
         }
       }
     }
   }
 
-  reduce_nhwc_partials<KK, V>(acc, red, ws, s, t, group, chunk);
+  reduce_nhwc_partials<KK, V>(acc, red, ws, s, t, blk.group, blk.chunk);
 }
 
 // Row-streaming variant (K=3, stride 1, 16-bit): a lane walks `rows_per_lane` consecutive output rows of one
@@ -157,22 +157,15 @@ __global__ void __launch_bounds__(256, 2)
   extern __shared__ float red[];
 
   const int lane = threadIdx.x;
-  const int cv = lane % t.lanes_c;
-  const int sp = lane / t.lanes_c;
-  const int sx = sp % t.sx_n, sy = sp / t.sx_n;
-  const int group = blockIdx.x % t.groups;
-  const int chunk = blockIdx.x / t.groups;
-  const int chunks = gridDim.x / t.groups;
-  const int c0 = (group * t.lanes_c + cv) * V;
+  const NhwcLane ln = nhwc_lane(lane, t);
+  const WgradNhwcBlock blk = wgrad_nhwc_block(t);
+  const int c0 = (blk.group * t.lanes_c + ln.cv) * V;
   const bool active = lane < t.threads && c0 < s.C;
-
   float acc[KK + 1][V];
-#pragma unroll
-  for (int k = 0; k <= KK; ++k)
-#pragma unroll
-    for (int v = 0; v < V; ++v) acc[k][v] = 0.f;
+  fill(acc, 0.f);
 
-  // One input row segment (L vectors) at row ih; zeros outside the image.
+  // One input row segment (L vectors) at row ih; zeros outside the image. Not load_row_packs: folding
+  // the row_ok test into it changed this kernel's machine code.
   auto load_row = [&](const Sx* xn, int ih, int iw0, P (&dst)[L]) {
     const bool row_ok = ih >= 0 && ih < s.H;
     const Sx* row = xn + static_cast<size_t>(row_ok ? ih : 0) * s.W * s.C;
@@ -189,14 +182,11 @@ __global__ void __launch_bounds__(256, 2)
   };
 
   if (active) {
-    for (int tile = chunk; tile < num_tiles; tile += chunks) {
-      int b = tile;
-      const int tile_w = b % t.tiles_w;
-      b /= t.tiles_w;
-      const int tile_h = b % t.tiles_h;
-      const int n = b / t.tiles_h;
-      const int oh0 = (tile_h * t.sy_n + sy) * rows_per_lane;
-      const int ow0 = (tile_w * t.sx_n + sx) * TW;
+    for (int tile_index = blk.chunk; tile_index < num_tiles; tile_index += blk.chunks) {
+      const TileIndex tile = split_tile_index(tile_index, t);
+      const int n = tile.outer;
+      const int oh0 = (tile.tile_h * t.sy_n + ln.sy) * rows_per_lane;
+      const int ow0 = (tile.tile_w * t.sx_n + ln.sx) * TW;
       if (oh0 >= s.OH || ow0 >= s.OW) continue;
       const int oh_end = oh0 + rows_per_lane < s.OH ? oh0 + rows_per_lane : s.OH;
       const Sx* xn = x + static_cast<size_t>(n) * s.H * s.W * s.C + c0;
@@ -234,14 +224,7 @@ __global__ void __launch_bounds__(256, 2)
           for (int i = 0; i < L; ++i) {
             float xv[V];
             widen<TT, V>(win[kh][i], xv);
-#pragma unroll
-            for (int j = 0; j < TW; ++j) {
-              const int kw = i - j * S;
-              if (kw >= 0 && kw < K) {
-#pragma unroll
-                for (int v = 0; v < V; ++v) acc[kh * K + kw][v] = fmaf(g[j][v], xv[v], acc[kh * K + kw][v]);
-              }
-            }
+            accumulate_wgrad_column<K, S>(kh, i, xv, g, acc);
           }
 #pragma unroll
         for (int kh = 0; kh < K; ++kh)
@@ -250,7 +233,7 @@ __global__ void __launch_bounds__(256, 2)
       }
     }
   }
-  reduce_nhwc_partials<KK, V>(acc, red, ws, s, t, group, chunk);
+  reduce_nhwc_partials<KK, V>(acc, red, ws, s, t, blk.group, blk.chunk);
 }
 
 // NCHW: block (chunk, channel c); lanes cover a tile of rows x strips of lanes_c images.
@@ -264,9 +247,7 @@ __global__ void __launch_bounds__(256)
   __shared__ float red[8][KK + 1];
   const int c = blockIdx.y;
   const int lane = threadIdx.x;
-  const int sx = lane % t.sx_n;
-  const int r = lane / t.sx_n;
-  const int sy = r % t.sy_n, q = r / t.sy_n;
+  const NchwLane ln = nchw_lane(lane, t);
   const bool active = lane < t.threads;
 
   float acc[KK + 1];
@@ -274,14 +255,11 @@ __global__ void __launch_bounds__(256)
   for (int k = 0; k <= KK; ++k) acc[k] = 0.f;
 
   if (active) {
-    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-      int b = tile;
-      const int tile_w = b % t.tiles_w;
-      b /= t.tiles_w;
-      const int tile_h = b % t.tiles_h;
-      const int n = (b / t.tiles_h) * t.lanes_c + q;
-      const int oh = tile_h * t.sy_n + sy;
-      const int ow0 = (tile_w * t.sx_n + sx) * TW;
+    for (int tile_index = blockIdx.x; tile_index < num_tiles; tile_index += gridDim.x) {
+      const TileIndex tile = split_tile_index(tile_index, t);
+      const int n = tile.outer * t.lanes_c + ln.q;
+      const int oh = tile.tile_h * t.sy_n + ln.sy;
+      const int ow0 = (tile.tile_w * t.sx_n + ln.sx) * TW;
       if (n >= s.N || oh >= s.OH || ow0 >= s.OW) continue;
       const size_t plane = static_cast<size_t>(n) * s.C + c;
       const Sx* gp = go + (plane * s.OH + oh) * s.OW + ow0;
@@ -297,13 +275,8 @@ __global__ void __launch_bounds__(256)
       for (int kh = 0; kh < K; ++kh) {
         const int ih = oh * S - s.PH + kh;
         if (ih < 0 || ih >= s.H) continue;
-        const Sx* row = xp + static_cast<size_t>(ih) * s.W;
         Sx raw[L];
-#pragma unroll
-        for (int i = 0; i < L; ++i) {
-          const int iw = iw0 + i;
-          raw[i] = (iw >= 0 && iw < s.W) ? row[iw] : Sx(0);
-        }
+        load_row_scalars(xp + static_cast<size_t>(ih) * s.W, iw0, s.W, raw);
 #pragma unroll
         for (int i = 0; i < L; ++i) {
           const float xv = TT::to_acc(raw[i]);
