@@ -53,6 +53,29 @@ def autocast_dtype(cfg) -> torch.dtype | None:
     return AMP_DTYPES[_value(cfg.amp_dtype)] if cfg.amp else None
 
 
+def precision_label(cfg) -> str:
+    return f"amp {_value(cfg.amp_dtype)}" if cfg.amp else "fp32"
+
+
+def layout_label(cfg) -> str:
+    return "channels_last" if cfg.channels_last else "NCHW"
+
+
+def config_rows(cfg, device: torch.device, env: dict, backend: str | None = None) -> dict[str, Any]:
+    """What a summary table says about the combination that ran (training and inference alike)."""
+    return {
+        "backend": backend or cfg.backend.name,
+        "precision": precision_label(cfg),
+        "memory format": layout_label(cfg),
+        "compile": cfg.compile,
+        "data": cfg.data.name + (f" ({cfg.data.builtin})" if cfg.data.builtin else ""),
+        "batch size": cfg.data.batch_size,
+        "resolution": cfg.data.resolution,
+        "device": env.get("gpu") if device.type == "cuda" else "cpu",
+        "torch / CUDA / cuDNN": f"{env['torch']} / {env['cuda']} / {env['cudnn']}",
+    }
+
+
 def run_dtype(cfg) -> torch.dtype:
     """The dtype batches are delivered in: the autocast dtype under AMP, else fp32."""
     return autocast_dtype(cfg) or torch.float32
@@ -338,15 +361,18 @@ class Trainer:
 
     # --- the loop ------------------------------------------------------------------------------------------------
 
+    def _range(self, name: str):
+        """A named profiler range when profiling, else nothing."""
+        return self.profiler.range(name) if self.profiler else contextlib.nullcontext()
+
     def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        prof = self.profiler
-        with prof.range("forward") if prof else contextlib.nullcontext():
+        with self._range("forward"):
             with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
                 loss = self.criterion(self.forward(images), labels)
-        with prof.range("backward") if prof else contextlib.nullcontext():
+        with self._range("backward"):
             self.optimizer.zero_grad(set_to_none=True)
             self.scaler.scale(loss).backward()
-        with prof.range("optimizer") if prof else contextlib.nullcontext():
+        with self._range("optimizer"):
             self.scaler.step(self.optimizer)
             self.scaler.update()
             self.scheduler.step()
@@ -364,7 +390,7 @@ class Trainer:
         it = _cycle(self.train_loader)
         for i in range(steps):
             meter.data_start()
-            with self.profiler.range("data") if self.profiler else contextlib.nullcontext():
+            with self._range("data"):
                 images, labels = next(it)
             meter.compute_start()
             lr = self.optimizer.param_groups[0]["lr"]
@@ -475,17 +501,7 @@ class Trainer:
 
     def summary_rows(self, result: RunResult) -> dict[str, Any]:
         cfg, tp = self.cfg, result.train
-        rows: dict[str, Any] = {
-            "backend": self.backend_label,
-            "precision": f"amp {_value(cfg.amp_dtype)}" if cfg.amp else "fp32",
-            "memory format": "channels_last" if cfg.channels_last else "NCHW",
-            "compile": cfg.compile,
-            "data": cfg.data.name + (f" ({cfg.data.builtin})" if cfg.data.builtin else ""),
-            "batch size": cfg.data.batch_size,
-            "resolution": cfg.data.resolution,
-            "device": self.env.get("gpu") if self.device.type == "cuda" else "cpu",
-            "torch / CUDA / cuDNN": f"{self.env['torch']} / {self.env['cuda']} / {self.env['cudnn']}",
-        }
+        rows = config_rows(cfg, self.device, self.env, self.backend_label)
         if self.dist.enabled:
             rows["ranks"] = self.dist.world_size
         if tp is not None:
@@ -534,8 +550,8 @@ def run_meta(cfg, env: dict, mode: str) -> dict[str, Any]:
     """The facts of a run that reports and traces carry."""
     return {
         **env, "mode": mode, "backend": cfg.backend.name,
-        "precision": f"amp {_value(cfg.amp_dtype)}" if cfg.amp else "fp32",
-        "memory_format": "channels_last" if cfg.channels_last else "NCHW",
+        "precision": precision_label(cfg),
+        "memory_format": layout_label(cfg),
         "batch_size": cfg.data.batch_size, "resolution": cfg.data.resolution, "compile": cfg.compile,
         "data": cfg.data.name,
     }

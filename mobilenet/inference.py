@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from .data import LoaderSpec, build_loaders
-from .engine import _value, autocast_dtype, build_for_run, evaluate, load_checkpoint, resolve_device, run_dtype, validate
+from .engine import autocast_dtype, build_for_run, config_rows, evaluate, load_checkpoint, resolve_device, run_dtype, validate
 from .meter import StepMeter, Throughput
 from .reporting import environment, print_summary
 
@@ -39,19 +39,6 @@ def _synthetic_batch(cfg, device):
     return x.to(run_dtype(cfg)).contiguous(memory_format=fmt)
 
 
-def _rows(cfg, device, env) -> dict:
-    return {
-        "backend": cfg.backend.name,
-        "precision": f"amp {_value(cfg.amp_dtype)}" if cfg.amp else "fp32",
-        "memory format": "channels_last" if cfg.channels_last else "NCHW",
-        "compile": cfg.compile,
-        "batch size": cfg.data.batch_size,
-        "resolution": cfg.data.resolution,
-        "device": env.get("gpu") if device.type == "cuda" else "cpu",
-        "torch / CUDA / cuDNN": f"{env['torch']} / {env['cuda']} / {env['cudnn']}",
-    }
-
-
 def measure(forward, model: torch.nn.Module, cfg, device: torch.device, warmup: int, steps: int) -> Throughput:
     """Inference throughput of any model (this project's or a peer) on one device-resident batch."""
     amp_dtype = autocast_dtype(cfg)
@@ -75,7 +62,7 @@ def benchmark(cfg, warmup: int, steps: int) -> float:
     """Inference img/s of the configured combination on a device-resident batch (no input pipeline)."""
     device, model, forward, _, _ = _setup(cfg, None)
     tp = measure(forward, model, cfg, device, warmup, steps)
-    rows = _rows(cfg, device, environment(device))
+    rows = config_rows(cfg, device, environment(device))
     rows.update({"infer img/s": tp.img_s, "ms / batch": tp.step_ms, "timed steps": tp.steps, "warm-up steps": warmup})
     print_summary("inference benchmark", rows)
     return tp.img_s
@@ -88,7 +75,7 @@ def evaluate_checkpoint(cfg, checkpoint: str) -> tuple[float, float]:
     if val.num_classes != state["num_classes"]:
         raise ValueError(f"the data has {val.num_classes} classes but the checkpoint was trained for {state['num_classes']}")
     top1, top5, n, tp = evaluate(forward, val, device, amp_dtype)
-    rows = _rows(cfg, device, environment(device))
+    rows = config_rows(cfg, device, environment(device))
     rows.update({"checkpoint": checkpoint, "val top-1 %": top1, "val top-5 %": top5, "val images": n, "img/s": tp.img_s})
     print_summary("evaluation", rows)
     return top1, top5

@@ -91,6 +91,20 @@ class TensorBoardLog:
             self.writer.close()
 
 
+def machine_line(env: dict[str, str]) -> str:
+    """One line naming the machine and versions a result came from."""
+    return (f"Machine: {env.get('gpu')} (driver {env.get('driver', '?')}), torch {env['torch']}, CUDA {env['cuda']}, "
+            f"cuDNN {env['cudnn']}")
+
+
+def publish(text: str, out=None) -> None:
+    """Print a markdown result and, when `out` is given, write it there too."""
+    print(text)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+
+
 def print_summary(title: str, rows: dict[str, Any]) -> str:
     """A two-column table on the console; returns it as markdown for TensorBoard and result files."""
     from rich.console import Console

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mobilenet.config import compose  # noqa: E402
 from mobilenet.engine import Trainer, autocast_dtype, build_for_run, resolve_device  # noqa: E402
-from mobilenet.reporting import environment  # noqa: E402
+from mobilenet.reporting import environment, machine_line, publish  # noqa: E402
 
 DEFAULT = ["data=synthetic", "backend=cudnn", "amp=true", "channels_last=true"]
 
@@ -83,7 +83,7 @@ def main() -> int:
         f"Command: `python scripts/check_engine_overhead.py {' '.join(sys.argv[1:])}`",
         f"Overrides: `{' '.join(overrides)}`; {args.steps} timed steps after {args.warmup} warm-up, batch {cfg.data.batch_size}, "
         f"{cfg.data.resolution}px",
-        f"Machine: {env.get('gpu')} (driver {env.get('driver', '?')}), torch {env['torch']}, CUDA {env['cuda']}, cuDNN {env['cudnn']}",
+        machine_line(env),
         "",
         "| loop | img/s |",
         "|---|---|",
@@ -94,11 +94,7 @@ def main() -> int:
         "",
         f"Within 8%: {'yes' if ratio >= 0.92 else 'NO'}",
     ]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    publish("\n".join(lines), args.out)
     return 0 if ratio >= 0.92 else 1
 
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mobilenet.config import compose  # noqa: E402
 from mobilenet.engine import Trainer  # noqa: E402
-from mobilenet.reporting import environment  # noqa: E402
+from mobilenet.reporting import environment, machine_line, publish  # noqa: E402
 
 DEFAULT = ["data=synthetic", "amp=true", "channels_last=true"]
 
@@ -65,7 +65,7 @@ def main() -> int:
         "",
         f"Command: `python scripts/compare_loss_curves.py {' '.join(sys.argv[1:])}`",
         f"Overrides: `{' '.join(overrides)}`",
-        f"Machine: {env.get('gpu')} (driver {env.get('driver', '?')}), torch {env['torch']}, CUDA {env['cuda']}, cuDNN {env['cudnn']}",
+        machine_line(env),
         "",
         f"- noise floor (max |loss| gap between {reference} and {reference} from weights perturbed by 2^-11): {noise:.5f}",
         f"- max |loss| gap {candidate} vs {reference}: {gap:.5f} (allowed {allowed:.5f} = {args.tolerance} x floor + {args.slack})",
@@ -78,11 +78,7 @@ def main() -> int:
         "",
         f"Match within noise: {'yes' if ok else 'NO'}",
     ]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    publish("\n".join(lines), args.out)
     return 0 if ok else 1
 
 
