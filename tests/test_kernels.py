@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import os
 import random
 import shutil
 import sys
@@ -156,7 +157,9 @@ def test_coverage_grid_against_float64(dw):
     sample += [(dt, lay, k, s, 1, k // 2, bias) for dt in DTYPES for lay in ["nchw", "nhwc"] for k in (3, 5, 7)
                for s in (1, 2) for bias in (False,)]
     gen = torch.Generator(device="cuda").manual_seed(random.randrange(1 << 30))
-    sizes = [(1, 3, 5, 7), (2, 8, 9, 9), (3, 13, 11, 6), (2, 16, 15, 15), (1, 24, 8, 13), (2, 40, 7, 7), (3, 32, 12, 17)]
+    # (1, 16, 6, 70) is wider than the staged NHWC kernels take (STAGED_MAX_W): the register-tiled ones run
+    sizes = [(1, 3, 5, 7), (2, 8, 9, 9), (3, 13, 11, 6), (2, 16, 15, 15), (1, 24, 8, 13), (2, 40, 7, 7), (3, 32, 12, 17),
+             (1, 16, 6, 70)]
     for i, (dtype, layout, k, stride, dilation, padding, bias) in enumerate(sample):
         n, c, h, w = sizes[i % len(sizes)]
         _check_case(dw, dtype, layout, k, stride, dilation, padding, bias, n, c, h, w, gen)
@@ -168,7 +171,9 @@ def test_coverage_grid_against_float64(dw):
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 def test_mobilenet_shapes(dw, dtype, layout):
     gen = torch.Generator(device="cuda").manual_seed(random.randrange(1 << 30))
-    for c, h, stride in [(32, 28, 1), (64, 28, 2), (512, 14, 1), (512, 14, 2), (1024, 7, 1)]:
+    # 56x56 NHWC is staged in several row bands (the last one short); 60/61 wide: register-tiled kernels
+    for c, h, stride in [(32, 28, 1), (64, 28, 2), (512, 14, 1), (512, 14, 2), (1024, 7, 1), (64, 56, 1), (64, 56, 2),
+                         (32, 60, 1), (32, 61, 2)]:
         _check_case(dw, dtype, layout, 3, stride, 1, 1, False, 4, c, h, h, gen)
 
 
@@ -176,7 +181,7 @@ def test_mobilenet_shapes(dw, dtype, layout):
 @cuda
 def test_gradcheck_fp64(dw):
     for layout, stride, dilation, k in [("nchw", 1, 1, 3), ("nhwc", 2, 1, 3), ("nchw", 2, 2, 5), ("nhwc", 1, 2, 1)]:
-        x = _make_input(2, 3, 7, 6, torch.float64, layout, None).requires_grad_()
+        x = _make_input(2, 3, 9, 8, torch.float64, layout, None).requires_grad_()  # >= the dilated 5x5 kernel
         w = torch.randn(3, 1, k, k, device="cuda", dtype=torch.float64, requires_grad=True)
         b = torch.randn(3, device="cuda", dtype=torch.float64, requires_grad=True)
         assert torch.autograd.gradcheck(lambda x, w, b: dw(x, w, b, stride, 1, dilation), (x, w, b))
@@ -241,21 +246,27 @@ def test_torch_compile_fullgraph(dw):
 def test_profiler_shows_our_kernels_and_no_cudnn(dw):
     from torch.profiler import ProfilerActivity, profile
 
-    x = torch.randn(4, 32, 28, 28, device="cuda").contiguous(memory_format=torch.channels_last).requires_grad_()
-    w = torch.randn(32, 1, 3, 3, device="cuda", requires_grad=True)
-    dw(x, w, None, 1, 1, 1).sum().backward()  # warm-up
+    def run(width, dtype):
+        x = torch.randn(4, 32, width, width, device="cuda", dtype=dtype)
+        x = x.contiguous(memory_format=torch.channels_last).requires_grad_()
+        w = torch.randn(32, 1, 3, 3, device="cuda", dtype=dtype, requires_grad=True)
+        y = dw(x, w, None, 1, 1, 1)
+        torch.autograd.grad(y, (x, w), torch.ones_like(y))
+
+    run(28, torch.float32)  # warm-up
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for dtype in (torch.float32, torch.float16):
-            xd = x.detach().to(dtype).requires_grad_()
-            wd = w.detach().to(dtype).requires_grad_()
-            y = dw(xd, wd, None, 1, 1, 1)
-            torch.autograd.grad(y, (xd, wd), torch.ones_like(y))
+            run(28, dtype)  # staged through shared memory (source width <= STAGED_MAX_W, default 56)
+            run(64, dtype)  # register-tiled
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     ours = [n for n in names if "mdw::" in n]
-    assert any("fwd_nhwc_kernel" in n for n in ours), names
-    assert any("dgrad_nhwc_kernel" in n for n in ours), names
+    if "MDW_STAGED_MAX_W" not in os.environ:  # the default split between the two NHWC kernel families
+        assert any("staged_nhwc_kernel" in n and "true" not in n for n in ours), names  # forward
+        assert any("staged_nhwc_kernel" in n and "true" in n for n in ours), names  # input gradient (FLIP)
+        assert any("fwd_nhwc_kernel" in n for n in ours), names
+        assert any("dgrad_nhwc_kernel" in n for n in ours), names
     assert any("wgrad_nhwc" in n for n in ours), names
     assert not [n for n in names if "cudnn" in n.lower() or "conv" in n.lower() and "mdw::" not in n], names
 
