@@ -15,6 +15,10 @@ import time
 from pathlib import Path
 
 
+# conf/config.yaml's hydra.job.config.override_dirname.exclude_keys
+_UNNAMED_KEYS = {"resume", "data.root", "log_root", "device", "progress", "save_checkpoints"}
+
+
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", action="store_true", help="profile inference steps and print a diagnosis")
@@ -40,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         # Benchmarking and profiling measure the model on ImageNet-shaped device-resident batches unless told otherwise.
         overrides = ["data=synthetic", *overrides]
     cfg = compose(overrides)
-    run_dir = Path(cfg.log_root) / "infer" / (",".join(overrides) or "default") / time.strftime("%Y%m%d-%H%M%S")
+    # Named like train.py's run directories: paths and switches that do not change what is measured stay out.
+    named = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in _UNNAMED_KEYS]
+    run_dir = Path(cfg.log_root) / "infer" / (",".join(named) or "default") / time.strftime("%Y%m%d-%H%M%S")
     if args.images:
         inference.classify_images(cfg, args.checkpoint, args.images)
     elif args.checkpoint:

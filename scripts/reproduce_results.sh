@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Re-measure every table in docs/results/ on this machine's GPU, writing into OUT (default docs/results).
 # Each step is one of the project's own commands; run a subset with STEPS="overhead loss profile" etc.
-# Needs a CUDA GPU; DALI steps need nvidia-dali and a dataset (make_fake_imagenet.py writes one).
+# Needs a CUDA GPU; DALI steps need nvidia-dali and a dataset (make_fake_imagenet.py writes one); scaling needs 2+ GPUs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-docs/results}
-STEPS=${STEPS:-"tests depthwise overhead loss profile loader dali-train"}
+STEPS=${STEPS:-"tests depthwise overhead loss profile loader dali-train scaling"}
 FAKE=${FAKE:-/tmp/fake-imagenet}
 mkdir -p "$OUT"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -28,4 +28,13 @@ if has dali-train; then
   common="backend=cudnn amp=true channels_last=true epochs=2 data.steps_per_epoch=300 evaluate=false save_checkpoints=false progress=false"
   python train.py data=dali data.root="$FAKE" data.dali.threads="$(nproc)" $common 2>&1 | grep -E "img/s|data wait" | tee "$OUT/dali_train.txt"
   python train.py data=synthetic $common 2>&1 | grep -E "img/s|data wait" | tee "$OUT/synthetic_train.txt"
+fi
+if has scaling; then
+  # The DDP acceptance: 1 GPU vs torchrun on 2, same config, back to back (the script sets NCCL_NVLS_ENABLE=0).
+  ngpu=$(python -c "import torch; print(torch.cuda.device_count())")
+  if (( ngpu > 1 )); then
+    python scripts/check_scaling.py --gpus 2 --rounds 3 --out "$OUT/ddp_scaling_2xh200.md" || true
+  else
+    echo "scaling: skipped, $ngpu GPU(s) visible (needs 2 or more)"
+  fi
 fi

@@ -1,6 +1,7 @@
 """Every config group and every documented CLI example composes; typos and wrong types are rejected by name."""
 
 import itertools
+from pathlib import Path
 
 import pytest
 from hydra.errors import ConfigCompositionException
@@ -83,3 +84,12 @@ def _get(cfg, dotted: str):
     for part in dotted.split("."):
         cfg = cfg[part]
     return getattr(cfg, "value", cfg)
+
+
+def test_infer_run_names_leave_out_the_same_keys_as_train():
+    from omegaconf import OmegaConf
+
+    import infer
+
+    yaml_keys = OmegaConf.load(Path(__file__).resolve().parent.parent / "conf" / "config.yaml").hydra.job.config.override_dirname.exclude_keys
+    assert infer._UNNAMED_KEYS == set(yaml_keys)

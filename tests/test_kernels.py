@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 import itertools
-import os
 import random
 import shutil
 import sys
@@ -157,7 +156,7 @@ def test_coverage_grid_against_float64(dw):
     sample += [(dt, lay, k, s, 1, k // 2, bias) for dt in DTYPES for lay in ["nchw", "nhwc"] for k in (3, 5, 7)
                for s in (1, 2) for bias in (False,)]
     gen = torch.Generator(device="cuda").manual_seed(random.randrange(1 << 30))
-    # (1, 16, 6, 70) is wider than the staged NHWC kernels take (STAGED_MAX_W): the register-tiled ones run
+    # (1, 16, 6, 70): a row wider than one NHWC block's strips (several column tiles)
     sizes = [(1, 3, 5, 7), (2, 8, 9, 9), (3, 13, 11, 6), (2, 16, 15, 15), (1, 24, 8, 13), (2, 40, 7, 7), (3, 32, 12, 17),
              (1, 16, 6, 70)]
     for i, (dtype, layout, k, stride, dilation, padding, bias) in enumerate(sample):
@@ -171,7 +170,7 @@ def test_coverage_grid_against_float64(dw):
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 def test_mobilenet_shapes(dw, dtype, layout):
     gen = torch.Generator(device="cuda").manual_seed(random.randrange(1 << 30))
-    # 56x56 NHWC is staged in several row bands (the last one short); 60/61 wide: register-tiled kernels
+    # 56/60/61 wide: several row and column tiles per image, odd sizes with stride 2
     for c, h, stride in [(32, 28, 1), (64, 28, 2), (512, 14, 1), (512, 14, 2), (1024, 7, 1), (64, 56, 1), (64, 56, 2),
                          (32, 60, 1), (32, 61, 2)]:
         _check_case(dw, dtype, layout, 3, stride, 1, 1, False, 4, c, h, h, gen)
@@ -246,27 +245,21 @@ def test_torch_compile_fullgraph(dw):
 def test_profiler_shows_our_kernels_and_no_cudnn(dw):
     from torch.profiler import ProfilerActivity, profile
 
-    def run(width, dtype):
-        x = torch.randn(4, 32, width, width, device="cuda", dtype=dtype)
-        x = x.contiguous(memory_format=torch.channels_last).requires_grad_()
-        w = torch.randn(32, 1, 3, 3, device="cuda", dtype=dtype, requires_grad=True)
-        y = dw(x, w, None, 1, 1, 1)
-        torch.autograd.grad(y, (x, w), torch.ones_like(y))
-
-    run(28, torch.float32)  # warm-up
+    x = torch.randn(4, 32, 28, 28, device="cuda").contiguous(memory_format=torch.channels_last).requires_grad_()
+    w = torch.randn(32, 1, 3, 3, device="cuda", requires_grad=True)
+    dw(x, w, None, 1, 1, 1).sum().backward()  # warm-up
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for dtype in (torch.float32, torch.float16):
-            run(28, dtype)  # staged through shared memory (source width <= STAGED_MAX_W, default 56)
-            run(64, dtype)  # register-tiled
+            xd = x.detach().to(dtype).requires_grad_()
+            wd = w.detach().to(dtype).requires_grad_()
+            y = dw(xd, wd, None, 1, 1, 1)
+            torch.autograd.grad(y, (xd, wd), torch.ones_like(y))
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     ours = [n for n in names if "mdw::" in n]
-    if "MDW_STAGED_MAX_W" not in os.environ:  # the default split between the two NHWC kernel families
-        assert any("staged_nhwc_kernel" in n and "true" not in n for n in ours), names  # forward
-        assert any("staged_nhwc_kernel" in n and "true" in n for n in ours), names  # input gradient (FLIP)
-        assert any("fwd_nhwc_kernel" in n for n in ours), names
-        assert any("dgrad_nhwc_kernel" in n for n in ours), names
+    assert any("fwd_nhwc_kernel" in n for n in ours), names
+    assert any("dgrad_nhwc_kernel" in n for n in ours), names
     assert any("wgrad_nhwc" in n for n in ours), names
     assert not [n for n in names if "cudnn" in n.lower() or "conv" in n.lower() and "mdw::" not in n], names
 

@@ -166,6 +166,28 @@ def _synthetic_gpu_trace() -> dict:
             "mobilenet_meta": {"backend": "torch", "memory_format": "NCHW", "precision": "amp fp16"}}
 
 
+def _gpu_bound_trace() -> dict:
+    """Three 200 us host steps, each launching one 1000 us kernel: the GPU runs 1 ms behind per step."""
+    ev = []
+    for s in range(3):
+        t = 200.0 * s
+        ev.append({"ph": "X", "name": f"ProfilerStep#{s}", "cat": "user_annotation", "ts": t, "dur": 200, "pid": 1, "tid": 1, "args": {}})
+        ev.append({"ph": "X", "name": "cudaLaunchKernel", "cat": "cuda_runtime", "ts": t + 10, "dur": 5, "pid": 1, "tid": 1,
+                   "args": {"correlation": s + 1}})
+        ev.append({"ph": "X", "name": "sm90_xmma_fprop_implicit_gemm", "cat": "kernel", "ts": 20 + 1000.0 * s, "dur": 1000,
+                   "pid": 0, "tid": 7, "args": {"correlation": s + 1}})
+    return {"traceEvents": ev, "deviceProperties": [{"name": "Synthetic GPU"}]}
+
+
+def test_step_time_counts_gpu_completion_when_the_host_runs_ahead():
+    r = analyse_trace(_gpu_bound_trace(), baseline_step_ms=1.0)
+    assert math.isclose(r.host_step_ms_median, 0.2)
+    # completions at 1020, 2020, 3020 us; the first step counts from its host start (0)
+    assert [round(t, 6) for t in r.step_ms] == [1.02, 1.0, 1.0]
+    assert math.isclose(r.step_ms_median, 1.0) and math.isclose(r.profiler_overhead_pct, 0.0, abs_tol=1e-9)
+    assert any(f.title == "host runs ahead" for f in r.findings)
+
+
 def test_synthetic_gpu_trace_exact_figures():
     r = analyse_trace(_synthetic_gpu_trace(), baseline_step_ms=0.8)
     _assert_partition(r)

@@ -36,13 +36,4 @@ size_t wgrad_workspace_elems(const ConvShape& s, DType dt, const void* grad_out,
 void launch_wgrad(const ConvShape& s, DType dt, const void* grad_out, const void* x, void* workspace,
                   void* grad_weight, void* grad_bias, cudaStream_t stream);
 
-// Both gradients of a 3x3 / stride 1 / padding 1 NHWC convolution in one pass, so grad_out is read once.
-// fused_bwd_chunks: the workspace chunks it needs (the workspace holds chunks * C * 10 floats), or 0 when
-// the case is not its (then launch_dgrad + launch_wgrad). launch_fused_bwd writes grad_input and
-// grad_weight / grad_bias (either may be null).
-int fused_bwd_chunks(const ConvShape& s, DType dt, const void* grad_out, const void* x, const void* grad_input);
-void launch_fused_bwd(const ConvShape& s, DType dt, const void* grad_out, const void* x, const void* w,
-                      void* grad_input, void* workspace, int chunks, void* grad_weight, void* grad_bias,
-                      cudaStream_t stream);
-
 }  // namespace mdw

@@ -144,34 +144,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_bwd(const at::Tensor& g
   const bool empty = go.numel() == 0 || x.numel() == 0;
 
   at::Tensor grad_input, grad_weight, grad_bias;
-  grad_input = output_mask[0] ? (empty ? at::zeros(x.sizes(), x.options().memory_format(fmt))
-                                       : at::empty(x.sizes(), x.options().memory_format(fmt)))
-                              : at::empty({0}, x.options());
+  if (output_mask[0]) {
+    grad_input = empty ? at::zeros(x.sizes(), x.options().memory_format(fmt))
+                       : at::empty(x.sizes(), x.options().memory_format(fmt));
+    if (!empty) launch_dgrad(s, dt, go.const_data_ptr(), w.const_data_ptr(), grad_input.mutable_data_ptr(), stream);
+  } else {
+    grad_input = at::empty({0}, x.options());
+  }
   grad_weight = output_mask[1] ? (empty ? at::zeros(w.sizes(), w.options()) : at::empty(w.sizes(), w.options()))
                                : at::empty({0}, w.options());
   grad_bias = output_mask[2] ? (empty ? at::zeros({s.C}, w.options()) : at::empty({s.C}, w.options()))
                              : at::empty({0}, w.options());
-  if (empty) return {grad_input, grad_weight, grad_bias};
-  const bool want_wgrad = output_mask[1] || output_mask[2];
-  void* gw = output_mask[1] ? grad_weight.mutable_data_ptr() : nullptr;
-  void* gb = output_mask[2] ? grad_bias.mutable_data_ptr() : nullptr;
-  const auto ws_options = x.options().dtype(dt == DType::F64 ? at::kDouble : at::kFloat);
-  // Both gradients in one pass where a fused kernel serves the case; otherwise one kernel each.
-  const int fused_chunks = output_mask[0] && want_wgrad
-                               ? fused_bwd_chunks(s, dt, go.const_data_ptr(), x.const_data_ptr(),
-                                                  grad_input.const_data_ptr())
-                               : 0;
-  if (fused_chunks > 0) {
-    const at::Tensor workspace = at::empty({static_cast<int64_t>(fused_chunks) * s.C * 10}, ws_options);
-    launch_fused_bwd(s, dt, go.const_data_ptr(), x.const_data_ptr(), w.const_data_ptr(),
-                     grad_input.mutable_data_ptr(), workspace.mutable_data_ptr(), fused_chunks, gw, gb, stream);
-    return {grad_input, grad_weight, grad_bias};
-  }
-  if (output_mask[0]) launch_dgrad(s, dt, go.const_data_ptr(), w.const_data_ptr(), grad_input.mutable_data_ptr(), stream);
-  if (want_wgrad) {
+  if ((output_mask[1] || output_mask[2]) && !empty) {
     const size_t elems = wgrad_workspace_elems(s, dt, go.const_data_ptr(), x.const_data_ptr());
-    const at::Tensor workspace = at::empty({static_cast<int64_t>(elems)}, ws_options);
-    launch_wgrad(s, dt, go.const_data_ptr(), x.const_data_ptr(), workspace.mutable_data_ptr(), gw, gb, stream);
+    const at::Tensor workspace = at::empty({static_cast<int64_t>(elems)},
+                                           x.options().dtype(dt == DType::F64 ? at::kDouble : at::kFloat));
+    launch_wgrad(s, dt, go.const_data_ptr(), x.const_data_ptr(), workspace.mutable_data_ptr(),
+                 output_mask[1] ? grad_weight.mutable_data_ptr() : nullptr,
+                 output_mask[2] ? grad_bias.mutable_data_ptr() : nullptr, stream);
   }
   return {grad_input, grad_weight, grad_bias};
 }

@@ -353,7 +353,7 @@ inline int nhwc_vec(DType dt) { return dt == DType::F32 ? 4 : 8; }
 
 // Launch-shape knobs, per dtype, with measured defaults; MDW_<NAME>_<F32|F16|BF16> or MDW_<NAME>
 // override them (used by the benchmark sweeps that picked the defaults).
-enum class Knob { kGroupFastest, kImages, kWgradBlocksPerSm, kWgradStream, kNchwRows, kStagedMaxW, kStagedTileKb, kFusedBwd };
+enum class Knob { kGroupFastest, kImages, kWgradBlocksPerSm, kWgradStream, kNchwRows };
 int knob(Knob k, DType dt);
 // Images each NHWC forward/dgrad block loops over (amortises its weight staging).
 int images_per_block(DType dt, int blocks_per_image, int N);
@@ -368,13 +368,6 @@ inline int elem_size(DType dt) {
 // gradient); returns false when the shape or alignment does not allow it.
 bool conv3x3_nchw_vec(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                       bool flip, cudaStream_t stream);
-
-// NHWC forward (stride 1/2) and stride-1 input gradient with the input staged through shared memory
-// (staged.cu); false when the case is not theirs (then the register-tiled kernels run).
-bool staged_forward(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
-                    cudaStream_t stream);
-bool staged_dgrad(const ConvShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,
-                  cudaStream_t stream);
 
 // Generic kernels: any supported kernel size, stride, dilation, padding, dtype and layout; one output
 // element per thread. The fast paths fall back to these.
