@@ -22,7 +22,8 @@ on synthetic data, logged under the same tags. timm is optional (pip install tim
 
 Combinations that cannot run here are skipped up front with the reason (no CUDA for backend=cudnn/custom or
 amp=fp16, DALI not installed, no --data-root for data=dali, timm not installed); each gets a run directory holding
-only its benchmark.json, so compare.py lists it with that reason. A run directory whose benchmark.json says "ok"
+only its benchmark.json, so compare.py lists it with that reason; so does a combination that --time-budget left
+unstarted. A run directory whose benchmark.json says "ok"
 is not measured again when the same --out is used again: an interrupted matrix continues where it stopped.
 """
 
@@ -307,7 +308,10 @@ def main(argv: list[str]) -> int:
                 timeout = min(timeout, deadline - time.monotonic())
             # Not worth starting if it would likely be cut off: leave it for the next invocation.
             if deadline is not None and timeout < max(10.0, 1.1 * longest.get(combo.compile, 0.0)):
-                record = {**asdict(combo), "name": combo.name, "status": "not started", "reason": "--time-budget spent"}
+                record = {**asdict(combo), "name": combo.name, "overrides": overrides, "status": "not started",
+                          "reason": "--time-budget spent; run the same command again to continue"}
+                run_dir.mkdir(parents=True, exist_ok=True)
+                _write_json(previous, record)  # so that compare.py lists it as not measured
             else:
                 record = run_combo(combo, run_dir, overrides, args, timeout)
                 longest[combo.compile] = max(longest.get(combo.compile, 0.0), record["seconds"])

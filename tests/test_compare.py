@@ -234,7 +234,12 @@ def test_time_budget_leaves_combinations_for_the_next_invocation(tmp_path):
                 "--out", str(tmp_path / "m"), "--time-budget", "5")
     assert proc.returncode == 1
     assert "not started: --time-budget spent" in proc.stdout and "run the same command again" in proc.stdout
-    assert not (tmp_path / "m").exists()
+    record = json.loads((_run_dir(tmp_path / "m", "torch", "off", False) / "benchmark.json").read_text())
+    assert record["status"] == "not started" and "--time-budget" in record["reason"]
+    # compare.py lists it as not measured, with the reason, instead of dropping it
+    cmp = _run(COMPARE, str(tmp_path / "m"), "--out", str(tmp_path / "cmp"))
+    table = (tmp_path / "cmp" / "matrix.md").read_text() if (tmp_path / "cmp" / "matrix.md").exists() else cmp.stdout + cmp.stderr
+    assert "not started" in table and "--time-budget spent" in table, table
 
 
 def test_last_error_line_of_a_traceback():
