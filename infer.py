@@ -15,10 +15,6 @@ import time
 from pathlib import Path
 
 
-# conf/config.yaml's hydra.job.config.override_dirname.exclude_keys
-_UNNAMED_KEYS = {"resume", "data.root", "log_root", "device", "progress", "save_checkpoints"}
-
-
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", action="store_true", help="profile inference steps and print a diagnosis")
@@ -37,7 +33,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    from mobilenet.config import compose
+    from mobilenet.config import compose, override_key, unnamed_keys
     from mobilenet import inference
 
     if not (args.checkpoint or args.images) and not any(o.startswith("data=") for o in overrides):
@@ -45,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         overrides = ["data=synthetic", *overrides]
     cfg = compose(overrides)
     # Named like train.py's run directories: paths and switches that do not change what is measured stay out.
-    named = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in _UNNAMED_KEYS]
+    unnamed = unnamed_keys()
+    named = [o for o in overrides if override_key(o) not in unnamed]
     run_dir = Path(cfg.log_root) / "infer" / (",".join(named) or "default") / time.strftime("%Y%m%d-%H%M%S")
     if args.images:
         inference.classify_images(cfg, args.checkpoint, args.images)

@@ -172,6 +172,18 @@ def _run_name(override_dirname: str) -> str:
     return override_dirname or "default"
 
 
+def override_key(override: str) -> str:
+    """The config key a Hydra override sets: `+a.b=1` -> `a.b`."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def unnamed_keys() -> frozenset[str]:
+    """Keys left out of run names (conf/config.yaml's hydra.job.config.override_dirname.exclude_keys): paths and
+    switches that do not change what is measured."""
+    cfg = OmegaConf.load(CONF_DIR / "config.yaml")
+    return frozenset(cfg.hydra.job.config.override_dirname.exclude_keys)
+
+
 def register_configs() -> None:
     """Register the schema nodes and resolvers; idempotent, called before Hydra composes."""
     if not OmegaConf.has_resolver("run_name"):

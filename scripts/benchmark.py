@@ -237,6 +237,13 @@ def _write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def _leave_record(run_dir: Path, record: dict) -> None:
+    """A run directory holding only the combination's benchmark.json (skipped, or not started), so that compare.py
+    lists it with its reason instead of leaving it out."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _write_json(run_dir / SPEC_FILE, record)
+
+
 def run_combo(combo: Combo, run_dir: Path, overrides: list[str], args: argparse.Namespace, timeout: float) -> dict:
     """Measure one combination in a subprocess; returns its record (also written to run_dir/benchmark.json)."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -298,8 +305,7 @@ def main(argv: list[str]) -> int:
         elif reason := prechecks.reason(combo, overrides):
             record = {**asdict(combo), "name": combo.name, "overrides": overrides, "status": "skipped", "reason": reason}
             if not args.dry_run:
-                run_dir.mkdir(parents=True, exist_ok=True)
-                _write_json(previous, record)
+                _leave_record(run_dir, record)
         elif args.dry_run:
             record = {**asdict(combo), "name": combo.name, "status": "planned", "reason": " ".join(overrides)}
         else:
@@ -310,8 +316,7 @@ def main(argv: list[str]) -> int:
             if deadline is not None and timeout < max(10.0, 1.1 * longest.get(combo.compile, 0.0)):
                 record = {**asdict(combo), "name": combo.name, "overrides": overrides, "status": "not started",
                           "reason": "--time-budget spent; run the same command again to continue"}
-                run_dir.mkdir(parents=True, exist_ok=True)
-                _write_json(previous, record)  # so that compare.py lists it as not measured
+                _leave_record(run_dir, record)
             else:
                 record = run_combo(combo, run_dir, overrides, args, timeout)
                 longest[combo.compile] = max(longest.get(combo.compile, 0.0), record["seconds"])

@@ -42,6 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from mobilenet.config import override_key  # noqa: E402
 from mobilenet.reporting import environment, machine_line, publish  # noqa: E402
 
 GPU_DEFAULT = ["data=synthetic", "backend=torch", "amp=true", "amp_dtype=fp16", "channels_last=true"]
@@ -70,14 +71,10 @@ class Measurement:
     seconds: float
 
 
-def _key(override: str) -> str:
-    return override.split("=", 1)[0].lstrip("+~")
-
-
 def merge_overrides(defaults: list[str], extra: list[str]) -> list[str]:
     """defaults then extra, where an extra override replaces a default of the same key (no duplicates in commands)."""
-    keys = {_key(o) for o in extra}
-    return [o for o in defaults if _key(o) not in keys] + list(extra)
+    keys = {override_key(o) for o in extra}
+    return [o for o in defaults if override_key(o) not in keys] + list(extra)
 
 
 @functools.cache

@@ -86,10 +86,17 @@ def _get(cfg, dotted: str):
     return getattr(cfg, "value", cfg)
 
 
-def test_infer_run_names_leave_out_the_same_keys_as_train():
+def test_infer_run_names_leave_out_the_same_keys_as_train(tmp_path):
     from omegaconf import OmegaConf
 
     import infer
+    from mobilenet.config import unnamed_keys
 
     yaml_keys = OmegaConf.load(Path(__file__).resolve().parent.parent / "conf" / "config.yaml").hydra.job.config.override_dirname.exclude_keys
-    assert infer._UNNAMED_KEYS == set(yaml_keys)
+    assert unnamed_keys() == set(yaml_keys)
+    # infer.py's run directory: log_root and device stay out of the name, what is measured stays in
+    root = tmp_path / "logs"
+    infer.main(["--profile", "--steps", "2", "--warmup", "1", "backend=torch", "device=cpu", "data.batch_size=2",
+                "data.resolution=32", "model.width_mult=0.25", f"log_root={root}"])
+    names = [p.name for p in (root / "infer").iterdir()]
+    assert names == ["data=synthetic,backend=torch,data.batch_size=2,data.resolution=32,model.width_mult=0.25"], names
