@@ -118,6 +118,19 @@ APEX_HINT = ("NVIDIA apex is not installed: build it from source with its CUDA e
              "'--cpp_ext --cuda_ext'), or use optim.impl=fused|foreach")
 
 
+def _zero_momentum_buffers(opt: torch.optim.SGD) -> None:
+    """Give every parameter a zero momentum buffer before the first step.
+
+    GradScaler lets a fused optimizer skip an overflowing fp16 step inside its kernel (no host sync, which is why
+    fused is the default). torch's fused SGD (seen with torch 2.11 and 2.14) then still allocates the momentum
+    buffers of a first step it skips and leaves them uninitialised, and the next step reads that garbage: a NaN loss
+    on the H200 within 50 steps. With zero buffers the skipped step changes nothing and the first real step gives
+    buffer = grad, as stock SGD does (tests/test_engine.py checks both against foreach)."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            opt.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
 def build_optimizer(cfg, model: nn.Module, global_batch: int) -> torch.optim.Optimizer:
     o = cfg.optim
     lr = o.lr * global_batch / 256  # linear scaling from the reference batch of 256
@@ -138,7 +151,10 @@ def build_optimizer(cfg, model: nn.Module, global_batch: int) -> torch.optim.Opt
         raise ValueError(f"unknown optim.impl {impl!r}; choose one of: foreach, fused, apex")
     kind = {impl: True}  # foreach=True or fused=True: never PyTorch's silent per-tensor loop
     if name == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=o.momentum, nesterov=nesterov, **kind)
+        opt = torch.optim.SGD(groups, lr=lr, momentum=o.momentum, nesterov=nesterov, **kind)
+        if impl == "fused" and o.momentum > 0:
+            _zero_momentum_buffers(opt)
+        return opt
     if name == "rmsprop":
         if impl == "fused":
             raise ValueError("torch has no fused RMSprop; use optim.impl=foreach with optim=rmsprop")

@@ -2,7 +2,7 @@
 
     python scripts/check_engine_overhead.py [HYDRA OVERRIDES ...] [--steps N] [--out docs/results/engine_overhead.md]
 
-The bare loop is the least a training step can be: autocast forward, loss, scaled backward, optimizer step,
+The bare loop is the least a training step can be: autocast forward, loss, scaled backward, the run's optimizer step,
 a synchronised clock around the timed window. The engine run is `Trainer(cfg).fit()`, exactly what train.py does
 with the same overrides. The two alternate for --rounds rounds so that clock and thermal drift hit both alike;
 the verdict compares their medians.
@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mobilenet.config import compose  # noqa: E402
-from mobilenet.engine import Trainer, autocast_dtype, build_for_run, resolve_device  # noqa: E402
+from mobilenet.engine import Trainer, autocast_dtype, build_for_run, build_optimizer, resolve_device  # noqa: E402
 from mobilenet.reporting import environment, machine_line, publish  # noqa: E402
 
 DEFAULT = ["data=synthetic", "backend=cudnn", "amp=true", "channels_last=true"]
@@ -30,7 +30,8 @@ DEFAULT = ["data=synthetic", "backend=cudnn", "amp=true", "channels_last=true"]
 def bare_loop(cfg, device, steps: int, warmup: int) -> float:
     torch.backends.cudnn.benchmark = True
     model = build_for_run(cfg, device, cfg.data.num_classes)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True)
+    # The run's own optimizer (kernels and GradScaler behaviour included): the comparison is about the loop around it.
+    opt = build_optimizer(cfg, model, cfg.data.batch_size)
     amp_dtype = autocast_dtype(cfg)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     fmt = torch.channels_last if cfg.channels_last else torch.contiguous_format

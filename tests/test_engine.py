@@ -1,5 +1,6 @@
 """The training loop on real data: it learns, resumes exactly, checkpoints atomically, refuses bad input."""
 
+import copy
 import os
 import signal
 import subprocess
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from mobilenet.config import compose
-from mobilenet.engine import CheckpointError, Trainer, load_checkpoint
+from mobilenet.engine import CheckpointError, Trainer, load_checkpoint, param_groups
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = ["model.width_mult=0.25", "device=cpu", "progress=false", "perf.warmup_steps=2", "perf.log_every=5"]
@@ -144,3 +145,36 @@ def test_the_documented_gpu_command_on_a_cpu_names_the_backend(run_dir):
     # `python train.py backend=custom amp=true` on a CPU: the backend is the reason, not the fp16 autocast.
     with pytest.raises(BackendUnavailable, match="backend=custom needs a CUDA GPU"):
         Trainer(compose([*FAST, "backend=custom", "amp=true"]), run_dir)
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach"])
+def test_an_overflowing_fp16_step_is_skipped_and_later_steps_match_stock_sgd(impl):
+    """GradScaler skips a step whose gradients overflow. torch's fused SGD alone leaves garbage in the momentum
+    buffers of a skipped first step (the NaN seen on the H200); build_optimizer must make it match foreach."""
+    from torch import nn
+
+    from mobilenet.engine import build_optimizer
+
+    cfg = compose([f"optim.impl={impl}"])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4), nn.Linear(4, 3))
+    ref = copy.deepcopy(model)
+    opt = build_optimizer(cfg, model, 256)
+    ref_opt = torch.optim.SGD(param_groups(ref, cfg.optim.weight_decay), lr=cfg.optim.lr, momentum=cfg.optim.momentum,
+                              nesterov=cfg.optim.nesterov, foreach=False)
+    assert opt.defaults[impl] is True
+    scaler, ref_scaler = (torch.amp.GradScaler("cpu", init_scale=2.0**16) for _ in range(2))
+    x = torch.randn(8, 6)
+    before = [p.detach().clone() for p in model.parameters()]
+    for step, factor in enumerate([1e36, 1.0, 0.5]):  # the first step overflows (inf gradients)
+        for m, o, s in ((model, opt, scaler), (ref, ref_opt, ref_scaler)):
+            o.zero_grad(set_to_none=True)
+            s.scale(m(x).sum() * factor).backward()
+            s.step(o)
+            s.update()
+        if step == 0:
+            assert scaler.get_scale() == 2.0**15
+            assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "the skipped step moved weights"
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.isfinite(p).all()
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)

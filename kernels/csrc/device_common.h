@@ -208,6 +208,26 @@ __device__ __forceinline__ void load_row_packs(const S* row, int col0, int cols,
   }
 }
 
+// L packed vectors at columns col0, col0 + 1, ... of row `row` of one NHWC image (rows x cols pixels of
+// `pitch` elements); zeros outside the image, and no memory access at all for a row outside it. The
+// row-streaming kernels call it for rows above/below the image.
+template <typename S, int V, int L>
+__device__ __forceinline__ void load_image_row_packs(const S* image, int row, int rows, int col0, int cols, int pitch,
+                                                     Pack<S, V> (&dst)[L]) {
+  const bool row_ok = row >= 0 && row < rows;
+  const S* rp = image + static_cast<size_t>(row_ok ? row : 0) * cols * pitch;
+#pragma unroll
+  for (int i = 0; i < L; ++i) {
+    const int col = col0 + i;
+    if (row_ok && col >= 0 && col < cols) {
+      dst[i] = *reinterpret_cast<const Pack<S, V>*>(rp + static_cast<size_t>(col) * pitch);
+    } else {
+#pragma unroll
+      for (int v = 0; v < V; ++v) dst[i].v[v] = S(0);
+    }
+  }
+}
+
 // The same for scalars of one NCHW row (contiguous columns).
 template <typename S, int L>
 __device__ __forceinline__ void load_row_scalars(const S* row, int col0, int cols, S (&dst)[L]) {
@@ -353,7 +373,11 @@ inline int nhwc_vec(DType dt) { return dt == DType::F32 ? 4 : 8; }
 
 // Launch-shape knobs, per dtype, with measured defaults; MDW_<NAME>_<F32|F16|BF16> or MDW_<NAME>
 // override them (used by the benchmark sweeps that picked the defaults).
-enum class Knob { kGroupFastest, kImages, kWgradBlocksPerSm, kWgradStream, kNchwRows };
+enum class Knob {
+  kGroupFastest, kImages, kWgradBlocksPerSm, kWgradStream, kNchwRows,
+  kFwdStream, kStreamRows,  // stream.cu
+  kCount
+};
 int knob(Knob k, DType dt);
 // Images each NHWC forward/dgrad block loops over (amortises its weight staging).
 int images_per_block(DType dt, int blocks_per_image, int N);
@@ -368,6 +392,11 @@ inline int elem_size(DType dt) {
 // gradient); returns false when the shape or alignment does not allow it.
 bool conv3x3_nchw_vec(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                       bool flip, cudaStream_t stream);
+
+// NHWC 3x3 row-streaming forward (stream.cu); false when the FWD_STREAM knob is off for this dtype or the
+// case is not its (then forward.cu's kernels run).
+bool nhwc_stream_forward(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
+                         cudaStream_t stream);
 
 // Generic kernels: any supported kernel size, stride, dilation, padding, dtype and layout; one output
 // element per thread. The fast paths fall back to these.

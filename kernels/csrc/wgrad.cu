@@ -165,20 +165,9 @@ __global__ void __launch_bounds__(256, 2)
   fill(acc, 0.f);
 
   // One input row segment (L vectors) at row ih; zeros outside the image. Not load_row_packs: folding
-  // the row_ok test into it changed this kernel's machine code.
+  // the row test into it changed this kernel's machine code.
   auto load_row = [&](const Sx* xn, int ih, int iw0, P (&dst)[L]) {
-    const bool row_ok = ih >= 0 && ih < s.H;
-    const Sx* row = xn + static_cast<size_t>(row_ok ? ih : 0) * s.W * s.C;
-#pragma unroll
-    for (int i = 0; i < L; ++i) {
-      const int iw = iw0 + i;
-      if (row_ok && iw >= 0 && iw < s.W) {
-        dst[i] = *reinterpret_cast<const P*>(row + static_cast<size_t>(iw) * s.C);
-      } else {
-#pragma unroll
-        for (int v = 0; v < V; ++v) dst[i].v[v] = Sx(0);
-      }
-    }
+    load_image_row_packs(xn, ih, s.H, iw0, s.W, s.C, dst);
   };
 
   if (active) {
