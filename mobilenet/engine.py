@@ -119,7 +119,8 @@ APEX_HINT = ("NVIDIA apex is not installed: build it from source with its CUDA e
 
 
 def _zero_momentum_buffers(opt: torch.optim.SGD) -> None:
-    """Give every parameter a zero momentum buffer before the first step.
+    """Give every parameter without one a zero momentum buffer; run at build time and after load_state_dict
+    (a checkpoint saved before any real step, or by foreach/apex, carries no buffers).
 
     GradScaler lets a fused optimizer skip an overflowing fp16 step inside its kernel (no host sync, which is why
     fused is the default). torch's fused SGD (seen with torch 2.11 and 2.14) then still allocates the momentum
@@ -128,7 +129,8 @@ def _zero_momentum_buffers(opt: torch.optim.SGD) -> None:
     buffer = grad, as stock SGD does (tests/test_engine.py checks both against foreach)."""
     for group in opt.param_groups:
         for p in group["params"]:
-            opt.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if opt.state[p].get("momentum_buffer") is None:
+                opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
 
 
 def build_optimizer(cfg, model: nn.Module, global_batch: int) -> torch.optim.Optimizer:
@@ -154,6 +156,7 @@ def build_optimizer(cfg, model: nn.Module, global_batch: int) -> torch.optim.Opt
         opt = torch.optim.SGD(groups, lr=lr, momentum=o.momentum, nesterov=nesterov, **kind)
         if impl == "fused" and o.momentum > 0:
             _zero_momentum_buffers(opt)
+            opt.register_load_state_dict_post_hook(_zero_momentum_buffers)
         return opt
     if name == "rmsprop":
         if impl == "fused":
@@ -419,24 +422,26 @@ class Trainer:
                 readback.push(self.global_step, loss)
                 result.lrs.append((self.global_step, lr))
                 self.tb.scalars({"train/lr": lr}, self.global_step)
-            for step, value in readback.ready():
-                if not math.isfinite(value):
-                    raise FloatingPointError(f"training loss is {value} at step {step}; lower optim.lr or check the data")
-                result.losses.append((step, value))
-                self.tb.scalars({"train/loss": value}, step)
-                if bar is not None:
-                    bar.set_postfix(loss=f"{value:.3f}", refresh=False)
+            self._record_losses(readback.ready(), result, bar)
             if bar is not None:
                 rate = meter.live_img_s()
                 if rate is not None and i % 5 == 0:
                     bar.set_postfix(img_s=f"{rate:,.0f}", loss=f"{result.losses[-1][1]:.3f}" if result.losses else "-", refresh=False)
                 bar.update(1)
-        for step, value in readback.ready(wait=True):
-            result.losses.append((step, value))
-            self.tb.scalars({"train/loss": value}, step)
+        self._record_losses(readback.ready(wait=True), result, bar)
         if bar is not None:
             bar.close()
         return meter.result()
+
+    def _record_losses(self, losses: list[tuple[int, float]], result: RunResult, bar) -> None:
+        """Check, keep and log the losses read back so far; every one of them, the epoch's last included."""
+        for step, value in losses:
+            if not math.isfinite(value):
+                raise FloatingPointError(f"training loss is {value} at step {step}; lower optim.lr or check the data")
+            result.losses.append((step, value))
+            self.tb.scalars({"train/loss": value}, step)
+            if bar is not None:
+                bar.set_postfix(loss=f"{value:.3f}", refresh=False)
 
     def profile(self) -> RunResult:
         """profile=true: time steps without the profiler, then trace a window of steps and diagnose it."""

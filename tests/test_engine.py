@@ -178,3 +178,29 @@ def test_an_overflowing_fp16_step_is_skipped_and_later_steps_match_stock_sgd(imp
         for p, q in zip(model.parameters(), ref.parameters()):
             assert torch.isfinite(p).all()
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+
+
+def test_a_non_finite_loss_at_the_last_step_of_a_short_epoch_stops_the_run(run_dir):
+    # 3 steps < perf.log_every: the only loss read back is the last step's. On CUDA it is usually still in flight
+    # when the loop ends and is read by the final drain, which goes through the same check as the loop's reads.
+    cfg = compose([*FAST, "perf.log_every=50", "epochs=1", "data.steps_per_epoch=3", "optim.lr=1e30",
+                   "evaluate=false", "save_checkpoints=false"])
+    with pytest.raises(FloatingPointError, match="training loss is (nan|inf) at step 3"):
+        Trainer(cfg, run_dir).fit()
+
+
+def test_fused_sgd_resumed_from_a_state_without_momentum_gets_zero_buffers():
+    """A checkpoint saved before any real step (or by foreach) has no momentum buffers; loading it must not bring
+    back the uninitialised-buffer case that the overflow test above covers."""
+    from torch import nn
+
+    from mobilenet.engine import build_optimizer
+
+    cfg = compose(["optim.impl=fused"])
+    model = nn.Linear(3, 2)
+    empty = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=True).state_dict()
+    opt = build_optimizer(cfg, model, 256)
+    empty["param_groups"] = opt.state_dict()["param_groups"]
+    opt.load_state_dict(empty)
+    bufs = [opt.state[p].get("momentum_buffer") for p in model.parameters()]
+    assert all(b is not None and torch.equal(b, torch.zeros_like(b)) for b in bufs)
