@@ -308,8 +308,10 @@ inline int floor_pow2(int v) {
   return p;
 }
 
-// rows x strips to cover; `units` = channel vectors (NHWC) or planes (NCHW).
-inline Tiling make_tiling(bool channels_last, int rows, int strip0, int strips, int units, int max_lanes_c = 8) {
+// rows x strips to cover; `units` = channel vectors (NHWC) or planes (NCHW). NHWC: at most max_strips_c
+// strips per tile row (0: as many as the block's spatial lanes take, i.e. whole rows of strips).
+inline Tiling make_tiling(bool channels_last, int rows, int strip0, int strips, int units, int max_lanes_c = 8,
+                          int max_strips_c = 4) {
   Tiling t{};
   t.strip0 = strip0;
   if (channels_last) {
@@ -317,7 +319,8 @@ inline Tiling make_tiling(bool channels_last, int rows, int strip0, int strips, 
     // patch of pixels so that neighbouring lanes share input rows and columns through L1.
     t.lanes_c = floor_pow2(units < max_lanes_c ? units : max_lanes_c);
     const int spatial = 256 / t.lanes_c;
-    t.sx_n = strips < 4 ? strips : 4;
+    const int max_sx = max_strips_c > 0 ? max_strips_c : spatial;
+    t.sx_n = strips < max_sx ? strips : max_sx;
     t.sy_n = spatial / t.sx_n;
     if (t.sy_n > rows) t.sy_n = rows;
     t.groups = ceil_div(units, t.lanes_c);

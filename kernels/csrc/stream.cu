@@ -11,28 +11,6 @@
 namespace mdw {
 namespace {
 
-// Block layout: lanes = channel vector (fastest) x strip x (image, band) row; whole rows of strips per
-// block where they fit, so neighbouring lanes share their halo columns through L1. The tile rows run
-// over images and bands together (rows = N * bands), so small images still fill a block.
-Tiling stream_tiling(int rows, int strips, int units, int max_lanes_c) {
-  Tiling t{};
-  t.lanes_c = floor_pow2(units < max_lanes_c ? units : max_lanes_c);
-  const int spatial = 256 / t.lanes_c;
-  t.sx_n = strips < spatial ? strips : spatial;
-  t.tiles_w = ceil_div(strips, t.sx_n);
-  t.sx_n = ceil_div(strips, t.tiles_w);
-  t.sy_n = spatial / t.sx_n;
-  if (t.sy_n < 1) t.sy_n = 1;
-  if (t.sy_n > rows) t.sy_n = rows;
-  t.tiles_h = ceil_div(rows, t.sy_n);
-  t.groups = ceil_div(units, t.lanes_c);
-  t.threads = t.lanes_c * t.sx_n * t.sy_n;
-  t.block = ceil_div(t.threads, 32) * 32;
-  t.images = 1;
-  t.group_fastest = 1;
-  return t;
-}
-
 template <class TT, int K, int S, int TW, int V>
 __global__ void __launch_bounds__(256, 2)
     nhwc_stream_kernel(const typename TT::S* __restrict__ x, const typename TT::S* __restrict__ w,
@@ -103,7 +81,9 @@ void launch_stream(const ConvShape& s, DType dt, const void* x, const void* w, c
   if (rows_per_lane < 1) rows_per_lane = 1;
   if (rows_per_lane > s.OH) rows_per_lane = s.OH;
   const int bands = ceil_div(s.OH, rows_per_lane);
-  const Tiling t = stream_tiling(s.N * bands, ceil_div(s.OW, TW), s.C / V, nhwc_lanes_c(V, sizeof(Sx)));
+  // Whole rows of strips per block, so neighbouring lanes share their halo columns through L1; the tile
+  // rows run over (image, band) pairs, so the 14- and 7-wide layers still fill a block.
+  const Tiling t = make_tiling(true, s.N * bands, 0, ceil_div(s.OW, TW), s.C / V, nhwc_lanes_c(V, sizeof(Sx)), 0);
   const dim3 grid(t.groups * t.tiles_h * t.tiles_w);
   const size_t smem = sizeof(float) * K * K * t.lanes_c * V;
   nhwc_stream_kernel<TT, K, S, TW, V><<<grid, t.block, smem, stream>>>(

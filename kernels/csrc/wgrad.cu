@@ -91,8 +91,7 @@ __global__ void __launch_bounds__(256, 3)
   using Sx = typename TT::S;
   constexpr int L = (TW - 1) * S + K;
   constexpr int KK = K * K;
-  constexpr int E = (KK + 1) * V;  // values per lane: taps then bias
-  extern __shared__ float red[];    // [warps][lanes_c][E]
+  extern __shared__ float red[];  // [warps][lanes_c][(KK + 1) * V]
 
   const int lane = threadIdx.x;
   const NhwcLane ln = nhwc_lane(lane, t);
