@@ -40,15 +40,16 @@ def main(argv: list[str] | None = None) -> int:
         # Benchmarking and profiling measure the model on ImageNet-shaped device-resident batches unless told otherwise.
         overrides = ["data=synthetic", *overrides]
     cfg = compose(overrides)
-    # Named like train.py's run directories: paths and switches that do not change what is measured stay out.
-    unnamed = unnamed_keys()
-    named = [o for o in overrides if override_key(o) not in unnamed]
-    run_dir = Path(cfg.log_root) / "infer" / (",".join(named) or "default") / time.strftime("%Y%m%d-%H%M%S")
     if args.images:
         inference.classify_images(cfg, args.checkpoint, args.images)
     elif args.checkpoint:
         inference.evaluate_checkpoint(cfg, args.checkpoint)
     elif args.profile:
+        # The overrides in the order given; as in train.py's run names, paths and switches that do not change
+        # what is measured stay out.
+        unnamed = unnamed_keys()
+        named = [o for o in overrides if override_key(o) not in unnamed]
+        run_dir = Path(cfg.log_root) / "infer" / (",".join(named) or "default") / time.strftime("%Y%m%d-%H%M%S")
         inference.profile(cfg, run_dir, args.warmup, args.steps)
     else:
         inference.benchmark(cfg, args.warmup, args.steps)

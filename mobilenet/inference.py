@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from .data import LoaderSpec, build_loaders
+from .data.folder import image_transforms
 from .engine import autocast_dtype, build_for_run, config_rows, evaluate, load_checkpoint, resolve_device, run_dtype, validate
 from .meter import StepMeter, Throughput
 from .reporting import environment, print_summary
@@ -91,8 +92,7 @@ def classify_images(cfg, checkpoint: str | None, files: list[str]) -> list[list[
     device, _, forward, amp_dtype, state = _setup(cfg, checkpoint)
     classes = state.get("classes") or [str(i) for i in range(state["num_classes"])]
     d = cfg.data
-    prep = T.Compose([T.Resize(int(round(d.resolution / d.val_resize_ratio))), T.CenterCrop(d.resolution), T.ToTensor(),
-                      T.Normalize(d.mean, d.std)])
+    prep = T.Compose([*image_transforms(d, train=False).transforms, T.ToTensor(), T.Normalize(d.mean, d.std)])
     results = []
     for f in files:
         if not Path(f).is_file():
@@ -115,27 +115,15 @@ def profile(cfg, run_dir: Path, warmup: int, steps: int) -> None:
     from .engine import run_meta
     from .profiling import StepProfiler
 
-    device, _, forward, amp_dtype, _ = _setup(cfg, None)
+    device, model, forward, amp_dtype, _ = _setup(cfg, None)
+    baseline = measure(forward, model, cfg, device, warmup, steps)
     x = _synthetic_batch(cfg, device)
-
-    def step():
-        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            forward(x)
-
-    meter = StepMeter(device, warmup)
-    with torch.inference_mode():
-        for _ in range(warmup + steps):
-            meter.data_start()
-            meter.compute_start()
-            step()
-            meter.step_end(x.shape[0])
-    baseline = meter.result()
     prof = StepProfiler(run_dir, device, run_meta(cfg, environment(device), "infer"), cfg.profiler,
                         baseline_step_ms=baseline.step_ms_median)
     with torch.inference_mode(), prof:
         for _ in range(prof.total_steps):
-            with prof.range("forward"):
-                step()
+            with prof.range("forward"), torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                forward(x)
             prof.step()
     prof.finish()
     print(f"trace: {prof.trace_path} (open it in https://ui.perfetto.dev)")

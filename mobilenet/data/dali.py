@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from . import LoaderSpec, register_loader
-from .folder import CorruptImageError, check_batch_fits, scan_image_folder
+from .folder import CorruptImageError, check_batch_fits, scan_image_folder, val_resize_size
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ def drop_corrupt(samples: list[tuple[str, int]], skip_corrupt: bool, threads: in
 # ------------------------------------------------------------------------------------------------ pipelines
 
 
-def _normalize_args(cfg, types, out_type, channels_last: bool) -> dict:
+def _normalize_args(cfg, out_type, channels_last: bool) -> dict:
     return dict(
         dtype=out_type,
         output_layout="HWC" if channels_last else "CHW",
@@ -191,10 +191,11 @@ def _normalize_args(cfg, types, out_type, channels_last: bool) -> dict:
     )
 
 
-def _decoder_args(decode: str) -> dict:
+def _decoder_args(cfg, decode: str) -> dict:
     if decode != "mixed":
         return {}
-    return dict(device_memory_padding=NVJPEG_DEVICE_PADDING, host_memory_padding=NVJPEG_HOST_PADDING)
+    return dict(device_memory_padding=NVJPEG_DEVICE_PADDING, host_memory_padding=NVJPEG_HOST_PADDING,
+                hw_decoder_load=float(cfg.dali.hw_decoder_load))
 
 
 def make_train_pipeline(cfg, files, labels, *, decode: str, on_gpu: bool, out_type, channels_last: bool,
@@ -203,9 +204,7 @@ def make_train_pipeline(cfg, files, labels, *, decode: str, on_gpu: bool, out_ty
     fn, types, pipeline_def, _, _ = import_dali()
     res = cfg.resolution
     initial_fill = max(1, min(SHUFFLE_BUFFER, len(files) // max(1, num_shards)))
-    decoder_extra = _decoder_args(decode)
-    if decode == "mixed":
-        decoder_extra["hw_decoder_load"] = float(cfg.dali.hw_decoder_load)
+    decoder_extra = _decoder_args(cfg, decode)
 
     @pipeline_def(exec_dynamic=True)
     def train_pipe():
@@ -220,7 +219,7 @@ def make_train_pipeline(cfg, files, labels, *, decode: str, on_gpu: bool, out_ty
             images = images.gpu()  # only the decode runs on the host; resize and normalise stay on the GPU
         images = fn.resize(images, resize_x=res, resize_y=res, interp_type=types.INTERP_LINEAR, antialias=True)
         mirror = fn.random.coin_flip(probability=0.5) if cfg.hflip else 0
-        images = fn.crop_mirror_normalize(images, mirror=mirror, **_normalize_args(cfg, types, out_type, channels_last))
+        images = fn.crop_mirror_normalize(images, mirror=mirror, **_normalize_args(cfg, out_type, channels_last))
         lbl = fn.cast(lbl, dtype=types.INT64)
         if on_gpu:
             lbl = lbl.gpu()
@@ -229,19 +228,12 @@ def make_train_pipeline(cfg, files, labels, *, decode: str, on_gpu: bool, out_ty
     return train_pipe(**pipeline_kwargs)
 
 
-def val_resize_size(cfg) -> int:
-    # The same integer shorter side as the folder loader's torchvision Resize.
-    return int(round(cfg.resolution / cfg.val_resize_ratio))
-
-
 def make_val_pipeline(cfg, files, labels, *, decode: str, on_gpu: bool, out_type, channels_last: bool,
                       **pipeline_kwargs):
     """The validation pipeline over this rank's own file list (no DALI sharding, last batch padded then trimmed)."""
     fn, types, pipeline_def, _, _ = import_dali()
     res = cfg.resolution
-    decoder_extra = _decoder_args(decode)
-    if decode == "mixed":
-        decoder_extra["hw_decoder_load"] = float(cfg.dali.hw_decoder_load)
+    decoder_extra = _decoder_args(cfg, decode)
 
     @pipeline_def(exec_dynamic=True)
     def val_pipe():
@@ -251,7 +243,7 @@ def make_val_pipeline(cfg, files, labels, *, decode: str, on_gpu: bool, out_type
             images = images.gpu()
         images = fn.resize(images, resize_shorter=val_resize_size(cfg), interp_type=types.INTERP_LINEAR, antialias=True)
         images = fn.crop_mirror_normalize(images, crop=(res, res), crop_pos_x=0.5, crop_pos_y=0.5,
-                                          **_normalize_args(cfg, types, out_type, channels_last))
+                                          **_normalize_args(cfg, out_type, channels_last))
         lbl = fn.cast(lbl, dtype=types.INT64)
         if on_gpu:
             lbl = lbl.gpu()

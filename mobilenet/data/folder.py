@@ -160,7 +160,14 @@ class DeviceLoader:
         return batch
 
 
-def _transforms(cfg, train: bool):
+def val_resize_size(cfg) -> int:
+    """Validation: the shorter side is resized to this, then the centre resolution x resolution is cropped (every
+    loader and infer.py --images use it)."""
+    return int(round(cfg.resolution / cfg.val_resize_ratio))
+
+
+def image_transforms(cfg, train: bool):
+    """The folder loader's PIL transforms before tensor conversion: random-resized crop (+ flip), or the val crop."""
     from torchvision import transforms as T
 
     if train:
@@ -168,8 +175,7 @@ def _transforms(cfg, train: bool):
         if cfg.hflip:
             steps.append(T.RandomHorizontalFlip())
         return T.Compose(steps)
-    resize = int(round(cfg.resolution / cfg.val_resize_ratio))
-    return T.Compose([T.Resize(resize, antialias=True), T.CenterCrop(cfg.resolution)])
+    return T.Compose([T.Resize(val_resize_size(cfg), antialias=True), T.CenterCrop(cfg.resolution)])
 
 
 def check_batch_fits(num_train: int, cfg, world_size: int) -> None:
@@ -200,8 +206,8 @@ def build(cfg, spec: LoaderSpec):
     root, train_samples, val_samples, classes = scan_image_folder(cfg)
     check_batch_fits(len(train_samples), cfg, spec.world_size)
 
-    train_ds = ImageFiles(train_samples, _transforms(cfg, True), cfg.skip_corrupt)
-    val_ds = ImageFiles(val_samples, _transforms(cfg, False), cfg.skip_corrupt)
+    train_ds = ImageFiles(train_samples, image_transforms(cfg, True), cfg.skip_corrupt)
+    val_ds = ImageFiles(val_samples, image_transforms(cfg, False), cfg.skip_corrupt)
     # Validation shards are strided subsets without padding: every image is counted exactly once overall.
     val_ds_rank = Subset(val_ds, range(spec.rank, len(val_ds), spec.world_size))
     g = torch.Generator().manual_seed(spec.seed)
