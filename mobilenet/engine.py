@@ -303,7 +303,7 @@ class Trainer:
         spec = LoaderSpec(self.device, run_dtype(cfg), cfg.channels_last, self.dist.rank, self.dist.world_size, seed=cfg.seed)
         self.train_loader, self.val_loader = build_loaders(cfg.data, spec)
         self.steps_per_epoch = len(self.train_loader)
-        if cfg.data.steps_per_epoch is not None and cfg.data.name != "synthetic":
+        if cfg.data.steps_per_epoch is not None:  # the folder loader's cap (DALI and synthetic size themselves)
             self.steps_per_epoch = min(self.steps_per_epoch, cfg.data.steps_per_epoch)
         if self.steps_per_epoch < 1:
             raise ValueError("the training loader yields no full batch; lower data.batch_size")

@@ -50,6 +50,13 @@ def test_validation_counts_every_image_once_over_ranks(digits_root):
     assert sum(len(l) for l in labels) == 360
 
 
+def test_val_steps_caps_validation_to_the_same_images_every_time(digits_root):
+    _, val = loaders(digits_root, "data.val_steps=2")
+    assert (len(val), val.num_samples) == (2, 64)
+    first = torch.cat([y for _, y in val])
+    assert len(first) == 64 and torch.equal(first, torch.cat([y for _, y in val]))
+
+
 def test_missing_root_split_and_empty_class_are_named(tmp_path, small_copy):
     with pytest.raises(FileNotFoundError, match="does not exist.*ROOT/train/<class>"):
         loaders(tmp_path / "nowhere")

@@ -208,8 +208,12 @@ def build(cfg, spec: LoaderSpec):
 
     train_ds = ImageFiles(train_samples, image_transforms(cfg, True), cfg.skip_corrupt)
     val_ds = ImageFiles(val_samples, image_transforms(cfg, False), cfg.skip_corrupt)
-    # Validation shards are strided subsets without padding: every image is counted exactly once overall.
-    val_ds_rank = Subset(val_ds, range(spec.rank, len(val_ds), spec.world_size))
+    # Validation shards are strided subsets without padding: every image is counted exactly once overall. A
+    # val_steps cap shortens the shard itself, as in the DALI loader: every evaluation sees the same images.
+    val_indices = range(spec.rank, len(val_ds), spec.world_size)
+    if cfg.val_steps is not None:
+        val_indices = val_indices[: cfg.val_steps * cfg.batch_size]
+    val_ds_rank = Subset(val_ds, val_indices)
     g = torch.Generator().manual_seed(spec.seed)
     if spec.world_size > 1:
         train_sampler = DistributedSampler(train_ds, spec.world_size, spec.rank, shuffle=True, seed=spec.seed, drop_last=True)
