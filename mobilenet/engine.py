@@ -123,9 +123,10 @@ def _zero_momentum_buffers(opt: torch.optim.SGD) -> None:
     (a checkpoint saved before any real step, or by foreach/apex, carries no buffers).
 
     GradScaler lets a fused optimizer skip an overflowing fp16 step inside its kernel (no host sync, which is why
-    fused is the default). torch's fused SGD (seen with torch 2.11 and 2.14) then still allocates the momentum
-    buffers of a first step it skips and leaves them uninitialised, and the next step reads that garbage: a NaN loss
-    on the H200 within 50 steps. With zero buffers the skipped step changes nothing and the first real step gives
+    fused is the default). torch's fused SGD then still allocates the momentum buffers of a first step it skips and
+    leaves them uninitialised (reproduced with torch 2.14 on the CPU), and the next step reads that garbage; a
+    fused-SGD run on the H200 (torch 2.11) stopped with a NaN loss at step 50, which this explains (that run was not
+    repeated with the fix). With zero buffers the skipped step changes nothing and the first real step gives
     buffer = grad, as stock SGD does (tests/test_engine.py checks both against foreach)."""
     for group in opt.param_groups:
         for p in group["params"]:
