@@ -65,16 +65,15 @@ class StepProfiler:
         device: the run's device; on CPU only CPU ops are traced and the report says there was no GPU.
         meta: facts about the run shown in the report and stored in the trace (key `mobilenet_meta`) so offline
             analysis has them. Recognised keys: mode (train|infer), backend, precision, memory_format,
-            batch_size, resolution, compile; any other key is listed as is. Versions and the GPU name are
-            filled in when missing.
+            batch_size, resolution, compile; any other key is listed as is. Versions and the GPU name
+            (mobilenet.reporting.environment) are filled in when meta does not already carry them.
         cfg: any object with skip_first, warmup, active, top_k (mobilenet.config.ProfilerConfig).
         baseline_step_ms: the unprofiled median step time, when already known (it is then stored in the trace
             too); `finish(baseline_step_ms)` may give it instead.
     """
 
     def __init__(self, run_dir: str | Path, device: torch.device | str, meta: dict[str, Any] | None = None,
-                 cfg: Any = None, *, baseline_step_ms: float | None = None, record_shapes: bool = True,
-                 print_report: bool = True):
+                 cfg: Any = None, *, baseline_step_ms: float | None = None, print_report: bool = True):
         from torch.profiler import ProfilerActivity, profile, schedule
 
         self.run_dir = Path(run_dir)
@@ -83,15 +82,17 @@ class StepProfiler:
         if sched["active"] < 1 or sched["warmup"] < 0 or sched["skip_first"] < 0:
             raise ValueError(f"profiler schedule needs active >= 1, warmup >= 0, skip_first >= 0; got {sched}")
         self.skip_first, self.warmup, self.active, self.top_k = (int(sched[k]) for k in ("skip_first", "warmup", "active", "top_k"))
-        self.baseline_step_ms = baseline_step_ms
-        self.meta = {**environment(self.device), "device": self.device.type, **(meta or {})}
+        meta = meta or {}
+        # The engine and infer.py pass the whole environment in meta already (run_meta); gather it only when missing.
+        env = meta if "torch" in meta else environment(self.device)
+        self.meta = {**env, "device": self.device.type, **meta}
         self.meta["profiler_schedule"] = {"skip_first": self.skip_first, "warmup": self.warmup, "active": self.active}
         if baseline_step_ms is not None:
-            self.meta["baseline_step_ms"] = float(baseline_step_ms)
+            self.meta["baseline_step_ms"] = float(baseline_step_ms)  # finish() reads it back through analyse_trace
+        self._meta_json = json.dumps(self.meta, default=str)  # meta is fixed from here on
         self.print_report = print_report
         self.finished = False
         self.recorded_steps = 0
-        self.report: Report | None = None
         self.trace_path = self.run_dir / TRACE_FILE
         activities = [ProfilerActivity.CPU]
         if self.device.type == "cuda":
@@ -100,7 +101,7 @@ class StepProfiler:
             activities=activities,
             schedule=schedule(skip_first=self.skip_first, wait=0, warmup=self.warmup, active=self.active, repeat=1),
             on_trace_ready=self._on_trace_ready,
-            record_shapes=record_shapes,
+            record_shapes=True,
         )
         self._running = False
 
@@ -141,7 +142,7 @@ class StepProfiler:
 
         # Kineto drops metadata added while it is not tracing, so tag every traced step (the last write wins).
         if self._prof.current_action != ProfilerAction.NONE:
-            self._prof.add_metadata_json(META_KEY, json.dumps(self.meta, default=str))
+            self._prof.add_metadata_json(META_KEY, self._meta_json)
 
     def _on_trace_ready(self, prof) -> None:
         # Exported in finish(): writing a large trace here would stall the step that closes the window.
@@ -153,9 +154,8 @@ class StepProfiler:
             self._prof.stop()
 
     def finish(self, baseline_step_ms: float | None = None) -> "Report":
-        """Stop, export the trace, analyse it, print and save the report; returns it (`.markdown()` for text)."""
-        if baseline_step_ms is None:
-            baseline_step_ms = self.baseline_step_ms
+        """Stop, export the trace, analyse it, print and save the report; returns it (`.markdown()` for text).
+        Without baseline_step_ms, the one given to __init__ (stored in meta) is used."""
         self._stop()
         if not self.finished or self.recorded_steps == 0:
             raise RuntimeError(
@@ -165,15 +165,15 @@ class StepProfiler:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._prof.export_chrome_trace(str(self.trace_path))
         trace = load_trace(self.trace_path)
-        self.report = analyse_trace(trace, baseline_step_ms=baseline_step_ms, meta=self.meta, top_k=self.top_k,
-                                    trace_path=str(self.trace_path))
+        report = analyse_trace(trace, baseline_step_ms=baseline_step_ms, meta=self.meta, top_k=self.top_k,
+                               trace_path=str(self.trace_path))
         if self.recorded_steps < self.active:
-            self.report.notes.append(f"only {self.recorded_steps} of the {self.active} active steps ran before finish()")
-        md = self.report.markdown()
+            report.notes.append(f"only {self.recorded_steps} of the {self.active} active steps ran before finish()")
+        md = report.markdown()
         (self.run_dir / REPORT_FILE).write_text(md)
         if self.print_report:
             print(md)
-        return self.report
+        return report
 
 
 # =============================================================================================================
@@ -222,17 +222,17 @@ _EPS = 0.002
 # Arguments the analysis reads; slim_trace drops the rest.
 _KEPT_ARGS = ("correlation", "External id", "Input Dims", "Input type", "Input Strides", "Concrete Inputs", "bytes",
               "stream", "device", "grid", "block")
-_KEPT_CATS = ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver", "kernel", "gpu_memcpy", "gpu_memset")
 
 
 def slim_trace(trace: dict) -> dict:
     """A smaller trace that analyses the same: host ops, ranges, runtime calls and GPU rows with the arguments
-    the analysis reads (no flow arrows, Python frames or per-kernel occupancy figures). For test fixtures."""
+    the analysis reads (no flow arrows, Python frames or per-kernel occupancy figures): the rows of every category
+    _events recognises (_CATEGORY_ALIASES). For test fixtures."""
     events = []
     for e in trace.get("traceEvents", []):
         if e.get("ph") == "M":
             events.append(e)
-        elif e.get("ph") == "X" and str(e.get("cat", "")).lower() in _KEPT_CATS:
+        elif e.get("ph") == "X" and str(e.get("cat", "")).lower() in _CATEGORY_ALIASES:
             e = dict(e)
             e["args"] = {k: v for k, v in (e.get("args") or {}).items() if k in _KEPT_ARGS}
             events.append(e)
@@ -275,6 +275,11 @@ def _ancestors(e: Event | None) -> Iterable[Event]:
     while e is not None:
         yield e
         e = e.parent
+
+
+def _cpu_ops(e: Event | None) -> list[Event]:
+    """The CPU ops enclosing a host event, innermost first (pass a launch's parent: its op stack)."""
+    return [a for a in _ancestors(e) if a.cat == "cpu_op"]
 
 
 # =============================================================================================================
@@ -515,15 +520,19 @@ def _overlap(a: float, b: float, intervals: list[tuple[float, float]], starts: l
     return total
 
 
-def _completion_periods(steps: list, counted: list) -> list[float]:
+def _completion_periods(steps: list, per_step_first_last: dict[int, list[float]]) -> list[float]:
     """Step times (ms) from one step's completion to the next. A step completes when its host range and the last
-    GPU row it launched have both ended: host ranges alone understate a GPU-bound step (the host runs ahead, queueing
-    work), GPU spans alone miss a host-bound one. The first step counts from its host start."""
-    last_gpu_end: dict[int, float] = {}
-    for g, _launch, _ops, s in counted:
-        last_gpu_end[s] = max(last_gpu_end.get(s, g.end), g.end)
-    done = [max(st.end, last_gpu_end.get(i, st.end)) for i, st in enumerate(steps)]
+    GPU row it launched (per_step_first_last: step index -> [first GPU start, last GPU end]) have both ended: host
+    ranges alone understate a GPU-bound step (the host runs ahead, queueing work), GPU spans alone miss a host-bound
+    one. The first step counts from its host start."""
+    done = [max(st.end, per_step_first_last[i][1]) if i in per_step_first_last else st.end for i, st in enumerate(steps)]
     return [(done[0] - steps[0].ts) / 1000] + [(b - a) / 1000 for a, b in zip(done, done[1:])]
+
+
+def _site_rows(agg: dict[tuple, list], keys: tuple[str, ...], n_steps: int) -> list[dict]:
+    """Rows of an aggregate {key tuple: [us, count]}, heaviest first: the key's fields, then ms and count per step."""
+    return [{**dict(zip(keys, key)), "ms_per_step": us / 1000 / n_steps, "count_per_step": n / n_steps}
+            for key, (us, n) in sorted(agg.items(), key=lambda kv: -kv[1][0])]
 
 
 def analyse_trace(trace: dict | str | Path, baseline_step_ms: float | None = None, meta: dict | None = None,
@@ -577,51 +586,45 @@ def analyse_trace(trace: dict | str | Path, baseline_step_ms: float | None = Non
 
     runtime_by_corr = {e.args["correlation"]: e for e in host if e.cat == "runtime" and "correlation" in e.args}
 
-    report = Report(env=env, gpu=bool(gpu_rows), steps=n_steps, step_ms=step_ms, step_ms_median=_median(step_ms),
-                    step_ms_min=min(step_ms), step_ms_max=max(step_ms), host_step_ms_median=_median(step_ms),
-                    baseline_step_ms=baseline_step_ms, notes=notes, trace_path=trace_path)
-    if n_steps >= 3:  # first-call effects (lazy loading, autotuning) are host-side: compare host ranges
-        report.first_step_ratio = step_ms[0] / _median(step_ms[1:])
-
-    def set_step_times(times: list[float]) -> None:
-        report.step_ms, report.step_ms_median = times, _median(times)
-        report.step_ms_min, report.step_ms_max = min(times), max(times)
-        if baseline_step_ms:
-            report.profiler_overhead_pct = 100 * (report.step_ms_median / baseline_step_ms - 1)
-
-    if not gpu_rows:
-        set_step_times(step_ms)
-        _analyse_cpu(report, host, win_lo, win_hi, top_k)
-        _findings(report)
-        return report
-
-    # ---- link each GPU row to its launch, ops, phase and step ------------------------------------------------
+    # ---- link each GPU row to its launch, ops and step ---------------------------------------------------------
     rows = []
     for g in gpu_rows:
         launch = runtime_by_corr.get(g.args.get("correlation"))
         t_issue = launch.ts if launch is not None else g.ts
-        s = step_index(t_issue)
-        ops = [a for a in _ancestors(launch.parent if launch else None) if a.cat == "cpu_op"]
-        rows.append((g, launch, ops, s))
+        rows.append((g, launch, _cpu_ops(launch.parent if launch else None), step_index(t_issue)))
     counted = [r for r in rows if r[3] is not None]
-    set_step_times(_completion_periods(steps, counted))
     unlinked = sum(1 for r in rows if r[1] is None)
     if unlinked:
         notes.append(f"{unlinked} of {len(rows)} GPU rows are unlinked (no launch call with their correlation id): "
                      "they are placed by their own start time and their idle time before them counts as gaps")
+    per_step_first_last: dict[int, list[float]] = {}  # step -> [first start, last end] of the GPU rows it launched
+    for g, _, _, s in counted:
+        fl = per_step_first_last.setdefault(s, [g.ts, g.end])
+        fl[0], fl[1] = min(fl[0], g.ts), max(fl[1], g.end)
+
+    times = _completion_periods(steps, per_step_first_last) if gpu_rows else step_ms
+    median = _median(times)
+    report = Report(env=env, gpu=bool(gpu_rows), steps=n_steps, step_ms=times, step_ms_median=median,
+                    step_ms_min=min(times), step_ms_max=max(times), host_step_ms_median=_median(step_ms),
+                    baseline_step_ms=baseline_step_ms,
+                    profiler_overhead_pct=100 * (median / baseline_step_ms - 1) if baseline_step_ms else None,
+                    # first-call effects (lazy loading, autotuning) are host-side: compare host ranges
+                    first_step_ratio=step_ms[0] / _median(step_ms[1:]) if n_steps >= 3 else None,
+                    notes=notes, trace_path=trace_path)
+    if not gpu_rows:
+        _analyse_cpu(report, host, win_lo, win_hi, top_k)
+        _findings(report)
+        return report
 
     # ---- partition of GPU time -----------------------------------------------------------------------------
     cat_ms: dict[str, float] = {c: 0.0 for c in CATEGORIES}
     cat_n: Counter = Counter()
     impl_us: Counter = Counter()
-    transposes: dict[tuple, list] = defaultdict(lambda: [0.0, 0])
-    casts: dict[tuple, list] = defaultdict(lambda: [0.0, 0])
+    # Transposes and casts by launching op and range: category -> {(op, phase): [us, count]}.
+    copy_sites: dict[str, dict[tuple, list]] = {c: defaultdict(lambda: [0.0, 0]) for c in ("transpose", "cast")}
     memcpys: dict[str, list] = defaultdict(lambda: [0.0, 0, 0.0, Counter()])
     kernels: dict[str, dict] = {}
-    per_step_first_last: dict[int, list[float]] = {}
-    for g, launch, ops, s in counted:
-        fl = per_step_first_last.setdefault(s, [g.ts, g.end])
-        fl[0], fl[1] = min(fl[0], g.ts), max(fl[1], g.end)
+    for g, launch, ops, _ in counted:
         op_name = op_label(ops)
         phase = phase_at(launch.ts) if launch is not None else "(unlinked)"
         category = "other"
@@ -641,14 +644,10 @@ def analyse_trace(trace: dict | str | Path, baseline_step_ms: float | None = Non
                 if DEPTHWISE_KERNEL_NAMES.search(g.name) or any(_is_depthwise_conv(op) for op in ops):
                     category = "depthwise"
                     impl_us[implementation_of(g.name, ops)] += g.dur
-            if category == "transpose":
-                t = transposes[(op_name, phase)]
-                t[0] += g.dur
-                t[1] += 1
-            elif category == "cast":
-                c = casts[(op_name, phase)]
-                c[0] += g.dur
-                c[1] += 1
+            if category in copy_sites:
+                site = copy_sites[category][(op_name, phase)]
+                site[0] += g.dur
+                site[1] += 1
         cat_ms[category] += g.dur
         cat_n[category] += 1
         # One kernel can serve several categories (cuDNN's implicit GEMM runs depthwise and pointwise convs).
@@ -667,10 +666,8 @@ def analyse_trace(trace: dict | str | Path, baseline_step_ms: float | None = Non
     dw_total = sum(impl_us.values())
     report.depthwise_impls = {impl: 100 * us / dw_total for impl, us in impl_us.most_common()} if dw_total else {}
     report.depthwise_implementation = impl_us.most_common(1)[0][0] if impl_us else None
-    report.transposes = [{"op": op, "phase": ph, "ms_per_step": us / 1000 / n_steps, "count_per_step": n / n_steps}
-                         for (op, ph), (us, n) in sorted(transposes.items(), key=lambda kv: -kv[1][0])]
-    report.casts = [{"op": op, "phase": ph, "ms_per_step": us / 1000 / n_steps, "count_per_step": n / n_steps}
-                    for (op, ph), (us, n) in sorted(casts.items(), key=lambda kv: -kv[1][0])]
+    report.transposes = _site_rows(copy_sites["transpose"], ("op", "phase"), n_steps)
+    report.casts = _site_rows(copy_sites["cast"], ("op", "phase"), n_steps)
     report.casts_per_step = cat_n["cast"] / n_steps
     for name, (us, n, nbytes, ops_c) in sorted(memcpys.items(), key=lambda kv: -kv[1][0]):
         report.memcpys.append({"kind": name, "ms_per_step": us / 1000 / n_steps, "count_per_step": n / n_steps,
@@ -705,13 +702,13 @@ def analyse_trace(trace: dict | str | Path, baseline_step_ms: float | None = Non
     if n_steps >= 3:
         report.first_step_extra_kernels = per_step[0] - _median([per_step[i] for i in range(1, n_steps)])
     # Only a kernel's first launch can load its module; a later slow launch is a full launch queue (GPU-bound).
-    first_launch: dict[str, Event] = {}
-    for g, launch, _, _ in sorted((r for r in counted if r[0].cat == "kernel" and r[1] is not None), key=lambda r: r[1].ts):
-        first_launch.setdefault(g.name, launch)
-    slow = [launch for launch in first_launch.values() if launch.dur > SLOW_LAUNCH_US]
+    first_launch: dict[str, tuple] = {}  # kernel name -> (launch, ops, step) of its first launch
+    for g, launch, ops, s in sorted((r for r in counted if r[0].cat == "kernel" and r[1] is not None), key=lambda r: r[1].ts):
+        first_launch.setdefault(g.name, (launch, ops, s))
+    slow = {id(launch): (launch, ops, s) for launch, ops, s in first_launch.values() if launch.dur > SLOW_LAUNCH_US}
     by_slow: dict[tuple, list] = defaultdict(lambda: [0.0, 0])
-    for launch in {id(x): x for x in slow}.values():
-        key = (launch.name, op_label([a for a in _ancestors(launch.parent) if a.cat == "cpu_op"]), step_index(launch.ts))
+    for launch, ops, s in slow.values():
+        key = (launch.name, op_label(ops), s)
         by_slow[key][0] = max(by_slow[key][0], launch.dur)
         by_slow[key][1] += 1
     report.slow_launches = [{"call": c, "op": op, "step": st, "max_ms": us / 1000, "count": n}
@@ -725,15 +722,14 @@ def analyse_trace(trace: dict | str | Path, baseline_step_ms: float | None = Non
     by_sync: dict[tuple, list] = defaultdict(lambda: [0.0, 0])
     for e in syncs:
         call = f"{e.name} (pageable)" if id(e) in pageable_calls and not SYNC_CALLS.match(e.name) else e.name
-        key = (call, op_label([a for a in _ancestors(e.parent) if a.cat == "cpu_op"]), phase_at(e.ts))
+        key = (call, op_label(_cpu_ops(e.parent)), phase_at(e.ts))
         by_sync[key][0] += e.dur
         by_sync[key][1] += 1
-    report.syncs = [{"call": c, "op": op, "phase": ph, "ms_per_step": us / 1000 / n_steps, "count_per_step": n / n_steps}
-                    for (c, op, ph), (us, n) in sorted(by_sync.items(), key=lambda kv: -kv[1][0])]
+    report.syncs = _site_rows(by_sync, ("call", "op", "phase"), n_steps)
     report.syncs_per_step = len(syncs) / n_steps
 
     # ---- busy / idle over the window: first step start to the end of the last GPU row it launched ------------
-    span_hi = max([win_hi] + [g.end for g, _, _, _ in counted])
+    span_hi = max([win_hi] + [hi for _, hi in per_step_first_last.values()])
     report.window_ms = (span_hi - win_lo) / 1000
     clipped = [(max(g.ts, win_lo), min(g.end, span_hi)) for g in gpu_rows if g.end > win_lo and g.ts < span_hi]
     busy = _interval_union([iv for iv in clipped if iv[1] > iv[0]])

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import gzip
-import json
+import itertools
 import math
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from mobilenet.profiling import (
     analyse_trace,
     implementation_of,
     load_trace,
+    save_trace,
     slim_trace,
 )
 
@@ -123,18 +123,26 @@ def test_implementation_table(name, impl):
 # --- analysis on a hand-made GPU trace: every code path, exact numbers ------------------------------------
 
 
+class _TraceBuilder:
+    """Rows of a hand-made Chrome trace: x() adds a complete event, launch() a launch call on a host thread and the
+    GPU row it launched (stream 7 of pid 0), linked by a fresh correlation id (1, 2, ...)."""
+
+    def __init__(self):
+        self.events: list[dict] = []
+        self._corr = itertools.count(1)
+
+    def x(self, name, cat, ts, dur, tid=1, pid=1, **args):
+        self.events.append({"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": pid, "tid": tid, "args": args})
+
+    def launch(self, t0, kname, kts, kdur, tid=1, call="cudaLaunchKernel", cat="kernel", launch_dur=5, **kargs):
+        c = next(self._corr)
+        self.x(call, "cuda_runtime", t0, launch_dur, tid=tid, correlation=c)
+        self.x(kname, cat, kts, kdur, tid=7, pid=0, correlation=c, **kargs)
+
+
 def _synthetic_gpu_trace() -> dict:
-    ev = []
-    corr = iter(range(1, 10_000))
-
-    def x(name, cat, ts, dur, tid=1, pid=1, **args):
-        ev.append({"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": pid, "tid": tid, "args": args})
-
-    def launch(t0, kname, kts, kdur, tid=1, call="cudaLaunchKernel", cat="kernel", **kargs):
-        c = next(corr)
-        x(call, "cuda_runtime", t0, 5, tid=tid, correlation=c)
-        x(kname, cat, kts, kdur, tid=7, pid=0, correlation=c, **kargs)
-
+    b = _TraceBuilder()
+    x, launch = b.x, b.launch
     for s, base in enumerate((0.0, 1000.0)):
         x(f"ProfilerStep#{s + 5}", "user_annotation", base, 1000)
         x("data", "user_annotation", base, 100)
@@ -162,21 +170,18 @@ def _synthetic_gpu_trace() -> dict:
         x("optimizer", "user_annotation", base + 900, 100)
         x("aten::_foreach_add_", "cpu_op", base + 910, 20)
         launch(base + 915, "void at::native::multi_tensor_apply_kernel<...>", base + 920, 30)
-    return {"traceEvents": ev, "deviceProperties": [{"name": "Synthetic GPU"}],
+    return {"traceEvents": b.events, "deviceProperties": [{"name": "Synthetic GPU"}],
             "mobilenet_meta": {"backend": "torch", "memory_format": "NCHW", "precision": "amp fp16"}}
 
 
 def _gpu_bound_trace() -> dict:
     """Three 200 us host steps, each launching one 1000 us kernel: the GPU runs 1 ms behind per step."""
-    ev = []
+    b = _TraceBuilder()
     for s in range(3):
         t = 200.0 * s
-        ev.append({"ph": "X", "name": f"ProfilerStep#{s}", "cat": "user_annotation", "ts": t, "dur": 200, "pid": 1, "tid": 1, "args": {}})
-        ev.append({"ph": "X", "name": "cudaLaunchKernel", "cat": "cuda_runtime", "ts": t + 10, "dur": 5, "pid": 1, "tid": 1,
-                   "args": {"correlation": s + 1}})
-        ev.append({"ph": "X", "name": "sm90_xmma_fprop_implicit_gemm", "cat": "kernel", "ts": 20 + 1000.0 * s, "dur": 1000,
-                   "pid": 0, "tid": 7, "args": {"correlation": s + 1}})
-    return {"traceEvents": ev, "deviceProperties": [{"name": "Synthetic GPU"}]}
+        b.x(f"ProfilerStep#{s}", "user_annotation", t, 200)
+        b.launch(t + 10, "sm90_xmma_fprop_implicit_gemm", 20 + 1000.0 * s, 1000)
+    return {"traceEvents": b.events, "deviceProperties": [{"name": "Synthetic GPU"}]}
 
 
 def test_step_time_counts_gpu_completion_when_the_host_runs_ahead():
@@ -221,23 +226,15 @@ def test_synthetic_gpu_trace_exact_figures():
 
 def _cold_trace() -> dict:
     """Three steps; the first launches 50 autotune kernels and loads a module inside its first launch."""
-    ev = []
-    corr = iter(range(1, 10_000))
-
-    def launch(t0, kname, kts, kdur, launch_dur=5.0):
-        c = next(corr)
-        ev.append({"ph": "X", "name": "cudaLaunchKernel", "cat": "cuda_runtime", "ts": t0, "dur": launch_dur, "pid": 1, "tid": 1,
-                   "args": {"correlation": c}})
-        ev.append({"ph": "X", "name": kname, "cat": "kernel", "ts": kts, "dur": kdur, "pid": 0, "tid": 7, "args": {"correlation": c}})
-
-    ev.append({"ph": "X", "name": "ProfilerStep#0", "cat": "user_annotation", "ts": 0, "dur": 20_000, "pid": 1, "tid": 1, "args": {}})
-    launch(10, "gemm_a", 3000, 100, launch_dur=2900)  # lazy module load inside the first launch
+    b = _TraceBuilder()
+    b.x("ProfilerStep#0", "user_annotation", 0, 20_000)
+    b.launch(10, "gemm_a", 3000, 100, launch_dur=2900)  # lazy module load inside the first launch
     for i in range(50):
-        launch(3100 + 100 * i, f"autotune_candidate_{i}", 3200 + 100 * i, 50)
+        b.launch(3100 + 100 * i, f"autotune_candidate_{i}", 3200 + 100 * i, 50)
     for s, base in ((1, 20_000), (2, 21_000)):
-        ev.append({"ph": "X", "name": f"ProfilerStep#{s}", "cat": "user_annotation", "ts": base, "dur": 1000, "pid": 1, "tid": 1, "args": {}})
-        launch(base + 10, "gemm_a", base + 20, 100)
-    return {"traceEvents": ev}
+        b.x(f"ProfilerStep#{s}", "user_annotation", base, 1000)
+        b.launch(base + 10, "gemm_a", base + 20, 100)
+    return {"traceEvents": b.events}
 
 
 def test_first_call_effects_are_flagged():
@@ -351,8 +348,7 @@ def test_diagnose_cli(tmp_path, capsys):
     import diagnose
 
     trace = tmp_path / "t.json.gz"
-    with gzip.open(trace, "wt") as f:
-        json.dump(_synthetic_gpu_trace(), f)
+    save_trace(_synthetic_gpu_trace(), trace)
     assert diagnose.main([str(trace), "--md", str(tmp_path / "r.md"), "--baseline-ms", "0.8"]) == 0
     out = capsys.readouterr().out
     assert "GPU time by category" in out and "profiler overhead" in out
