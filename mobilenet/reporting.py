@@ -1,10 +1,11 @@
-"""What a run reports: environment facts, TensorBoard scalars and hparams, and the console summary."""
+"""What a run reports: environment facts, TensorBoard scalars and hparams (and reading them back), the console summary."""
 
 from __future__ import annotations
 
 import os
 import platform
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -89,6 +90,34 @@ class TensorBoardLog:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def read_tensorboard(root: Path) -> dict[Path, tuple[dict | None, dict[str, float]]]:
+    """{run dir: (hparams or None, {scalar tag: last value})} for every directory under root with event files."""
+    from tensorboard.backend.event_processing import event_accumulator as ea
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+    from tensorboard.plugins.hparams import metadata
+
+    mux = EventMultiplexer(size_guidance={ea.SCALARS: 0, ea.TENSORS: 0})
+    mux.AddRunsFromDirectory(str(root))
+    mux.Reload()
+    hparams_content = mux.PluginRunToTagToContent(metadata.PLUGIN_NAME)
+    runs = {}
+    for run, tags in mux.Runs().items():
+        scalars = {tag: mux.Scalars(run, tag)[-1].value for tag in tags.get(ea.SCALARS, [])}
+        content = hparams_content.get(run, {}).get(metadata.SESSION_START_INFO_TAG)
+        runs[(root / run).resolve()] = (_hparams_of(content) if content is not None else None, scalars)
+    return runs
+
+
+def _hparams_of(content: bytes) -> dict:
+    from tensorboard.plugins.hparams import metadata
+
+    values = {}
+    for name, value in metadata.parse_session_start_info_plugin_data(content).hparams.items():
+        kind = value.WhichOneof("kind")
+        values[name] = getattr(value, kind) if kind else None
+    return values
 
 
 def machine_line(env: dict[str, str]) -> str:

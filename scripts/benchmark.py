@@ -34,8 +34,6 @@ import importlib.util
 import itertools
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -43,6 +41,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as `python scripts/benchmark.py`: the project's packages sit one level up
+
+from mobilenet.subprocesses import exit_on_sigterm, run_logged  # noqa: E402
 
 AXES = {
     "backends": ("torch", "cudnn", "custom"),
@@ -237,6 +237,11 @@ def _write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def _record(combo: Combo, overrides: list[str], status: str, reason: str = "", **extra) -> dict:
+    """A combination's benchmark.json: what it is, how it was (or would be) run, and how that went."""
+    return {**asdict(combo), "name": combo.name, "overrides": overrides, "status": status, "reason": reason, **extra}
+
+
 def _leave_record(run_dir: Path, record: dict) -> None:
     """A run directory holding only the combination's benchmark.json (skipped, or not started), so that compare.py
     lists it with its reason instead of leaving it out."""
@@ -250,22 +255,11 @@ def run_combo(combo: Combo, run_dir: Path, overrides: list[str], args: argparse.
     for stale in run_dir.glob("events.out.tfevents.*"):  # a re-measured run must not mix with an earlier attempt
         stale.unlink()
     (run_dir / RESULT_FILE).unlink(missing_ok=True)
-    record = {**asdict(combo), "name": combo.name, "overrides": overrides, "status": "running", "reason": "",
-              "infer_warmup": args.infer_warmup, "infer_steps": args.infer_steps}
+    record = _record(combo, overrides, "running", infer_warmup=args.infer_warmup, infer_steps=args.infer_steps)
     _write_json(run_dir / SPEC_FILE, record)
     started = time.perf_counter()
-    with open(run_dir / LOG_FILE, "w") as log:
-        # Its own session, so that a timeout also ends the compile workers torch.compile forks.
-        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--run-one", str(run_dir)],
-                                cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except BaseException as e:  # timeout, Ctrl-C or SIGTERM: the child has its own session, so end it here
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            if not isinstance(e, subprocess.TimeoutExpired):
-                raise
-            rc = None
+    # A timeout also ends the compile workers torch.compile forks.
+    rc = run_logged([sys.executable, str(Path(__file__).resolve()), "--run-one", str(run_dir)], run_dir / LOG_FILE, timeout)
     record["seconds"] = round(time.perf_counter() - started, 1)
     result_path = run_dir / RESULT_FILE
     if rc == 0 and result_path.is_file():
@@ -280,8 +274,7 @@ def run_combo(combo: Combo, run_dir: Path, overrides: list[str], args: argparse.
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    # A SIGTERM (e.g. a job's time limit) unwinds like Ctrl-C, so the running child is ended too.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    exit_on_sigterm()
     out = Path(args.out or REPO / "runs" / f"matrix-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     combos = plan(args)
     if not combos:
@@ -303,19 +296,18 @@ def main(argv: list[str]) -> int:
             record = {**earlier, "note": "kept from an earlier invocation"}
             longest[combo.compile] = max(longest.get(combo.compile, 0.0), earlier.get("seconds", 0.0))
         elif reason := prechecks.reason(combo, overrides):
-            record = {**asdict(combo), "name": combo.name, "overrides": overrides, "status": "skipped", "reason": reason}
+            record = _record(combo, overrides, "skipped", reason)
             if not args.dry_run:
                 _leave_record(run_dir, record)
         elif args.dry_run:
-            record = {**asdict(combo), "name": combo.name, "status": "planned", "reason": " ".join(overrides)}
+            record = _record(combo, overrides, "planned", " ".join(overrides))
         else:
             timeout = args.timeout
             if deadline is not None:
                 timeout = min(timeout, deadline - time.monotonic())
             # Not worth starting if it would likely be cut off: leave it for the next invocation.
             if deadline is not None and timeout < max(10.0, 1.1 * longest.get(combo.compile, 0.0)):
-                record = {**asdict(combo), "name": combo.name, "overrides": overrides, "status": "not started",
-                          "reason": "--time-budget spent; run the same command again to continue"}
+                record = _record(combo, overrides, "not started", "--time-budget spent; run the same command again to continue")
                 _leave_record(run_dir, record)
             else:
                 record = run_combo(combo, run_dir, overrides, args, timeout)

@@ -26,14 +26,10 @@ Exit status: 0 efficiency >= --target, 1 below it, 2 a run failed or the setup i
 from __future__ import annotations
 
 import argparse
-import functools
-import importlib.util
 import os
 import re
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -43,7 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mobilenet.config import override_key  # noqa: E402
-from mobilenet.reporting import environment, machine_line, publish  # noqa: E402
+from mobilenet.reporting import environment, machine_line, publish, read_tensorboard  # noqa: E402
+from mobilenet.subprocesses import exit_on_sigterm, run_logged  # noqa: E402
 
 GPU_DEFAULT = ["data=synthetic", "backend=torch", "amp=true", "amp_dtype=fp16", "channels_last=true"]
 CPU_DEFAULT = ["data=synthetic", "backend=torch", "amp=false", "channels_last=true", "data.resolution=64",
@@ -77,20 +74,6 @@ def merge_overrides(defaults: list[str], extra: list[str]) -> list[str]:
     return [o for o in defaults if override_key(o) not in keys] + list(extra)
 
 
-@functools.cache
-def _compare_module():
-    spec = importlib.util.spec_from_file_location("scripts_compare", Path(__file__).with_name("compare.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-def _read_tensorboard(root: Path) -> dict:
-    """scripts/compare.py's reader (scripts/ is not a package): {run dir: (hparams or None, {tag: last value})}."""
-    return _compare_module()._read_tensorboard(root)
-
-
 def _tail(path: Path, lines: int = TAIL_LINES) -> str:
     text = path.read_text(errors="replace") if path.is_file() else ""
     return "\n".join(text.splitlines()[-lines:])
@@ -98,17 +81,7 @@ def _tail(path: Path, lines: int = TAIL_LINES) -> str:
 
 def run_child(cmd: list[str], env: dict[str, str], log_path: Path, timeout: float) -> None:
     """Run one train.py invocation with its output in log_path; raises ScalingError (with the log's tail) on failure."""
-    with open(log_path, "w") as log:
-        # Its own session: a timeout or Ctrl-C here also ends torchrun's worker processes.
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except BaseException as e:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            if not isinstance(e, subprocess.TimeoutExpired):
-                raise
-            rc = None
+    rc = run_logged(cmd, log_path, timeout, env)  # a timeout or Ctrl-C here also ends torchrun's worker processes
     if rc != 0:
         why = f"timed out after {timeout:.0f} s (--timeout)" if rc is None else f"exited with status {rc}"
         raise ScalingError(f"this run {why}:\n  {shlex.join(cmd)}\nlast {TAIL_LINES} lines of its output "
@@ -117,7 +90,7 @@ def run_child(cmd: list[str], env: dict[str, str], log_path: Path, timeout: floa
 
 def read_run(log_root: Path, processes: int, log_path: Path) -> tuple[Path, dict]:
     """The one run under log_root that wrote TensorBoard scalars: (its dir, {tag: last value})."""
-    runs = {d: v for d, v in _read_tensorboard(log_root).items() if v[1]}
+    runs = {d: v for d, v in read_tensorboard(log_root).items() if v[1]}
     if len(runs) != 1:
         raise ScalingError(f"{log_root}: expected the event file of one run, found {len(runs)} "
                            f"({', '.join(map(str, runs)) or 'none'}); its output ({log_path}) ends:\n{_tail(log_path)}")
@@ -180,8 +153,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    # A SIGTERM (e.g. a job's time limit) unwinds like Ctrl-C, so the running child is ended too.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    exit_on_sigterm()
     import torch
 
     if args.device == "cuda":

@@ -24,6 +24,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as `python scripts/compare.py`
+
+from mobilenet.reporting import read_tensorboard  # noqa: E402
+
 REQUIRED_SCALARS = {"train_img_s": "perf/train_img_s", "infer_img_s": "perf/infer_img_s"}
 OPTIONAL_SCALARS = {"compute_img_s": "perf/compute_img_s", "step_ms": "perf/step_ms", "max_mem_gb": "sys/max_mem_gb"}
 HPARAMS = ("backend", "amp", "amp_dtype", "channels_last", "compile", "data", "batch_size", "resolution", "gpu", "torch", "cudnn")
@@ -99,40 +103,12 @@ def _settings(hp: dict) -> dict:
     return out
 
 
-def _hparams_of(content: bytes) -> dict:
-    from tensorboard.plugins.hparams import metadata
-
-    values = {}
-    for name, value in metadata.parse_session_start_info_plugin_data(content).hparams.items():
-        kind = value.WhichOneof("kind")
-        values[name] = getattr(value, kind) if kind else None
-    return values
-
-
-def _read_tensorboard(root: Path) -> dict[Path, tuple[dict | None, dict[str, float]]]:
-    """{run dir: (hparams or None, {scalar tag: last value})} for every directory under root with event files."""
-    from tensorboard.backend.event_processing import event_accumulator as ea
-    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
-    from tensorboard.plugins.hparams import metadata
-
-    mux = EventMultiplexer(size_guidance={ea.SCALARS: 0, ea.TENSORS: 0})
-    mux.AddRunsFromDirectory(str(root))
-    mux.Reload()
-    hparams_content = mux.PluginRunToTagToContent(metadata.PLUGIN_NAME)
-    runs = {}
-    for run, tags in mux.Runs().items():
-        scalars = {tag: mux.Scalars(run, tag)[-1].value for tag in tags.get(ea.SCALARS, [])}
-        content = hparams_content.get(run, {}).get(metadata.SESSION_START_INFO_TAG)
-        runs[(root / run).resolve()] = (_hparams_of(content) if content is not None else None, scalars)
-    return runs
-
-
 def load_rows(roots: list[Path]) -> list[Row]:
     rows: list[Row] = []
     for root in roots:
         if not root.is_dir():
             raise CompareError(f"{root}: no such directory")
-        runs = _read_tensorboard(root)
+        runs = read_tensorboard(root)
         records = {p.parent.resolve(): json.loads(p.read_text()) for p in sorted(root.rglob(STATUS_FILE))}
         if not runs and not records:
             raise CompareError(f"{root}: no TensorBoard event files (events.out.tfevents.*) and no {STATUS_FILE} under "
@@ -171,12 +147,19 @@ def _row(name: str, tensorboard: tuple | None, record: dict | None) -> Row:
 # ---------------------------------------------------------------------------------------------------- comparing
 
 
-def _order(row: Row) -> tuple:
-    def index(seq, value):
-        return seq.index(value) if value in seq else len(seq)
+def _index(seq: tuple, value) -> int:
+    """value's place in seq, for sorting; values not in seq after all of it."""
+    return seq.index(value) if value in seq else len(seq)
 
-    return (row.data, row.compile is True, index(PRECISION_ORDER, row.precision), index(LAYOUT_ORDER, row.layout),
-            index(BACKEND_ORDER, row.backend), row.backend)
+
+def _order(row: Row) -> tuple:
+    return (row.data, row.compile is True, _index(PRECISION_ORDER, row.precision), _index(LAYOUT_ORDER, row.layout),
+            _index(BACKEND_ORDER, row.backend), row.backend)
+
+
+def _facts(ok: list[Row]) -> dict[str, list[str]]:
+    """Batch size, resolution, GPU, torch and cuDNN of the given runs: each one's distinct values, as sorted text."""
+    return {name: sorted({str(getattr(r, name)) for r in ok}) for name in ("batch_size", "resolution", "gpu", "torch", "cudnn")}
 
 
 def add_speedups(rows: list[Row]) -> list[str]:
@@ -206,15 +189,12 @@ def duplicates(rows: list[Row]) -> list[str]:
     return notes
 
 
-def mixed_settings(rows: list[Row]) -> list[str]:
-    """Warnings for settings that must be equal across compared runs (batch, resolution) or should be (gpu, torch)."""
-    ok = [r for r in rows if r.status == "ok"]
-    warnings = []
-    for name in ("batch_size", "resolution", "gpu", "torch"):
-        values = sorted({str(getattr(r, name)) for r in ok})
-        if len(values) > 1:
-            warnings.append(f"WARNING: mixed {name} in one comparison ({', '.join(values)}): img/s are not directly comparable")
-    return warnings
+def mixed_settings(rows: list[Row]) -> dict[str, str]:
+    """{setting: warning} for settings that must be equal across compared runs (batch, resolution) or should be (gpu,
+    torch) but are not."""
+    facts = _facts([r for r in rows if r.status == "ok"])
+    return {name: f"WARNING: mixed {name} in one comparison ({', '.join(facts[name])}): img/s are not directly comparable"
+            for name in ("batch_size", "resolution", "gpu", "torch") if len(facts[name]) > 1}
 
 
 def custom_vs_cudnn(rows: list[Row]) -> list[dict]:
@@ -245,7 +225,7 @@ def markdown(rows: list[Row], notes: list[str]) -> str:
     other = sorted((r for r in rows if r.status != "ok"), key=_order)
     lines = ["# MobileNetV1 throughput matrix", ""]
     if ok:
-        facts = {name: sorted({str(getattr(r, name)) for r in ok}) for name in ("batch_size", "resolution", "gpu", "torch", "cudnn")}
+        facts = _facts(ok)
         lines.append("batch " + "/".join(facts["batch_size"]) + ", resolution " + "/".join(facts["resolution"])
                      + ", GPU " + "/".join(facts["gpu"]) + ", torch " + "/".join(facts["torch"])
                      + ", cuDNN " + "/".join(facts["cudnn"]) + ". Sorted by training img/s; speed-ups are over "
@@ -311,7 +291,7 @@ def write_plot(rows: list[Row], path: Path) -> None:
 
     ok = [r for r in rows if r.status == "ok"]
     facets = sorted({(r.data, r.compile) for r in ok})
-    backends = sorted({r.backend for r in ok}, key=lambda b: (BACKEND_ORDER.index(b) if b in BACKEND_ORDER else 99, b))
+    backends = sorted({r.backend for r in ok}, key=lambda b: (_index(BACKEND_ORDER, b), b))
     metrics = [("train_img_s", "training img/s"), ("infer_img_s", "inference img/s")]
     fig, axes = plt.subplots(len(facets), len(metrics), figsize=(7 * len(metrics), 3.6 * len(facets)), squeeze=False)
     width = 0.8 / max(1, len(backends))
@@ -319,7 +299,7 @@ def write_plot(rows: list[Row], path: Path) -> None:
     for (data, compiled), ax_row in zip(facets, axes):
         rows_here = [r for r in ok if (r.data, r.compile) == (data, compiled)]
         groups = sorted({(r.precision, r.layout) for r in rows_here},
-                        key=lambda g: (PRECISION_ORDER.index(g[0]) if g[0] in PRECISION_ORDER else 9, LAYOUT_ORDER.index(g[1])))
+                        key=lambda g: (_index(PRECISION_ORDER, g[0]), _index(LAYOUT_ORDER, g[1])))
         for ax, (metric, label) in zip(ax_row, metrics):
             for b, backend in enumerate(backends):
                 xs, ys = [], []
@@ -337,7 +317,7 @@ def write_plot(rows: list[Row], path: Path) -> None:
             ax.grid(axis="y", alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="upper right", title="backend")
-    facts = {name: sorted({str(getattr(r, name)) for r in ok}) for name in ("batch_size", "resolution", "gpu")}
+    facts = _facts(ok)
     fig.suptitle(f"MobileNetV1 throughput: batch {'/'.join(facts['batch_size'])}, {'/'.join(facts['resolution'])} px, "
                  f"{'/'.join(facts['gpu'])}")
     fig.tight_layout(rect=(0, 0, 0.93, 0.97))
@@ -374,8 +354,9 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no run with results to compare (all skipped, failed or incomplete):\n  "
               + "\n  ".join(f"{r.run}: {r.status}: {r.reason}" for r in rows), file=sys.stderr)
         return 2
-    mixed = [w for w in mixed_settings(rows) if "batch_size" in w or "resolution" in w]
-    notes = mixed_settings(rows) + duplicates(rows) + add_speedups(rows)
+    warnings = mixed_settings(rows)
+    mixed = [w for name, w in warnings.items() if name in ("batch_size", "resolution")]
+    notes = list(warnings.values()) + duplicates(rows) + add_speedups(rows)
     out = args.out or args.runs_dirs[0]
     out.mkdir(parents=True, exist_ok=True)
     table = markdown(rows, notes)

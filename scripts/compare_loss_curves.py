@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mobilenet.config import compose  # noqa: E402
-from mobilenet.engine import Trainer  # noqa: E402
+from mobilenet.engine import Trainer, resolve_device  # noqa: E402
 from mobilenet.reporting import environment, machine_line, publish  # noqa: E402
 
 DEFAULT = ["data=synthetic", "amp=true", "channels_last=true"]
@@ -59,7 +59,7 @@ def main() -> int:
     gap = max(abs(a - b) for a, b in zip(cand, ref1))
     allowed = args.tolerance * noise + args.slack
     ok = gap <= allowed and len(cand) == len(ref1) == args.steps
-    env = environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    env = environment(resolve_device("auto"))
     lines = [
         f"# Loss curves: backend={candidate} vs backend={reference}, same seed, {args.steps} steps",
         "",
