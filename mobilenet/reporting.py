@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import os
 import platform
 import subprocess
@@ -118,6 +120,12 @@ def _hparams_of(content: bytes) -> dict:
         kind = value.WhichOneof("kind")
         values[name] = getattr(value, kind) if kind else None
     return values
+
+
+def gpu_slug(name: str) -> str:
+    """A GPU name as it appears in result file names: 'NVIDIA H200' -> 'h200', 'NVIDIA H100 80GB HBM3' ->
+    'h100-80gb-hbm3'."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower().replace("nvidia", "")).strip("-") or "gpu"
 
 
 def machine_line(env: dict[str, str]) -> str:

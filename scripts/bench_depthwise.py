@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mobilenet.depthwise import get_backend  # noqa: E402
-from mobilenet.reporting import environment  # noqa: E402
+from mobilenet.reporting import environment, gpu_slug  # noqa: E402
 
 # (C, H, stride) at 224x224 input; 3x3, padding 1.
 LAYERS = [(32, 112, 1), (64, 112, 2), (128, 56, 1), (128, 56, 2), (256, 28, 1), (256, 28, 2)] + [(512, 14, 1)] * 5 + [
@@ -216,7 +216,7 @@ def main(argv=None):
 
 
 def write_results(rows, backends, dtypes, layouts, modes, layer_ids, info, bw, args):
-    stem = Path(args.out) if args.out else ROOT / "docs" / "results" / ("depthwise_" + short_gpu(info["gpu"]))
+    stem = Path(args.out) if args.out else ROOT / "docs" / "results" / ("depthwise_" + gpu_slug(info["gpu"]))
     stem.parent.mkdir(parents=True, exist_ok=True)
     names = list(backends)
     others = [b for b in names if b != "custom"]
@@ -254,14 +254,14 @@ def write_results(rows, backends, dtypes, layouts, modes, layer_ids, info, bw, a
                 floor_sum = 0.0
                 for r in sel:
                     times = {b: r[f"{b}_ms"] for b in names}
-                    cf, sp = ratio_cols(times, r["floor_ms"]) if "custom" in names else (float("nan"),) * 2
+                    cf, sp = ratio_cols(times, r["floor_ms"])  # NaN without a custom column
                     md.append(f"| {r['layer']} | {r['C']} | {r['H']} | {r['stride']} | "
                               + " | ".join(fmt_ms(times[b]) for b in names)
                               + f" | {fmt_ms(r['floor_ms'])} | {cf:.2f} | {sp:.2f} |")
                     for b in names:
                         sums[b] += times[b]
                     floor_sum += r["floor_ms"]
-                cf, sp = ratio_cols(sums, floor_sum) if "custom" in names else (float("nan"),) * 2
+                cf, sp = ratio_cols(sums, floor_sum)
                 label = "sum (13 layers)" if len(sel) == len(LAYERS) else f"sum ({len(sel)} layers)"
                 md.append(f"| **{label}** | | | | " + " | ".join(f"**{fmt_ms(sums[b])}**" for b in names)
                           + f" | **{fmt_ms(floor_sum)}** | **{cf:.2f}** | **{sp:.2f}** |")
@@ -284,13 +284,6 @@ def write_results(rows, backends, dtypes, layouts, modes, layer_ids, info, bw, a
                          "cuda": info["cuda"], "cudnn": info["cudnn"], "copy_TBps": f"{bw / 1e12:.3f}"})
     print("\n".join(head))
     print(f"wrote {stem.with_suffix('.md')} and .csv")
-
-
-def short_gpu(name: str) -> str:
-    for tag in ("H200", "H100", "A100", "L40S", "L4", "B200", "GH200"):
-        if tag in name:
-            return tag.lower()
-    return "".join(ch for ch in name.lower() if ch.isalnum())[:16]
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 from mobilenet.config import compose  # noqa: E402
 from mobilenet.data import LoaderSpec, build_loaders  # noqa: E402
-from mobilenet.reporting import environment  # noqa: E402
+from mobilenet.reporting import environment, gpu_slug  # noqa: E402
 
 LOADERS = {
     "dali-mixed": ["data=dali", "data.dali.decode=mixed"],
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     results = [measure(name, args, device) for name in names]
     out = args.out
     if out is None:
-        tag = torch.cuda.get_device_name(device).split()[-1].lower() if device.type == "cuda" else "cpu"
+        tag = gpu_slug(torch.cuda.get_device_name(device)) if device.type == "cuda" else "cpu"
         out = REPO / "docs" / "results" / f"loader_{tag}.md"
     write_markdown(out, args, device, results)
     return 0

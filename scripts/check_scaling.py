@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shlex
 import statistics
 import sys
@@ -39,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mobilenet.config import override_key  # noqa: E402
-from mobilenet.reporting import environment, machine_line, publish, read_tensorboard  # noqa: E402
+from mobilenet.reporting import environment, gpu_slug, machine_line, publish, read_tensorboard  # noqa: E402
 from mobilenet.subprocesses import exit_on_sigterm, run_logged  # noqa: E402
 
 GPU_DEFAULT = ["data=synthetic", "backend=torch", "amp=true", "amp_dtype=fp16", "channels_last=true"]
@@ -122,12 +121,6 @@ def measure(processes: int, overrides: list[str], log_root: Path, env: dict[str,
     shown = shlex.join(["python", *cmd[1:]])  # the interpreter by its usual name; everything else as it ran
     return Measurement(processes, img_s, s.get("perf/train_img_s_per_gpu", img_s / processes), s.get("perf/step_ms", float("nan")),
                        s.get("perf/scaling_efficiency"), shown, run_dir, seconds)
-
-
-def gpu_slug(name: str, count: int) -> str:
-    """'NVIDIA H200', 2 -> '2xh200' (file names of results)."""
-    s = re.sub(r"[^a-z0-9]+", "-", name.lower().replace("nvidia", "")).strip("-") or "gpu"
-    return f"{count}x{s}"
 
 
 def _num(v: float) -> str:
@@ -226,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         nccl = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
         hardware = f"{n} x {' / '.join(names)} in one host ({torch.cuda.device_count()} visible), NCCL {nccl}; " \
                    "the 1-GPU run uses cuda:0"
-        slug = gpu_slug(names[0], n)
+        slug = f"{n}x{gpu_slug(names[0])}"  # '2xh200'
         title = f"{n} x {names[0]}"
     else:
         env_facts = environment(torch.device("cpu"))
