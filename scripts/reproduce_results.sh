@@ -22,7 +22,7 @@ fi
 if has loader || has dali-train; then
   [[ -d "$FAKE/train" ]] || python scripts/make_fake_imagenet.py --out "$FAKE" --num 20000 --val-fraction 0.05
 fi
-has loader && python scripts/bench_loader.py --root "$FAKE" --threads "$(nproc)"
+has loader && python scripts/bench_loader.py --root "$FAKE" --threads "$(nproc)" --out "$OUT/loader_h200.md"
 if has dali-train; then
   # The DALI acceptance: the same command with data=dali and with data=synthetic, back to back.
   common="backend=cudnn amp=true channels_last=true epochs=2 data.steps_per_epoch=300 evaluate=false save_checkpoints=false progress=false"
