@@ -19,7 +19,7 @@ import torch
 __all__ = ["KernelUnavailable", "load", "build", "build_dir", "CSRC"]
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ["depthwise_ops.cpp", "forward.cu", "dgrad.cu", "wgrad.cu", "generic.cu", "stream.cu"]
+_SOURCES = ["depthwise_ops.cpp", "forward.cu", "dgrad.cu", "wgrad.cu", "generic.cu", "column.cu"]
 _EXT_NAME = "mobilenet_dw_kernels"
 _DEFAULT_ARCH = "9.0"  # H100/H200: the GPUs this project is tuned for
 

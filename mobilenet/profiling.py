@@ -24,6 +24,10 @@ trace JSON, so a trace from any machine can be analysed anywhere. It counts devi
 memcpys, memsets) and never the CPU ops' "CUDA time" columns, which attribute asynchronous work to whichever op
 was running when it finished. Each GPU row is linked through its `correlation` id to the runtime call that
 launched it, and from there to the enclosing CPU ops and record_function range.
+
+Step time: the report's step time is the unprofiled median given as `baseline_step_ms` (the engine and infer.py
+time steps just before the window with the same meter as an ordinary run), because recording every op slows a
+host-bound loop; the profiled steps' own time is shown beside it, and the difference is the profiler's overhead.
 """
 
 from __future__ import annotations
@@ -316,6 +320,7 @@ COPY_KERNELS = re.compile(r"copy_kernel|direct_copy|CopyKernel", re.I)
 CAST_OPS = ("aten::_to_copy", "aten::to", "aten::copy_", "aten::type_as")
 LAYOUT_OPS = ("aten::contiguous", "aten::clone", "aten::copy_")
 # Host calls that block until the GPU (or a copy) has finished.
+_AUTOGRAD_PREFIX = "autograd::engine::evaluate_function: "  # autograd's backward ops, on its own thread
 SYNC_CALLS = re.compile(r"^(cudaStreamSynchronize|cudaDeviceSynchronize|cudaEventSynchronize|cudaMemcpy|cudaMemcpy2D|"
                         r"cuStreamSynchronize|cuCtxSynchronize|cuEventSynchronize|cuMemcpyDtoH|cuMemcpyHtoD)$")
 SLOW_LAUNCH_US = 1000.0
@@ -338,7 +343,7 @@ def op_label(ops: list[Event]) -> str:
     (aten::conv2d, ConvolutionBackward0, aten::linear) and which op launched the kernel."""
     if not ops:
         return "(no op)"
-    outer = ops[-1].name.removeprefix("autograd::engine::evaluate_function: ")
+    outer = ops[-1].name.removeprefix(_AUTOGRAD_PREFIX)
     return outer if len(ops) == 1 or outer == ops[0].name else f"{outer} > {ops[0].name}"
 
 
@@ -453,8 +458,12 @@ class Report:
     casts_per_step: float = 0.0
     memcpys: list[dict] = field(default_factory=list)  # by kind (HtoD pageable, ...)
     pageable_copies_per_step: float = 0.0
-    syncs: list[dict] = field(default_factory=list)  # by call and op
+    syncs: list[dict] = field(default_factory=list)  # by call and op, on the threads that run the step
     syncs_per_step: float = 0.0
+    # CUDA API calls of other threads in the process (a data loader's workers, e.g. DALI's): they block only
+    # their own thread, but they share the CUDA context (and its locks) with the step's launches.
+    other_thread_syncs_per_step: float = 0.0
+    other_thread_cuda_calls_per_step: float = 0.0
     top_kernels: list[dict] = field(default_factory=list)
     top_ops: list[dict] = field(default_factory=list)  # CPU runs: self CPU time by op
     findings: list[Finding] = field(default_factory=list)
@@ -463,6 +472,12 @@ class Report:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @property
+    def step_time_ms(self) -> float:
+        """The run's step time: the unprofiled median when it was measured (the profiler's own host overhead
+        inflates the profiled steps of a host-bound loop), else the profiled steps' median."""
+        return self.baseline_step_ms if self.baseline_step_ms is not None else self.step_ms_median
 
     def markdown(self) -> str:
         return _render_markdown(self)
@@ -717,8 +732,16 @@ def analyse_trace(trace: dict | str | Path, baseline_step_ms: float | None = Non
     # ---- syncs ------------------------------------------------------------------------------------------------
     # A copy from or to pageable memory blocks the host as well: the driver stages it through a pinned buffer.
     pageable_calls = {id(launch) for g, launch, _, _ in counted if launch is not None and g.cat == "memcpy" and "Pageable" in g.name}
-    syncs = [e for e in host if e.cat == "runtime" and step_index(e.ts) is not None
-             and (SYNC_CALLS.match(e.name) or id(e) in pageable_calls)]
+    # The step runs on the thread of the ProfilerStep ranges and on autograd's backward thread(s); a sync on any
+    # other thread (a loader's worker) does not stall the step.
+    step_threads = {(steps[0].pid, steps[0].tid)} | {(e.pid, e.tid) for e in host if e.cat == "cpu_op"
+                                                      and (e.name.startswith(_AUTOGRAD_PREFIX) or "backward" in e.name.lower())}
+    on_step_thread = (lambda e: True) if steps[0].tid is None else (lambda e: (e.pid, e.tid) in step_threads)
+    in_window = [e for e in host if e.cat == "runtime" and step_index(e.ts) is not None]
+    blocking_calls = [e for e in in_window if SYNC_CALLS.match(e.name) or id(e) in pageable_calls]
+    syncs = [e for e in blocking_calls if on_step_thread(e)]
+    report.other_thread_syncs_per_step = (len(blocking_calls) - len(syncs)) / n_steps
+    report.other_thread_cuda_calls_per_step = sum(1 for e in in_window if not on_step_thread(e)) / n_steps
     by_sync: dict[tuple, list] = defaultdict(lambda: [0.0, 0])
     for e in syncs:
         call = f"{e.name} (pageable)" if id(e) in pageable_calls and not SYNC_CALLS.match(e.name) else e.name
@@ -835,7 +858,8 @@ def _findings(r: Report) -> None:
     if r.profiler_overhead_pct is not None:
         detail = (f"profiled steps: median {r.step_ms_median:.2f} ms vs {r.baseline_step_ms:.2f} ms without the profiler "
                   f"({r.profiler_overhead_pct:+.1f}%)")
-        hint = ("the profiler inflates host-side times; trust the GPU rows and the ratios more than the absolute step time"
+        hint = ("the profiler inflates host-side times: the step time reported is the unprofiled one; in the profiled "
+                "steps trust the GPU rows and the ratios more than the absolute times and the GPU-idle share"
                 if r.profiler_overhead_pct > 10 else "")
         F.append(Finding("profiler overhead", detail, hint, "warn" if r.profiler_overhead_pct > 10 else "info"))
     if not r.gpu:
@@ -916,6 +940,15 @@ def _findings(r: Report) -> None:
         F.append(Finding("blocking synchronisations",
                          f"{r.syncs_per_step:.0f} per step ({sum(s['ms_per_step'] for s in r.syncs):.3f} ms of host time): {where}",
                          "; ".join(dict.fromkeys(hints)), "warn" if r.syncs_per_step >= 1 else "info"))
+    if r.other_thread_cuda_calls_per_step >= 50:
+        F.append(Finding("CUDA calls from other threads",
+                         f"other threads of the process (a data loader's workers, e.g. DALI's decoders) made "
+                         f"{r.other_thread_cuda_calls_per_step:.0f} CUDA API calls per step, "
+                         f"{r.other_thread_syncs_per_step:.0f} of them blocking; those syncs stall only their own thread, "
+                         f"but every call shares the CUDA context with the step's launches (median launch "
+                         f"{r.median_launch_us:.1f} us here)",
+                         "if the step is host-bound, compare the launch times with a run on synthetic data: contention "
+                         "for the context slows the step's own launches; fewer loader threads or batched loader work help"))
     if r.gpu_span_ms_per_step and r.gpu_span_ms_per_step > 1.2 * r.host_step_ms_median:
         F.append(Finding("host runs ahead",
                          f"the GPU work a step launches spans {r.gpu_span_ms_per_step:.2f} ms, the host step "
@@ -949,6 +982,12 @@ def _render_markdown(r: Report) -> str:
     out = ["# Profile report", ""]
     if r.trace_path:
         out += [f"Trace: `{r.trace_path}` (open in https://ui.perfetto.dev or chrome://tracing).", ""]
+    if r.baseline_step_ms is not None:
+        out += [f"Step time: **{r.baseline_step_ms:.2f} ms** without the profiler (median, this run); the {r.steps} profiled "
+                f"steps took {r.step_ms_median:.2f} ms ({r.profiler_overhead_pct:+.1f}% profiler overhead).", ""]
+    else:
+        out += [f"Step time: **{r.step_ms_median:.2f} ms** (median of the {r.steps} profiled steps; not measured without "
+                "the profiler, so the profiler's overhead is unknown).", ""]
     env_rows = [[k, r.env[k]] for k in _ENV_ORDER if k in r.env]
     env_rows += [[k, v] for k, v in r.env.items() if k not in _ENV_ORDER and k not in _ENV_SKIP]
     if "profiler_schedule" in r.env:
@@ -965,19 +1004,26 @@ def _render_markdown(r: Report) -> str:
     out.append("")
 
     out += ["## Steps", ""]
-    rows = [["profiled steps", r.steps], ["step ms, median", r.step_ms_median], ["step ms, min / max", f"{r.step_ms_min:.3f} / {r.step_ms_max:.3f}"],
-            ["spread (max-min)/median", f"{100 * (r.step_ms_max - r.step_ms_min) / r.step_ms_median:.1f}%" if r.step_ms_median else "-"]]
+    if r.baseline_step_ms is not None:
+        rows = [["step time, ms (median, without the profiler)", r.baseline_step_ms]]
+    else:
+        rows = [["step time, ms (median of the profiled steps; no unprofiled measurement given)", r.step_ms_median]]
+    rows += [["profiled steps", r.steps], ["profiled step ms, median", r.step_ms_median],
+             ["profiled step ms, min / max", f"{r.step_ms_min:.3f} / {r.step_ms_max:.3f}"],
+             ["spread (max-min)/median", f"{100 * (r.step_ms_max - r.step_ms_min) / r.step_ms_median:.1f}%" if r.step_ms_median else "-"]]
     if r.first_step_ratio is not None:
         rows.append(["first step / steady median", f"{r.first_step_ratio:.2f}x"])
-    rows.append(["baseline step ms (no profiler)", r.baseline_step_ms if r.baseline_step_ms is not None else "not measured"])
     if r.profiler_overhead_pct is not None:
-        rows.append(["profiler overhead", f"{r.profiler_overhead_pct:+.1f}%"])
+        rows.append(["profiler overhead (profiled vs unprofiled step)", f"{r.profiler_overhead_pct:+.1f}%"])
     rows.append(["host-side ProfilerStep range, median ms", r.host_step_ms_median])
     if r.gpu_span_ms_per_step is not None:
         rows.append(["GPU span of a step's work, median ms", r.gpu_span_ms_per_step])
     out += [_table(["", "value"], rows), "",
-            "Step time: from one step's completion to the next, where a step completes when its host range and the "
-            "last GPU row it launched have both ended (comparable with the meter's step time without the profiler).", ""]
+            "Step time without the profiler: the run's own meter (median time between step ends) over the steps just "
+            "before the profiled window, in the same process; the profiler's host-side cost per op slows a host-bound "
+            "loop, so the profiled steps serve the breakdowns below, not the step time. Profiled step time: from one "
+            "step's completion to the next, where a step completes when its host range and the last GPU row it "
+            "launched have both ended.", ""]
 
     if not r.gpu:
         out += ["## No GPU", "", "This trace has no GPU activity: only CPU ops were profiled, listed by self CPU time.", ""]

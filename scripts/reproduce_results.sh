@@ -26,7 +26,7 @@ has loader && python scripts/bench_loader.py --root "$FAKE" --threads "$(nproc)"
 if has dali-train; then
   # The DALI acceptance: the same command with data=dali and with data=synthetic, back to back.
   common="backend=cudnn amp=true channels_last=true epochs=2 data.steps_per_epoch=300 evaluate=false save_checkpoints=false progress=false"
-  python train.py data=dali data.root="$FAKE" data.dali.threads="$(nproc)" $common 2>&1 | grep -E "img/s|data wait" | tee "$OUT/dali_train.txt"
+  python train.py data=dali data.root="$FAKE" $common 2>&1 | grep -E "img/s|data wait" | tee "$OUT/dali_train.txt"
   python train.py data=synthetic $common 2>&1 | grep -E "img/s|data wait" | tee "$OUT/synthetic_train.txt"
 fi
 if has scaling; then

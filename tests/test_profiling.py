@@ -167,6 +167,8 @@ def _synthetic_gpu_trace() -> dict:
         x("aten::convolution_backward", "cpu_op", base + 590, 30, tid=2,
           **{"Input Dims": [[32, 64, 56, 56], [32, 64, 56, 56], [64, 1, 3, 3]]})
         launch(base + 600, "void at::native::conv_depthwise2d_grad_weight_kernel<float>", base + 610, 90, tid=2)
+        # A loader's worker thread (DALI's decoders) waits on its own event: that does not stall the step.
+        x("cudaEventSynchronize", "cuda_runtime", base + 650, 40, tid=7)
         x("optimizer", "user_annotation", base + 900, 100)
         x("aten::_foreach_add_", "cpu_op", base + 910, 20)
         launch(base + 915, "void at::native::multi_tensor_apply_kernel<...>", base + 920, 30)
@@ -213,10 +215,15 @@ def test_synthetic_gpu_trace_exact_figures():
     assert r.pageable_copies_per_step == 1 and r.syncs_per_step == 2
     assert {s["call"] for s in r.syncs} == {"cudaStreamSynchronize", "cudaMemcpyAsync (pageable)"}
     assert {s["phase"] for s in r.syncs} == {"data"}
+    assert r.other_thread_syncs_per_step == 1 and r.other_thread_cuda_calls_per_step == 1
     # Idle split, per step: the GPU idles 0-30 (host issues the copy at 20), 55-130 (next launch issued at 120), ...
     assert r.idle_host_data_pct > 0 and r.idle_host_sync_pct > 0
     assert r.kernels_per_step == 7 and r.short_kernels_per_step == 1  # the 2 us cast under a 5 us launch
     assert math.isclose(r.profiler_overhead_pct, 25.0)
+    # The step time reported is the unprofiled one; the profiled steps' time is shown with the overhead.
+    assert r.step_time_ms == 0.8 and math.isclose(r.step_ms_median, 1.0)
+    md = r.markdown()
+    assert "Step time: **0.80 ms** without the profiler" in md and "(+25.0% profiler overhead)" in md
     titles = {f.title for f in r.findings}
     assert {"layout transposes", "pageable host copies", "blocking synchronisations", "dtype casts"} <= titles
     assert any("channels_last=true would remove" in f.hint for f in r.findings)

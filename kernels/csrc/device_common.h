@@ -68,6 +68,17 @@ __device__ __forceinline__ void widen(const Pack<typename TT::S, V>& pk, float (
   }
 }
 
+// One 32-bit word to V fp32 values (V = 2: a pair of 16-bit channels; V = 1: an fp32 channel); the column-walking
+// kernels move channels a word at a time.
+template <class TT, int V>
+__device__ __forceinline__ void widen_word(uint32_t w, float (&out)[V]) {
+  if constexpr (V == 2) {
+    TT::widen2(w, out[0], out[1]);
+  } else {
+    out[0] = __uint_as_float(w);
+  }
+}
+
 // V consecutive elements in one load instruction (the caller guarantees alignment).
 template <class TT, int V>
 __device__ __forceinline__ void load_vec(const typename TT::S* p, float (&out)[V]) {
@@ -377,8 +388,10 @@ inline int nhwc_vec(DType dt) { return dt == DType::F32 ? 4 : 8; }
 // Launch-shape knobs, per dtype, with measured defaults; MDW_<NAME>_<F32|F16|BF16> or MDW_<NAME>
 // override them (used by the benchmark sweeps that picked the defaults).
 enum class Knob {
-  kGroupFastest, kImages, kWgradBlocksPerSm, kWgradStream, kNchwRows,
-  kFwdStream, kStreamRows,  // stream.cu
+  kGroupFastest, kImages, kWgradBlocksPerSm, kNchwRows,
+  kWgradColumn,  // NHWC 3x3 weight gradient through the column-walking kernel (wgrad.cu)
+  kFwdColumn,    // NHWC 3x3 column-walking forward (1), and the stride-1 input gradient too (2) (column.cu)
+  kFwdColumnRows,  // column-walking forward: output rows per lane (1 or 2)
   kCount
 };
 int knob(Knob k, DType dt);
@@ -396,10 +409,13 @@ inline int elem_size(DType dt) {
 bool conv3x3_nchw_vec(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                       bool flip, cudaStream_t stream);
 
-// NHWC 3x3 row-streaming forward (stream.cu); false when the FWD_STREAM knob is off for this dtype or the
-// case is not its (then forward.cu's kernels run).
-bool nhwc_stream_forward(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
+// NHWC 3x3 column-walking forward (column.cu); false when the FWD_COLUMN knob is off for this dtype or
+// the case is not its (then forward.cu's kernels run).
+bool nhwc_column_forward(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                          cudaStream_t stream);
+// The same kernel with the weights rotated: the stride-1 input gradient; false unless FWD_COLUMN >= 2.
+bool nhwc_column_dgrad_s1(const ConvShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,
+                          cudaStream_t stream);
 
 // Generic kernels: any supported kernel size, stride, dilation, padding, dtype and layout; one output
 // element per thread. The fast paths fall back to these.

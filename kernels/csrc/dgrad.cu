@@ -151,6 +151,7 @@ void launch_dgrad(const ConvShape& s, DType dt, const void* go, const void* w, v
     fast = s.C % v == 0 && aligned(go, v * elem_size(dt)) && aligned(gx, v * elem_size(dt));
   }
   if (!fast) return dgrad_generic(s, dt, go, w, gx, stream);
+  if (nhwc_column_dgrad_s1(s, dt, go, w, gx, stream)) return;
   // 3x3/stride 1/padding 1: the input gradient is the same stencil with the kernel rotated.
   if (conv3x3_nchw_vec(s, dt, go, w, nullptr, gx, /*flip=*/true, stream)) return;
   switch (dt) {

@@ -328,7 +328,7 @@ void launch_forward(const ConvShape& s, DType dt, const void* x, const void* w, 
     fast = s.C % v == 0 && aligned(x, v * elem_size(dt)) && aligned(y, v * elem_size(dt));
   }
   if (!fast) return forward_generic(s, dt, x, w, bias, y, stream);
-  if (nhwc_stream_forward(s, dt, x, w, bias, y, stream)) return;
+  if (nhwc_column_forward(s, dt, x, w, bias, y, stream)) return;
   if (conv3x3_nchw_vec(s, dt, x, w, bias, y, /*flip=*/false, stream)) return;
   switch (dt) {
     case DType::F32: return forward_fast<F32T>(s, x, w, bias, y, stream);

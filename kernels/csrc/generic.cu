@@ -27,8 +27,8 @@ static int env_int(const char* name, int fallback) {
 
 int knob(Knob k, DType dt) {
   constexpr int kKnobs = static_cast<int>(Knob::kCount);
-  static const char* names[kKnobs] = {"GROUP_FASTEST", "IMAGES",     "WGRAD_BLOCKS_PER_SM", "WGRAD_STREAM",
-                                      "NCHW_ROWS",     "FWD_STREAM", "STREAM_ROWS"};
+  static const char* names[kKnobs] = {"GROUP_FASTEST", "IMAGES", "WGRAD_BLOCKS_PER_SM", "NCHW_ROWS", "WGRAD_COLUMN",
+                                      "FWD_COLUMN",    "FWD_COLUMN_ROWS"};
   static const char* suffix[] = {"F32", "F16", "BF16", "F64"};
   static int cache[kKnobs][4];
   static bool ready[kKnobs][4];
@@ -39,10 +39,10 @@ int knob(Knob k, DType dt) {
         {1, 1, 1, 1},     // GROUP_FASTEST
         {0, -6, -6, 0},   // IMAGES (0: auto, 16 blocks/SM; -6: auto, 6 blocks/SM)
         {8, 4, 4, 8},     // WGRAD_BLOCKS_PER_SM (NHWC)
-        {0, 1, 1, 0},     // WGRAD_STREAM (NHWC, 16-bit, 3x3, stride 1)
         {2, 2, 2, 2},     // NCHW_ROWS (NCHW 3x3 stride 1 forward)
-        {1, 0, 0, 0},     // FWD_STREAM (NHWC 3x3 forward through stream.cu)
-        {8, 8, 8, 8},     // STREAM_ROWS (stream.cu: output rows per lane)
+        {1, 1, 1, 0},     // WGRAD_COLUMN (NHWC 3x3 weight gradient: column-walking kernel)
+        {2, 2, 2, 0},     // FWD_COLUMN (NHWC 3x3 column-walking forward; 2: also the stride-1 input gradient)
+        {2, 1, 1, 1},     // FWD_COLUMN_ROWS (column-walking forward: output rows per lane)
     };
     const std::string base = std::string("MDW_") + names[ki];
     int v = env_int(base.c_str(), defaults[ki][di]);

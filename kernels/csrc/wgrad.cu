@@ -6,6 +6,8 @@
 // The chunk count depends only on the shape and the GPU, so reruns are bitwise identical.
 #include "device_common.h"
 
+#include <climits>
+
 namespace mdw {
 namespace {
 
@@ -142,82 +144,159 @@ __global__ void __launch_bounds__(256, 3)
   reduce_nhwc_partials<KK, V>(acc, red, ws, s, t, blk.group, blk.chunk);
 }
 
-// Row-streaming variant (K=3, stride 1, 16-bit): a lane walks `rows_per_lane` consecutive output rows of one
-// strip, keeping the K input rows it needs in registers, so each output row costs one grad_out strip
-// and S new input rows instead of K; the loads for the next row are issued before this row's FMAs.
-template <class TT, int K, int S, int TW, int V>
-__global__ void __launch_bounds__(256, 2)
-    wgrad_nhwc_stream_kernel(const typename TT::S* __restrict__ go, const typename TT::S* __restrict__ x,
-                             float* __restrict__ ws, ConvShape s, Tiling t, int num_tiles, int rows_per_lane) {
-  using Sx = typename TT::S;
-  using P = Pack<Sx, V>;
-  constexpr int L = (TW - 1) * S + K;
-  constexpr int KK = K * K;
-  extern __shared__ float red[];
+// Column-walking variant (NHWC, K=3, low registers): a lane owns one 32-bit word of channels (a pair
+// of 16-bit channels, or one fp32 channel) of one output row and walks along it. Step t loads
+// grad_out column t and the S input columns (3 rows each) whose last user is output column t, and
+// adds each input column into the taps of the <= 3 output columns that use it; the grad_out columns
+// of the previous steps stay widened in registers. So every word is loaded and widened once, and a
+// lane holds 10 x V accumulators plus a few words instead of the 80 of the kernels above; the loads
+// of U steps are issued before their FMAs.
+// Lanes: Tiling with one strip per row, lane = cv + lanes_c * row: a warp reads lanes_c * 4
+// contiguous bytes of one pixel per load, the block's warps take consecutive rows of the flattened
+// (n, oh) index, and tile b is the band of rows [b * sy_n, (b + 1) * sy_n).
+template <int S, int V>
+struct ColumnWalk {
+  static constexpr int kHeld = 2 / S;  // earlier grad_out columns that the 3 taps reach back to
+  // Steps whose loads are issued together: at stride 2 a step loads 7 words, and 4 such steps spill at
+  // 64 registers (16-bit: 3 spill too).
+  static constexpr int kMaxUnroll = S == 2 ? (V == 2 ? 2 : 3) : 4;
+};
+
+// The words of U steps starting at step t0: grad_out column t0 + u and input columns
+// (t0 + u) * S - PW + d of the lane's 3 input rows. Checked: zeros (and no load) for grad_out columns
+// >= OW and input columns outside [0, col_end[kh]) (col_end is 0 for rows outside the image, and
+// stops at the last step); unchecked: the caller has seen that every word is inside.
+// Input words are addressed as one image pointer plus int offsets (row_off: the row's first word): one
+// 64-bit pointer instead of three keeps the kernel within 64 registers.
+template <bool kChecked, int S, int U>
+__device__ __forceinline__ void load_column_steps(const uint32_t* gp, const uint32_t* xn, const int (&row_off)[3],
+                                                  const int (&col_end)[3], int words, int OW, int PW, int t0,
+                                                  uint32_t (&graw)[U], uint32_t (&xraw)[U][3][S]) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int step = t0 + u;
+    if (!kChecked || step < OW) {
+      graw[u] = __ldg(gp + step * words);
+    } else {
+      graw[u] = 0u;
+    }
+#pragma unroll
+    for (int d = 0; d < S; ++d) {
+      const int iw = step * S - PW + d;
+      const int offset = iw * words;
+#pragma unroll
+      for (int kh = 0; kh < 3; ++kh) {
+        if (!kChecked || static_cast<unsigned>(iw) < static_cast<unsigned>(col_end[kh])) {
+          xraw[u][kh][d] = __ldg(xn + (row_off[kh] + offset));
+        } else {
+          xraw[u][kh][d] = 0u;
+        }
+      }
+    }
+  }
+}
+
+// 4 blocks of 256 per SM: a 64-register cap, which no variant reaches.
+template <class TT, int S, int U, int V>
+__global__ void __launch_bounds__(256, 4)
+    wgrad_nhwc_column_kernel(const uint32_t* __restrict__ go, const uint32_t* __restrict__ x, float* __restrict__ ws,
+                             ConvShape s, Tiling t) {
+  constexpr int K = 3, KK = K * K;
+  constexpr int F = ColumnWalk<S, V>::kHeld;
+  extern __shared__ float red[];  // [warps][lanes_c][(KK + 1) * V]
 
   const int lane = threadIdx.x;
   const NhwcLane ln = nhwc_lane(lane, t);
   const WgradNhwcBlock blk = wgrad_nhwc_block(t);
-  const int c0 = (blk.group * t.lanes_c + ln.cv) * V;
-  const bool active = lane < t.threads && c0 < s.C;
+  const int words = s.C / V;  // 32-bit words per pixel
+  const int cw = blk.group * t.lanes_c + ln.cv;
+  const bool active = lane < t.threads && cw < words;
+  const int rows = s.N * s.OH;
+  // Steps [t_first, t_last]: the steps whose input columns all lie in the padding are skipped, but
+  // every grad_out column is loaded, in a step or among those held before the first (for the bias).
+  const int t_first = s.PW / S < F ? s.PW / S : F;
+  const int t_image = (s.W - 1 + s.PW) / S;  // last step with an input column inside the image
+  const int t_used = t_image < s.OW - 1 + F ? t_image : s.OW - 1 + F;
+  const int t_last = t_used > s.OW - 1 ? t_used : s.OW - 1;
+  // Input columns past the last step's are not loaded: a step beyond it only pads a group of U.
+  const int col_stop = (t_last + 1) * S - s.PW < s.W ? (t_last + 1) * S - s.PW : s.W;
   float acc[KK + 1][V];
   fill(acc, 0.f);
 
-  // One input row segment (L vectors) at row ih; zeros outside the image. Not load_row_packs: folding
-  // the row test into it changed this kernel's machine code.
-  auto load_row = [&](const Sx* xn, int ih, int iw0, P (&dst)[L]) {
-    load_image_row_packs(xn, ih, s.H, iw0, s.W, s.C, dst);
-  };
-
   if (active) {
-    for (int tile_index = blk.chunk; tile_index < num_tiles; tile_index += blk.chunks) {
-      const TileIndex tile = split_tile_index(tile_index, t);
-      const int n = tile.outer;
-      const int oh0 = (tile.tile_h * t.sy_n + ln.sy) * rows_per_lane;
-      const int ow0 = (tile.tile_w * t.sx_n + ln.sx) * TW;
-      if (oh0 >= s.OH || ow0 >= s.OW) continue;
-      const int oh_end = oh0 + rows_per_lane < s.OH ? oh0 + rows_per_lane : s.OH;
-      const Sx* xn = x + static_cast<size_t>(n) * s.H * s.W * s.C + c0;
-      const Sx* gn = go + static_cast<size_t>(n) * s.OH * s.OW * s.C + c0;
-      const int iw0 = ow0 * S - s.PW;
-      P win[K][L];
+    for (int tile = blk.chunk; tile < t.tiles_h; tile += blk.chunks) {
+      const int r = tile * t.sy_n + ln.sy;
+      if (r >= rows) continue;
+      const int n = r / s.OH, oh = r - n * s.OH;
+      const uint32_t* gp = go + static_cast<size_t>(r) * s.OW * words + cw;
+      const uint32_t* xn = x + static_cast<size_t>(n) * s.H * s.W * words + cw;
+      // Opaque to the compiler: otherwise it rebuilds these addresses from the kernel arguments at every load.
+      asm("" : "+l"(gp));
+      asm("" : "+l"(xn));
+      int row_off[K], col_end[K];
+      bool rows_inside = true;
 #pragma unroll
-      for (int kh = 0; kh < K; ++kh) load_row(xn, oh0 * S - s.PH + kh, iw0, win[kh]);
-      for (int oh = oh0; oh < oh_end; ++oh) {
-        P graw[TW];
-        const Sx* gp = gn + (static_cast<size_t>(oh) * s.OW + ow0) * s.C;
+      for (int kh = 0; kh < K; ++kh) {
+        const int ih = oh * S - s.PH + kh;
+        const bool inside = ih >= 0 && ih < s.H;
+        rows_inside = rows_inside && inside;
+        col_end[kh] = inside ? col_stop : 0;
+        row_off[kh] = (inside ? ih : 0) * s.W * words;
+      }
+      // held[j] = grad_out column t - 1 - j before step t; zero outside the row.
+      float held[F][V];
 #pragma unroll
-        for (int j = 0; j < TW; ++j) {
-          if (ow0 + j < s.OW) {
-            graw[j] = *reinterpret_cast<const P*>(gp + static_cast<size_t>(j) * s.C);
-          } else {
+      for (int j = 0; j < F; ++j) {
+        const int ow = t_first - 1 - j;
+        if (ow >= 0 && ow < s.OW) {
+          widen_word<TT, V>(__ldg(gp + ow * words), held[j]);
+        } else {
 #pragma unroll
-            for (int v = 0; v < V; ++v) graw[j].v[v] = Sx(0);
-          }
-        }
-        // Rows entering the window for the next output row, loaded before this row's arithmetic.
-        P next[S][L];
-#pragma unroll
-        for (int r = 0; r < S; ++r) load_row(xn, (oh + 1) * S - s.PH + K - S + r, iw0, next[r]);
-        float g[TW][V];
-#pragma unroll
-        for (int j = 0; j < TW; ++j) {
-          widen<TT, V>(graw[j], g[j]);
-#pragma unroll
-          for (int v = 0; v < V; ++v) acc[KK][v] += g[j][v];
+          for (int v = 0; v < V; ++v) held[j][v] = 0.f;
         }
 #pragma unroll
-        for (int kh = 0; kh < K; ++kh)
+        for (int v = 0; v < V; ++v) acc[KK][v] += held[j][v];
+      }
+      for (int t0 = t_first; t0 <= t_last; t0 += U) {
+        // Most groups lie inside the image and the row: no bounds tests there. Steps past t_last (a
+        // partial last group) and columns outside load zeros, which add exact zeros.
+        uint32_t graw[U], xraw[U][K][S];
+        const bool inside = rows_inside && t0 * S - s.PW >= 0 && (t0 + U) * S - s.PW <= col_stop && t0 + U <= s.OW;
+        if (inside) {
+          load_column_steps<false, S, U>(gp, xn, row_off, col_end, words, s.OW, s.PW, t0, graw, xraw);
+        } else {
+          load_column_steps<true, S, U>(gp, xn, row_off, col_end, words, s.OW, s.PW, t0, graw, xraw);
+        }
 #pragma unroll
-          for (int i = 0; i < L; ++i) {
-            float xv[V];
-            widen<TT, V>(win[kh][i], xv);
-            accumulate_wgrad_column<K, S>(kh, i, xv, g, acc);
-          }
+        for (int u = 0; u < U; ++u) {
+          float g[V];
+          widen_word<TT, V>(graw[u], g);
 #pragma unroll
-        for (int kh = 0; kh < K; ++kh)
+          for (int v = 0; v < V; ++v) acc[KK][v] += g[v];
+          // Input column step * S - PW + d is tap kw = d + j * S of output column step - j.
 #pragma unroll
-          for (int i = 0; i < L; ++i) win[kh][i] = kh + S < K ? win[kh + S < K ? kh + S : 0][i] : next[kh + S >= K ? kh + S - K : 0][i];
+          for (int kh = 0; kh < K; ++kh)
+#pragma unroll
+            for (int d = 0; d < S; ++d) {
+              float xv[V];
+              widen_word<TT, V>(xraw[u][kh][d], xv);
+#pragma unroll
+              for (int j = 0; j <= F; ++j) {
+                const int kw = d + j * S;
+                if (kw < K) {
+#pragma unroll
+                  for (int v = 0; v < V; ++v)
+                    acc[kh * K + kw][v] = fmaf(j == 0 ? g[v] : held[j > 0 ? j - 1 : 0][v], xv[v], acc[kh * K + kw][v]);
+                }
+              }
+            }
+#pragma unroll
+          for (int j = F - 1; j > 0; --j)
+#pragma unroll
+            for (int v = 0; v < V; ++v) held[j][v] = held[j - 1][v];
+#pragma unroll
+          for (int v = 0; v < V; ++v) held[0][v] = g[v];
+        }
       }
     }
   }
@@ -297,8 +376,7 @@ __global__ void __launch_bounds__(256)
 
 struct WgradPlan {
   bool fast;
-  bool stream;        // NHWC row-streaming kernel
-  int rows_per_lane;  // stream: output rows each lane walks
+  bool column;        // NHWC 3x3 column-walking kernel
   int chunks;         // blocks along grid.x; partial sums per (c, tap)
   Tiling tiling;
   int num_tiles;
@@ -316,9 +394,7 @@ WgradPlan plan_fast(const ConvShape& s, DType dt) {
     constexpr int V = WgradVec<K>::value;
     // <= 16 lanes: the block reduction's shared memory stays under 48 KB for every K.
     const int lanes = nhwc_lanes_c(V, elem_bytes) < 16 ? nhwc_lanes_c(V, elem_bytes) : 16;
-    p.stream = K == 3 && S == 1 && elem_bytes == 2 && knob(Knob::kWgradStream, dt) != 0;
-    p.rows_per_lane = p.stream ? 8 : 1;
-    p.tiling = make_tiling(true, ceil_div(s.OH, p.rows_per_lane), 0, strips, s.C / V, lanes);
+    p.tiling = make_tiling(true, s.OH, 0, strips, s.C / V, lanes);
     p.num_tiles = s.N * p.tiling.tiles_h * p.tiling.tiles_w;
     p.chunks = ceil_div(target_blocks, p.tiling.groups);
   } else {
@@ -331,8 +407,31 @@ WgradPlan plan_fast(const ConvShape& s, DType dt) {
   return p;
 }
 
+// Column walk: one 32-bit word per lane (2 channels of 16-bit data, 1 of fp32). Tiling with one strip per
+// row: lanes_c <= 32 words of one pixel, 256 / lanes_c rows of the flattened (n, oh) index per block
+// (fewer when there are fewer rows), one tile per band of rows.
+WgradPlan plan_column(const ConvShape& s, DType dt) {
+  WgradPlan p{};
+  p.fast = true;
+  p.column = true;
+  const int words = s.C * elem_size(dt) / 4;
+  p.tiling = make_tiling(true, s.N * s.OH, 0, 1, words, 32, 1);
+  p.num_tiles = p.tiling.tiles_h;
+  const int target_blocks = num_sms() * knob(Knob::kWgradBlocksPerSm, dt);
+  p.chunks = ceil_div(target_blocks, p.tiling.groups);
+  if (p.chunks > p.num_tiles) p.chunks = p.num_tiles;
+  if (p.chunks < 1) p.chunks = 1;
+  return p;
+}
+
 WgradPlan make_plan(const ConvShape& s, DType dt, const void* go, const void* x) {
   bool fast = fast_geometry(s, dt);
+  // The column walk needs whole 32-bit words of channels (C even for 16-bit data, 4-byte pointers), and
+  // its word offsets within one image (rows up to H + PH, columns up to 2 * OW + 12) must fit an int.
+  if (fast && s.channels_last && s.KH == 3 && knob(Knob::kWgradColumn, dt) != 0 &&
+      (s.C * elem_size(dt)) % 4 == 0 && aligned(go, 4) && aligned(x, 4) &&
+      static_cast<long long>(s.H + s.PH + 2) * (s.W + 2 * s.OW + 12) * (s.C * elem_size(dt) / 4) <= INT_MAX)
+    return plan_column(s, dt);
   if (fast && s.channels_last) {
     const int v = s.KH == 3 ? 4 : (s.KH == 5 ? 2 : 1);
     const size_t bytes = static_cast<size_t>(v) * elem_size(dt);
@@ -359,10 +458,13 @@ void run_wgrad(const ConvShape& s, const WgradPlan& p, const void* go, const voi
     constexpr int V = WgradVec<K>::value;
     const size_t smem = sizeof(float) * (t.block / 32) * t.lanes_c * (K * K + 1) * V;
     const dim3 grid(t.groups * p.chunks);
-    if constexpr (K == 3 && S == 1 && sizeof(Sx) == 2) {
-      if (p.stream) {
-        wgrad_nhwc_stream_kernel<TT, K, S, TW, V><<<grid, t.block, smem, stream>>>(
-            static_cast<const Sx*>(go), static_cast<const Sx*>(x), ws, s, t, p.num_tiles, p.rows_per_lane);
+    if constexpr (K == 3) {
+      if (p.column) {
+        constexpr int VW = 4 / sizeof(Sx);  // channels per 32-bit word
+        constexpr int kMaxUnroll = ColumnWalk<S, VW>::kMaxUnroll;
+        const size_t column_smem = sizeof(float) * (t.block / 32) * t.lanes_c * (K * K + 1) * VW;
+        wgrad_nhwc_column_kernel<TT, S, kMaxUnroll, VW><<<grid, t.block, column_smem, stream>>>(
+            static_cast<const uint32_t*>(go), static_cast<const uint32_t*>(x), ws, s, t);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         return;
       }
