@@ -231,16 +231,6 @@ void launch_column(const ConvShape& s, const void* x, const void* w, const void*
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The column walk needs a 3x3 kernel, equal strides 1 or 2, dilation 1, whole 32-bit words of channels
-// (C even for 16-bit data, 4-byte pointers), and its word offsets within one image (rows -PH .. H + PH + 1
-// (the last two only with R = 2), columns -PW .. 2 * OW + 12) must fit an int. s is the shape the kernel runs (for dgrad: flipped).
-bool column_fits(const ConvShape& s, DType dt, const void* in, const void* out) {
-  return dt != DType::F64 && s.channels_last && s.KH == 3 && s.KW == 3 && s.SH == s.SW &&
-         (s.SH == 1 || s.SH == 2) && s.DH == 1 && s.DW == 1 && (s.C * elem_size(dt)) % 4 == 0 && aligned(in, 4) &&
-         aligned(out, 4) &&
-         static_cast<long long>(s.H + (s.PH > 0 ? s.PH : 0) + 2) * (s.W + 2 * s.OW + 12) * (s.C * elem_size(dt) / 4) <=
-             INT_MAX;
-}
 
 template <class TT, bool FLIP>
 void column_t(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
@@ -269,9 +259,21 @@ bool dispatch_column(const ConvShape& s, DType dt, const void* x, const void* w,
 
 }  // namespace
 
+// The column walk needs a 3x3 kernel, equal strides 1 or 2, dilation 1, whole 32-bit words of channels
+// (C even for 16-bit data, 4-byte pointers), and its word offsets within one image (rows -PH .. H + PH + 1
+// (the last two only with R = 2), columns -PW .. 2 * OW + 12) must fit an int. s is the shape the kernel
+// runs (for dgrad: flipped; for wgrad: the convolution's).
+bool column_fits(const ConvShape& s, DType dt, const void* in, const void* out) {
+  return dt != DType::F64 && s.channels_last && s.KH == 3 && s.KW == 3 && s.SH == s.SW &&
+         (s.SH == 1 || s.SH == 2) && s.DH == 1 && s.DW == 1 && (s.C * elem_size(dt)) % 4 == 0 && aligned(in, 4) &&
+         aligned(out, 4) &&
+         static_cast<long long>(s.H + (s.PH > 0 ? s.PH : 0) + 2) * (s.W + 2 * s.OW + 12) * (s.C * elem_size(dt) / 4) <=
+             INT_MAX;
+}
+
 bool nhwc_column_forward(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                          cudaStream_t stream) {
-  if (dt == DType::F64 || knob(Knob::kFwdColumn, dt) < 1 || !column_fits(s, dt, x, y)) return false;
+  if (knob(Knob::kFwdColumn, dt) < 1 || !column_fits(s, dt, x, y)) return false;
   return dispatch_column<false>(s, dt, x, w, bias, y, stream);
 }
 
@@ -279,7 +281,7 @@ bool nhwc_column_forward(const ConvShape& s, DType dt, const void* x, const void
 // whose input is grad_out (OH x OW) and whose output is grad_input (H x W).
 bool nhwc_column_dgrad_s1(const ConvShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,
                           cudaStream_t stream) {
-  if (dt == DType::F64 || knob(Knob::kFwdColumn, dt) < 2 || s.SH != 1 || s.SW != 1 || s.PH > s.KH - 1 ||
+  if (knob(Knob::kFwdColumn, dt) < 2 || s.SH != 1 || s.SW != 1 || s.PH > s.KH - 1 ||
       s.PW > s.KW - 1 || !column_fits(s, dt, grad_out, grad_input))
     return false;
   ConvShape f = s;

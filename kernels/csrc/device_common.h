@@ -409,6 +409,9 @@ inline int elem_size(DType dt) {
 bool conv3x3_nchw_vec(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                       bool flip, cudaStream_t stream);
 
+// Whether the column-walking kernels (column.cu, wgrad.cu) can run shape s between these tensors: 3x3, equal
+// strides 1 or 2, dilation 1, whole 32-bit words of channels, 4-byte pointers, int word offsets.
+bool column_fits(const ConvShape& s, DType dt, const void* in, const void* out);
 // NHWC 3x3 column-walking forward (column.cu); false when the FWD_COLUMN knob is off for this dtype or
 // the case is not its (then forward.cu's kernels run).
 bool nhwc_column_forward(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,

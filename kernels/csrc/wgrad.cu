@@ -6,8 +6,6 @@
 // The chunk count depends only on the shape and the GPU, so reruns are bitwise identical.
 #include "device_common.h"
 
-#include <climits>
-
 namespace mdw {
 namespace {
 
@@ -425,13 +423,8 @@ WgradPlan plan_column(const ConvShape& s, DType dt) {
 }
 
 WgradPlan make_plan(const ConvShape& s, DType dt, const void* go, const void* x) {
+  if (knob(Knob::kWgradColumn, dt) != 0 && column_fits(s, dt, go, x)) return plan_column(s, dt);
   bool fast = fast_geometry(s, dt);
-  // The column walk needs whole 32-bit words of channels (C even for 16-bit data, 4-byte pointers), and
-  // its word offsets within one image (rows up to H + PH, columns up to 2 * OW + 12) must fit an int.
-  if (fast && s.channels_last && s.KH == 3 && knob(Knob::kWgradColumn, dt) != 0 &&
-      (s.C * elem_size(dt)) % 4 == 0 && aligned(go, 4) && aligned(x, 4) &&
-      static_cast<long long>(s.H + s.PH + 2) * (s.W + 2 * s.OW + 12) * (s.C * elem_size(dt) / 4) <= INT_MAX)
-    return plan_column(s, dt);
   if (fast && s.channels_last) {
     const int v = s.KH == 3 ? 4 : (s.KH == 5 ? 2 : 1);
     const size_t bytes = static_cast<size_t>(v) * elem_size(dt);
