@@ -16,7 +16,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from . import distributed
+from . import cuda_graph, distributed
 from .data import LoaderSpec, build_loaders
 from .depthwise import get_backend
 from .meter import StepMeter, Throughput
@@ -293,6 +293,7 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.dist, self.device = distributed.init(resolve_device(cfg.device), cfg.dist.timeout_s)
         validate(cfg, self.device)
+        use_graph, self.cuda_graph_state = cuda_graph.resolve(cfg, self.device, self.dist.enabled)
         if cfg.sync_bn and not self.dist.enabled:
             raise ValueError("sync_bn=true needs a process group, and this run is a single process: "
                              "launch with `torchrun --nproc_per_node=N train.py ... sync_bn=true`")
@@ -330,10 +331,13 @@ class Trainer:
         # fp16 needs loss scaling to keep small gradients representable; bf16 has fp32's exponent range.
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp_dtype == torch.float16)
         self.criterion = nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
+        self.graphed = None
         self.epoch = 0
         self.global_step = 0
         if cfg.resume:
             self._restore(load_checkpoint(cfg.resume))
+        if use_graph:  # after a resume: the restored learning rates become the captured step's device tensors
+            self.graphed = cuda_graph.CapturedStep(self._step_math, self.optimizer, self.device)
         self.env = environment(self.device)
         self.overrides = overrides
         # Only rank 0 writes: one TensorBoard run and one checkpoint per training run.
@@ -346,7 +350,7 @@ class Trainer:
         return {
             "version": CHECKPOINT_VERSION,
             "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": cuda_graph.host_lrs(self.optimizer.state_dict()),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             "epoch": self.epoch,
@@ -386,8 +390,16 @@ class Trainer:
         return self.profiler.range(name) if self.profiler else contextlib.nullcontext()
 
     def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = self.graphed(images, labels) if self.graphed else self._step_math(images, labels)
+        self.scheduler.step()  # outside the graph: it fills the captured step's learning-rate tensor in place
+        return loss
+
+    def _step_math(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward, loss, backward and optimizer step: what a CUDA graph captures."""
         with self._range("forward"):
-            with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+            # Autocast's cast cache would hold tensors across a capture boundary; MobileNet uses each weight once.
+            with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None,
+                                cache_enabled=self.graphed is None):
                 loss = self.criterion(self.forward(images), labels)
         with self._range("backward"):
             self.optimizer.zero_grad(set_to_none=True)
@@ -395,8 +407,12 @@ class Trainer:
         with self._range("optimizer"):
             self.scaler.step(self.optimizer)
             self.scaler.update()
-            self.scheduler.step()
         return loss
+
+    def current_lr(self) -> float:
+        """The learning rate of this step, computed on the host (a device-held lr would cost a sync to read)."""
+        sched = self.scheduler
+        return sched.base_lrs[0] * sched.lr_lambdas[0](sched.last_epoch)
 
     def train_epoch(self, result: RunResult, max_steps: int | None = None) -> Throughput:
         cfg = self.cfg
@@ -413,7 +429,7 @@ class Trainer:
             with self._range("data"):
                 images, labels = next(it)
             meter.compute_start()
-            lr = self.optimizer.param_groups[0]["lr"]
+            lr = self.current_lr()
             loss = self.train_step(images, labels)
             meter.step_end(labels.shape[0])
             if self.profiler:
@@ -524,6 +540,7 @@ class Trainer:
     def summary_rows(self, result: RunResult) -> dict[str, Any]:
         cfg, tp = self.cfg, result.train
         rows = config_rows(cfg, self.device, self.env, self.backend_label)
+        rows["CUDA graph"] = self.cuda_graph_state
         if self.dist.enabled:
             rows["ranks"] = self.dist.world_size
         if tp is not None:
@@ -552,7 +569,7 @@ class Trainer:
         hparams = {
             "backend": self.backend_label, "amp": cfg.amp, "amp_dtype": _value(cfg.amp_dtype), "channels_last": cfg.channels_last,
             "data": cfg.data.name, "batch_size": cfg.data.batch_size, "resolution": cfg.data.resolution, "compile": cfg.compile,
-            "gpu": self.env.get("gpu", "none"), "torch": self.env["torch"], "cudnn": self.env["cudnn"],
+            "cuda_graph": self.graphed is not None, "gpu": self.env.get("gpu", "none"), "torch": self.env["torch"], "cudnn": self.env["cudnn"],
             "world_size": self.dist.world_size,
         }
         metrics = {"hparam/train_img_s": result.train.img_s if result.train else float("nan"),

@@ -4,8 +4,8 @@
 
 Every directory under RUNS_DIR holding TensorBoard event files is a run (scripts/benchmark.py writes one per
 combination; train.py runs work too when they have the scalars). From each run it reads the hparams that the run
-logged (hparams plugin data: backend, amp, amp_dtype, channels_last, compile, data, batch_size, resolution, gpu,
-torch, cudnn) and the last value of the scalars perf/train_img_s and perf/infer_img_s (plus perf/compute_img_s,
+logged (hparams plugin data: backend, amp, amp_dtype, channels_last, compile, cuda_graph, data, batch_size,
+resolution, gpu, torch, cudnn; runs older than the cuda_graph option show it blank) and the last value of the scalars perf/train_img_s and perf/infer_img_s (plus perf/compute_img_s,
 perf/step_ms and sys/max_mem_gb where present). Combinations that scripts/benchmark.py skipped or that failed (their
 benchmark.json says so) are listed with their reason.
 
@@ -30,7 +30,7 @@ from mobilenet.reporting import read_tensorboard  # noqa: E402
 
 REQUIRED_SCALARS = {"train_img_s": "perf/train_img_s", "infer_img_s": "perf/infer_img_s"}
 OPTIONAL_SCALARS = {"compute_img_s": "perf/compute_img_s", "step_ms": "perf/step_ms", "max_mem_gb": "sys/max_mem_gb"}
-HPARAMS = ("backend", "amp", "amp_dtype", "channels_last", "compile", "data", "batch_size", "resolution", "gpu", "torch", "cudnn")
+HPARAMS = ("backend", "amp", "amp_dtype", "channels_last", "compile", "cuda_graph", "data", "batch_size", "resolution", "gpu", "torch", "cudnn")
 BACKEND_ORDER = ("torch", "cudnn", "custom", "timm")
 PRECISION_ORDER = ("fp32", "fp16", "bf16")
 LAYOUT_ORDER = ("NCHW", "channels_last")
@@ -51,6 +51,7 @@ class Row:
     precision: str = ""  # fp32 | fp16 | bf16
     layout: str = ""  # NCHW | channels_last
     compile: bool | None = None
+    cuda_graph: bool | None = None  # None: the run predates the option (it was eager)
     data: str = ""
     batch_size: int | None = None
     resolution: int | None = None
@@ -63,12 +64,12 @@ class Row:
 
     @property
     def key(self) -> tuple:
-        return (self.backend, self.precision, self.layout, self.compile, self.data)
+        return (self.backend, self.precision, self.layout, self.compile, self.cuda_graph, self.data)
 
     @property
     def pair(self) -> tuple:
         """What a backend is compared under: everything but the backend."""
-        return (self.precision, self.layout, self.compile, self.data)
+        return (self.precision, self.layout, self.compile, self.cuda_graph, self.data)
 
 
 # ----------------------------------------------------------------------------------------------- reading the runs
@@ -94,6 +95,8 @@ def _settings(hp: dict) -> dict:
         "compile": _bool(hp.get("compile", False)),
         "data": str(hp.get("data", "")),
     }
+    if hp.get("cuda_graph") is not None:
+        out["cuda_graph"] = _bool(hp["cuda_graph"])
     for name in ("batch_size", "resolution"):
         if hp.get(name) is not None:
             out[name] = int(hp[name])
@@ -153,7 +156,7 @@ def _index(seq: tuple, value) -> int:
 
 
 def _order(row: Row) -> tuple:
-    return (row.data, row.compile is True, _index(PRECISION_ORDER, row.precision), _index(LAYOUT_ORDER, row.layout),
+    return (row.data, row.compile is True, row.cuda_graph is True, _index(PRECISION_ORDER, row.precision), _index(LAYOUT_ORDER, row.layout),
             _index(BACKEND_ORDER, row.backend), row.backend)
 
 
@@ -163,16 +166,19 @@ def _facts(ok: list[Row]) -> dict[str, list[str]]:
 
 
 def add_speedups(rows: list[Row]) -> list[str]:
-    """Speed-up over the fp32 NCHW eager torch run on the same data; notes for data kinds that lack that baseline."""
+    """Speed-up over the fp32 NCHW torch run (no compile) on the same data and with the same CUDA-graph setting;
+    notes for the groups that lack that baseline."""
     notes = []
     ok = [r for r in rows if r.status == "ok"]
-    for data in sorted({r.data for r in ok}):
-        base = next((r for r in ok if r.data == data and all(getattr(r, k) == v for k, v in BASELINE.items())), None)
+    for data, graph in sorted({(r.data, r.cuda_graph) for r in ok}, key=str):
+        base = next((r for r in ok if (r.data, r.cuda_graph) == (data, graph)
+                     and all(getattr(r, k) == v for k, v in BASELINE.items())), None)
         if base is None:
-            notes.append(f"no baseline (backend torch, fp32, NCHW, no compile) for data={data}: speed-ups left blank")
+            notes.append(f"no baseline (backend torch, fp32, NCHW, no compile, CUDA graph {_graph(graph) or 'unknown'}) "
+                         f"for data={data}: those speed-ups are left blank")
             continue
         for r in ok:
-            if r.data == data:
+            if (r.data, r.cuda_graph) == (data, graph):
                 r.train_speedup = r.metrics["train_img_s"] / base.metrics["train_img_s"]
                 r.infer_speedup = r.metrics["infer_img_s"] / base.metrics["infer_img_s"]
     return notes
@@ -216,6 +222,10 @@ def _num(v: float | None, digits: int = 0) -> str:
     return "" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:,.{digits}f}"
 
 
+def _graph(v: bool | None) -> str:
+    return "" if v is None else ("on" if v else "off")
+
+
 def _speed(v: float) -> str:
     return "" if math.isnan(v) else f"{v:.2f}x"
 
@@ -229,30 +239,33 @@ def markdown(rows: list[Row], notes: list[str]) -> str:
         lines.append("batch " + "/".join(facts["batch_size"]) + ", resolution " + "/".join(facts["resolution"])
                      + ", GPU " + "/".join(facts["gpu"]) + ", torch " + "/".join(facts["torch"])
                      + ", cuDNN " + "/".join(facts["cudnn"]) + ". Sorted by training img/s; speed-ups are over "
-                     "backend torch, fp32, NCHW, no compile on the same data.")
+                     "backend torch, fp32, NCHW, no compile on the same data and CUDA-graph setting. CUDA graph: the "
+                     "training step captured (cuda_graph); inference is eager in every row.")
         lines.append("")
     lines += [n for n in notes]
     if notes:
         lines.append("")
     if ok:
-        lines += ["| backend | precision | layout | compile | data | train img/s | train speed-up | infer img/s "
+        lines += ["| backend | precision | layout | compile | CUDA graph | data | train img/s | train speed-up | infer img/s "
                   "| infer speed-up | compute img/s | step ms | max mem GB |",
-                  "|---|---|---|---|---|--:|--:|--:|--:|--:|--:|--:|"]
+                  "|---|---|---|---|---|---|--:|--:|--:|--:|--:|--:|--:|"]
         for r in ok:
             m = r.metrics
-            lines.append(f"| {r.backend} | {r.precision} | {r.layout} | {r.compile} | {r.data} | {_num(m['train_img_s'])} "
+            lines.append(f"| {r.backend} | {r.precision} | {r.layout} | {r.compile} | {_graph(r.cuda_graph)} | {r.data} "
+                         f"| {_num(m['train_img_s'])} "
                          f"| {_speed(r.train_speedup)} | {_num(m['infer_img_s'])} | {_speed(r.infer_speedup)} "
                          f"| {_num(m.get('compute_img_s'))} | {_num(m.get('step_ms'), 1)} | {_num(m.get('max_mem_gb'), 2)} |")
         lines.append("")
     pairs = custom_vs_cudnn(rows)
     if pairs:
         lines += ["## custom vs cudnn", "",
-                  "| precision | layout | compile | data | cudnn train img/s | custom train img/s | custom / cudnn "
-                  "| cudnn infer img/s | custom infer img/s | custom / cudnn |",
-                  "|---|---|---|---|--:|--:|--:|--:|--:|--:|"]
+                  "| precision | layout | compile | CUDA graph | data | cudnn train img/s | custom train img/s "
+                  "| custom / cudnn | cudnn infer img/s | custom infer img/s | custom / cudnn |",
+                  "|---|---|---|---|---|--:|--:|--:|--:|--:|--:|"]
         for p in pairs:
             r, c = p["row"], p["custom"]
-            lines.append(f"| {r.precision} | {r.layout} | {r.compile} | {r.data} | {_num(r.metrics['train_img_s'])} "
+            lines.append(f"| {r.precision} | {r.layout} | {r.compile} | {_graph(r.cuda_graph)} | {r.data} "
+                         f"| {_num(r.metrics['train_img_s'])} "
                          f"| {_num(c.metrics['train_img_s'])} | {p['train']:.2f}x | {_num(r.metrics['infer_img_s'])} "
                          f"| {_num(c.metrics['infer_img_s'])} | {p['infer']:.2f}x |")
         lines.append("")
@@ -266,7 +279,7 @@ def markdown(rows: list[Row], notes: list[str]) -> str:
     return "\n".join(lines)
 
 
-CSV_COLUMNS = ["run", "status", "reason", "backend", "precision", "layout", "compile", "data", "batch_size", "resolution",
+CSV_COLUMNS = ["run", "status", "reason", "backend", "precision", "layout", "compile", "cuda_graph", "data", "batch_size", "resolution",
                "gpu", "torch", "cudnn", *REQUIRED_SCALARS, *OPTIONAL_SCALARS, "train_speedup", "infer_speedup"]
 
 
@@ -290,14 +303,14 @@ def write_plot(rows: list[Row], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     ok = [r for r in rows if r.status == "ok"]
-    facets = sorted({(r.data, r.compile) for r in ok})
+    facets = sorted({(r.data, r.compile, r.cuda_graph) for r in ok}, key=str)
     backends = sorted({r.backend for r in ok}, key=lambda b: (_index(BACKEND_ORDER, b), b))
     metrics = [("train_img_s", "training img/s"), ("infer_img_s", "inference img/s")]
     fig, axes = plt.subplots(len(facets), len(metrics), figsize=(7 * len(metrics), 3.6 * len(facets)), squeeze=False)
     width = 0.8 / max(1, len(backends))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for (data, compiled), ax_row in zip(facets, axes):
-        rows_here = [r for r in ok if (r.data, r.compile) == (data, compiled)]
+    for (data, compiled, graph), ax_row in zip(facets, axes):
+        rows_here = [r for r in ok if (r.data, r.compile, r.cuda_graph) == (data, compiled, graph)]
         groups = sorted({(r.precision, r.layout) for r in rows_here},
                         key=lambda g: (_index(PRECISION_ORDER, g[0]), _index(LAYOUT_ORDER, g[1])))
         for ax, (metric, label) in zip(ax_row, metrics):
@@ -312,7 +325,8 @@ def write_plot(rows: list[Row], path: Path) -> None:
                 ax.bar_label(bars, fmt="{:,.0f}", fontsize=6, rotation=90, padding=2)
             ax.set_xticks(range(len(groups)), [f"{p}\n{layout}" for p, layout in groups])
             ax.set_ylabel(label)
-            ax.set_title(f"{label}, data={data}, compile={compiled}", fontsize=10)
+            graph_note = f", CUDA graph {_graph(graph)}" if graph is not None else ""
+            ax.set_title(f"{label}, data={data}, compile={compiled}{graph_note}", fontsize=10)
             ax.margins(y=0.2)
             ax.grid(axis="y", alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()

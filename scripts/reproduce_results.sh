@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-docs/results}
-STEPS=${STEPS:-"tests depthwise overhead loss profile loader dali-train scaling"}
+STEPS=${STEPS:-"tests depthwise overhead loss profile graph matrix loader dali-train scaling"}
 FAKE=${FAKE:-/tmp/fake-imagenet}
 mkdir -p "$OUT"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -18,6 +18,18 @@ if has profile; then
   python infer.py --profile backend=cudnn amp=true channels_last=false > "$OUT/profile_infer_cudnn_amp_nchw.txt" 2>&1
   python infer.py --profile backend=cudnn amp=true channels_last=true > "$OUT/profile_infer_cudnn_amp_cl.txt" 2>&1
   python train.py profile=true backend=custom amp=true channels_last=true data=synthetic > "$OUT/profile_train_custom_amp_cl.txt" 2>&1
+fi
+if has graph; then
+  # Eager vs the captured training step (docs/results/cuda_graph_h200.md), two alternating rounds.
+  common="data=synthetic amp=true channels_last=true epochs=1 data.steps_per_epoch=150 evaluate=false save_checkpoints=false progress=false"
+  for round in 1 2; do for be in cudnn custom; do for graph in true false; do
+    python train.py backend=$be cuda_graph=$graph $common 2>&1 | grep -E "train img/s \(total\)|CUDA graph" | tee "$OUT/graph_${be}_${graph}_r$round.txt"
+  done; done; done
+fi
+if has matrix; then
+  # The full synthetic matrix (both compile settings, the timm peer); rerun the same line to continue after a stop.
+  python scripts/benchmark.py --data synthetic --peer yes --out "$OUT/matrix_h200_runs" -- cuda_graph=auto
+  python scripts/compare.py "$OUT/matrix_h200_runs" --out "$OUT" --name matrix_h200
 fi
 if has loader || has dali-train; then
   [[ -d "$FAKE/train" ]] || python scripts/make_fake_imagenet.py --out "$FAKE" --num 20000 --val-fraction 0.05

@@ -111,18 +111,18 @@ def test_compare_table_csv_and_png_carry_the_logged_scalars(matrix, compared):
         assert row["status"] == "ok"
         assert (row["backend"], row["precision"], row["layout"]) == ("torch", {"off": "fp32"}.get(amp, amp),
                                                                      "channels_last" if cl else "NCHW")
-        assert (row["batch_size"], row["resolution"]) == ("8", "32")
+        assert (row["batch_size"], row["resolution"], row["cuda_graph"]) == ("8", "32", "False")  # eager on a CPU
         for column, tag in (("train_img_s", "perf/train_img_s"), ("infer_img_s", "perf/infer_img_s"),
                             ("compute_img_s", "perf/compute_img_s"), ("step_ms", "perf/step_ms")):
             assert float(row[column]) == pytest.approx(scalars[tag], rel=1e-6), (run_dir.name, column)
         speedup = scalars["perf/train_img_s"] / baseline["perf/train_img_s"]
         assert float(row["train_speedup"]) == pytest.approx(speedup, rel=1e-6)
         line = next(line for line in table.splitlines()
-                    if line.startswith(f"| torch | {row['precision']} | {row['layout']} | False | synthetic |"))
+                    if line.startswith(f"| torch | {row['precision']} | {row['layout']} | False | off | synthetic |"))
         assert f"| {scalars['perf/train_img_s']:,.0f} | {speedup:.2f}x | {scalars['perf/infer_img_s']:,.0f} |" in line
     # Sorted by training img/s, fastest first.
     measured = [float(r["train_img_s"]) for r in rows.values() if r["status"] == "ok"]
-    order = [float(line.split("|")[6].replace(",", "")) for line in table.splitlines() if line.startswith("| torch |")]
+    order = [float(line.split("|")[7].replace(",", "")) for line in table.splitlines() if line.startswith("| torch |")]
     assert order == sorted(order, reverse=True) and len(order) == len(measured) == 4
     # The skip reasons are in the table and the CSV.
     assert "needs a CUDA GPU" in table and "## Not measured" in table

@@ -1,0 +1,164 @@
+"""`cuda_graph=false|true|auto`: the whole training step (forward, loss, backward, GradScaler, optimizer) captured
+once as a CUDA graph and replayed, one graph launch per step instead of ~330 kernel launches.
+
+Why: at batch 256 on an H200, MobileNetV1's kernels take about as long as the host needs to launch them, so the
+eager loop is close to host-bound, and on a slow host day every microsecond added per launch shows in img/s (the
+custom backend's Python autograd wrappers; DALI's decoder threads sharing the CUDA context). Measured gain on a day
+the host kept up: 1-2%; with DALI it is a loss (docs/results/cuda_graph_h200.md).
+
+What a captured step needs, and how it is met here:
+- fixed input buffers: each batch is copied into the captured step's own input tensors (one device copy);
+- a learning rate the schedule can still change: the optimizer's `lr` becomes a device tensor, which the
+  LR scheduler fills in place every step (torch's fused SGD reads it on the device, no host read);
+- no host syncs or lazy set-up inside the capture: the first `warmup_steps` run eagerly on a side stream, as
+  torch's whole-network capture recipe does (cuDNN autotuning, GradScaler and optimizer state happen there).
+Every step, eager or replayed, is a real training step: nothing is run twice.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+MODES = ("auto", "true", "false")
+
+
+def parse_mode(value) -> str:
+    """The config value as one of MODES (Hydra hands `cuda_graph=true` over as a bool)."""
+    mode = str(value).lower()
+    if mode not in MODES:
+        raise ValueError(f"cuda_graph={value!r} is not a choice; choose one of: {', '.join(MODES)}")
+    return mode
+
+
+def blockers(cfg, device: torch.device, distributed: bool) -> list[str]:
+    """Why this run's training step cannot be captured; empty when it can."""
+    out = []
+    if device.type != "cuda":
+        out.append(f"the run's device is {device.type} (CUDA graphs need a GPU)")
+    if distributed:
+        out.append("the run is distributed (torchrun): DDP's gradient all-reduce is not captured by this project yet")
+    if cfg.compile:
+        out.append("compile=true: Inductor launches the compiled kernels (its mode='reduce-overhead' is where capture "
+                   "belongs), and the two are not combined here")
+    if cfg.profile:
+        out.append("profile=true traces eager steps, so that every kernel is attributed to the op that launched it")
+    name, impl = str(getattr(cfg.optim.name, "value", cfg.optim.name)), str(getattr(cfg.optim.impl, "value", cfg.optim.impl))
+    if (name, impl) != ("sgd", "fused"):
+        out.append(f"optim={name} with optim.impl={impl}: only torch's fused SGD reads a learning rate held on the device "
+                   "(others read it on the host every step, which a captured step would freeze at its first value)")
+    return out
+
+
+def measured_slower(cfg) -> list[str]:
+    """Runs that can be captured but were measured slower captured; `auto` leaves them eager, `true` captures them."""
+    if cfg.data.name == "dali":
+        return ["data=dali: with the step captured the GPU has no idle gaps, DALI's per-image decode round trips wait "
+                "behind the training kernels, and the loader fell to 9.4k img/s against 12.0k eager on the H200 "
+                "(docs/results/cuda_graph_h200.md)"]
+    return []
+
+
+def resolve(cfg, device: torch.device, distributed: bool) -> tuple[bool, str]:
+    """(capture or not, why) for `cfg.cuda_graph`. `true` with a blocker is an error: nothing is silently left eager."""
+    mode = parse_mode(cfg.cuda_graph)
+    if mode == "false":
+        return False, "off (cuda_graph=false)"
+    reasons = blockers(cfg, device, distributed)
+    if mode == "true" and reasons:
+        raise ValueError("cuda_graph=true, but this run's training step cannot be captured: " + "; ".join(reasons)
+                         + ". Use cuda_graph=auto (captures where it can, and says so) or cuda_graph=false")
+    reasons = reasons if mode == "true" else reasons + measured_slower(cfg)
+    if reasons:
+        return False, "off (cuda_graph=auto: " + "; ".join(reasons) + ")"
+    return True, f"on (cuda_graph={mode})"
+
+
+def lr_to_device(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Hold each group's learning rate as a 0-d fp32 device tensor. LR schedulers then fill it in place
+    (torch.optim.lr_scheduler._update_param_group_val), so a captured optimizer step sees the schedule."""
+    for group in optimizer.param_groups:
+        if not isinstance(group["lr"], Tensor):
+            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
+
+
+def host_lrs(state_dict: dict) -> dict:
+    """An optimizer state_dict with learning rates as Python floats (a checkpoint stays loadable by eager runs)."""
+    for group in state_dict.get("param_groups", []):
+        for key in ("lr", "initial_lr"):
+            if isinstance(group.get(key), Tensor):
+                group[key] = float(group[key])
+    return state_dict
+
+
+class CapturedStep:
+    """Wraps `step(images, labels) -> loss`: `warmup_steps` eager calls on a side stream, then one capture, then a
+    replay per call. The returned loss is the graph's own output tensor, overwritten by the next replay: read it
+    (or copy it) on the current stream before that, as the training loop's loss read-back does."""
+
+    def __init__(self, step: Callable[[Tensor, Tensor], Tensor], optimizer: torch.optim.Optimizer, device: torch.device,
+                 warmup_steps: int = 3):
+        if warmup_steps < 1:
+            raise ValueError(f"CapturedStep needs at least 1 eager warm-up step before capture, got {warmup_steps}")
+        self.step = step
+        self.optimizer = optimizer
+        self.device = device
+        self.warmup_steps = warmup_steps
+        self.eager_steps = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.static_images: Tensor | None = None
+        self.static_labels: Tensor | None = None
+        self.static_loss: Tensor | None = None
+        self._side = torch.cuda.Stream(device)
+        lr_to_device(optimizer, device)
+        self._lrs = [group["lr"] for group in optimizer.param_groups]
+
+    def __call__(self, images: Tensor, labels: Tensor) -> Tensor:
+        self._check_lrs()
+        if self.graph is None:
+            if self.eager_steps < self.warmup_steps:
+                return self._eager(images, labels)
+            self._capture(images, labels)
+        else:
+            self._load(images, labels)
+        self.graph.replay()
+        return self.static_loss
+
+    def _eager(self, images: Tensor, labels: Tensor) -> Tensor:
+        self._side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._side):
+            loss = self.step(images, labels)
+        torch.cuda.current_stream(self.device).wait_stream(self._side)
+        self.eager_steps += 1
+        return loss
+
+    def _capture(self, images: Tensor, labels: Tensor) -> None:
+        # clone() keeps the memory format: a channels_last batch gets a channels_last input buffer.
+        self.static_images, self.static_labels = images.clone(), labels.clone()
+        # Gradients are allocated by the captured backward, from the graph's memory pool (torch's recipe).
+        self.optimizer.zero_grad(set_to_none=True)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: DALI's worker threads keep making their own (synchronising) CUDA calls during the capture.
+        with torch.cuda.graph(graph, stream=self._side, capture_error_mode="thread_local"):
+            self.static_loss = self.step(self.static_images, self.static_labels)
+        self.graph = graph
+
+    def _load(self, images: Tensor, labels: Tensor) -> None:
+        for name, new, static in (("images", images, self.static_images), ("labels", labels, self.static_labels)):
+            if new.shape != static.shape or new.dtype != static.dtype or new.stride() != static.stride() or new.device != static.device:
+                raise ValueError(
+                    f"cuda_graph: the training step was captured for {name} of shape {tuple(static.shape)}, {static.dtype}, "
+                    f"strides {static.stride()} on {static.device}, and got {tuple(new.shape)}, {new.dtype}, strides "
+                    f"{new.stride()} on {new.device}. A captured step needs every batch alike (the loaders drop the "
+                    "last partial training batch); run with cuda_graph=false for varying batches")
+            if new.data_ptr() != static.data_ptr():
+                static.copy_(new, non_blocking=True)
+
+    def _check_lrs(self) -> None:
+        # A scheduler or a load_state_dict that *replaces* the lr tensor would leave the graph reading a stale one.
+        for group, lr in zip(self.optimizer.param_groups, self._lrs):
+            if group["lr"] is not lr:
+                raise RuntimeError("cuda_graph: an optimizer learning rate was replaced instead of filled in place; "
+                                   "the captured step would keep using the old value")

@@ -1,0 +1,174 @@
+"""cuda_graph=false|true|auto: which runs capture their training step, the learning rate a captured step sees, and
+(on the GPU) that a captured run trains like an eager one."""
+
+import pytest
+import torch
+from torch import nn
+
+from mobilenet import cuda_graph
+from mobilenet.config import compose
+from mobilenet.engine import Trainer, build_optimizer, load_checkpoint, warmup_cosine
+
+CUDA = torch.device("cuda")  # a device name only: resolve() is a pure function of the config and the device kind
+CPU_FAST = ["model.width_mult=0.25", "device=cpu", "progress=false", "perf.warmup_steps=1", "data=synthetic",
+            "data.steps_per_epoch=3", "data.batch_size=4", "data.resolution=32", "data.num_classes=5", "evaluate=false"]
+
+
+def test_hydra_spellings_of_the_mode_are_accepted_and_others_refused(run_dir):
+    for spelling, mode in (("true", "true"), ("false", "false"), ("auto", "auto"), ("True", "true")):
+        assert cuda_graph.parse_mode(compose([f"cuda_graph={spelling}"]).cuda_graph) == mode
+    with pytest.raises(ValueError, match=r"cuda_graph='yes' is not a choice; choose one of: auto, true, false"):
+        Trainer(compose([*CPU_FAST, "cuda_graph=yes"]), run_dir)
+
+
+def test_a_capturable_gpu_run_is_captured_under_auto_and_true_and_the_default_is_eager():
+    for mode in ("auto", "true"):
+        on, why = cuda_graph.resolve(compose([f"cuda_graph={mode}"]), CUDA, distributed=False)
+        assert on and why == f"on (cuda_graph={mode})"
+    for overrides in ([], ["cuda_graph=false"]):
+        assert cuda_graph.resolve(compose(overrides), CUDA, distributed=False) == (False, "off (cuda_graph=false)")
+
+
+def test_auto_leaves_dali_runs_eager_where_capture_was_measured_slower_and_true_still_captures():
+    on, why = cuda_graph.resolve(compose(["data=dali", "cuda_graph=auto"]), CUDA, distributed=False)
+    assert not on and "data=dali" in why and "9.4k img/s" in why
+    assert cuda_graph.resolve(compose(["data=dali", "cuda_graph=true"]), CUDA, distributed=False) == (True, "on (cuda_graph=true)")
+
+
+@pytest.mark.parametrize("overrides, device, distributed, reason", [
+    ([], torch.device("cpu"), False, "device is cpu"),
+    ([], CUDA, True, "distributed"),
+    (["compile=true"], CUDA, False, "compile=true"),
+    (["profile=true"], CUDA, False, "profile=true"),
+    (["optim.impl=foreach"], CUDA, False, "optim=sgd with optim.impl=foreach"),
+    (["optim=rmsprop", "optim.impl=foreach"], CUDA, False, "optim=rmsprop"),
+])
+def test_what_cannot_be_captured_is_said_under_auto_and_refused_under_true(overrides, device, distributed, reason):
+    on, why = cuda_graph.resolve(compose([*overrides, "cuda_graph=auto"]), device, distributed)
+    assert not on and why.startswith("off (cuda_graph=auto: ") and reason in why
+    with pytest.raises(ValueError, match="cuda_graph=true, but this run's training step cannot be captured: .*" + reason):
+        cuda_graph.resolve(compose([*overrides, "cuda_graph=true"]), device, distributed)
+
+
+def test_cpu_run_states_its_graph_mode_in_the_summary_and_hparams(run_dir):
+    t = Trainer(compose([*CPU_FAST, "epochs=1", "cuda_graph=auto"]), run_dir)
+    result = t.fit()
+    assert t.graphed is None
+    assert t.summary_rows(result)["CUDA graph"] == "off (cuda_graph=auto: the run's device is cpu (CUDA graphs need a GPU))"
+    with pytest.raises(ValueError, match="device is cpu"):
+        Trainer(compose([*CPU_FAST, "cuda_graph=true"]), run_dir)
+
+
+def _sgd_with_schedule(lr_on_device: bool):
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3)
+    cfg = compose(["optim.impl=fused", "optim.lr=0.4"])
+    opt = build_optimizer(cfg, model, 256)
+    if lr_on_device:
+        cuda_graph.lr_to_device(opt, torch.device("cpu"))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(10, 3, 0.0))
+    return model, opt, sched
+
+
+def test_a_device_held_lr_follows_the_schedule_in_place_and_trains_like_a_float_lr():
+    """What the captured optimizer step relies on: the scheduler fills the same lr tensor every step."""
+    (m_f, o_f, s_f), (m_t, o_t, s_t) = _sgd_with_schedule(False), _sgd_with_schedule(True)
+    lr_tensors = [g["lr"] for g in o_t.param_groups]
+    assert all(isinstance(lr, torch.Tensor) and lr.dtype == torch.float32 for lr in lr_tensors)
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    for _ in range(10):
+        for m, o, s in ((m_f, o_f, s_f), (m_t, o_t, s_t)):
+            o.zero_grad()
+            nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+            s.step()
+        assert all(g["lr"] is lr for g, lr in zip(o_t.param_groups, lr_tensors))
+        assert float(o_t.param_groups[0]["lr"]) == pytest.approx(o_f.param_groups[0]["lr"], rel=1e-6)
+    assert o_f.param_groups[0]["lr"] == 0.0  # the cosine reached its end: the schedule really moved
+    for a, b in zip(m_f.parameters(), m_t.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def test_checkpoints_hold_host_learning_rates(tmp_path):
+    _, opt, _ = _sgd_with_schedule(True)
+    state = cuda_graph.host_lrs(opt.state_dict())
+    assert all(type(g["lr"]) is float and type(g["initial_lr"]) is float for g in state["param_groups"])
+    assert isinstance(opt.param_groups[0]["lr"], torch.Tensor)  # the live optimizer keeps its device tensor
+    torch.save({"optimizer": state}, tmp_path / "o.pt")
+    eager = _sgd_with_schedule(False)[1]
+    eager.load_state_dict(torch.load(tmp_path / "o.pt")["optimizer"])
+    assert type(eager.param_groups[0]["lr"]) is float
+
+
+# --- on the GPU ------------------------------------------------------------------------------------------------
+
+GPU_RUN = ["device=cuda", "progress=false", "data=synthetic", "data.steps_per_epoch=12", "data.num_classes=100",
+           "data.batch_size=32", "data.resolution=64", "evaluate=false", "save_checkpoints=false", "epochs=1",
+           "perf.warmup_steps=2", "perf.log_every=1", "optim.warmup_epochs=0.5"]
+
+
+@pytest.fixture
+def deterministic_cudnn():
+    """Deterministic cuDNN algorithms, no autotuning: two eager runs then agree bit for bit, so any difference of a
+    captured run is the capture's own (with autotuned, atomics-based algorithms, a run differs from itself)."""
+    b = torch.backends.cudnn
+    saved = b.benchmark, b.deterministic
+    yield
+    b.benchmark, b.deterministic = saved
+
+
+def _fit_deterministic(cfg, run_dir):
+    trainer = Trainer(cfg, run_dir)
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = False, True  # Trainer() turns benchmark on
+    return trainer, trainer.fit()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend, amp", [("cudnn", "amp=true"), ("custom", "amp=true"), ("custom", "amp=false"),
+                                          ("cudnn", "amp=false")])
+def test_a_captured_run_trains_like_the_eager_run(tmp_path, deterministic_cudnn, backend, amp):
+    common = [*GPU_RUN, f"backend={backend}", amp, "channels_last=true"]
+    eager, r_eager = _fit_deterministic(compose([*common, "cuda_graph=false"]), tmp_path / "eager")
+    again, r_again = _fit_deterministic(compose([*common, "cuda_graph=false"]), tmp_path / "again")
+    graphed, r_graph = _fit_deterministic(compose([*common, "cuda_graph=true"]), tmp_path / "graph")
+    assert eager.graphed is None and graphed.graphed.graph is not None
+    assert graphed.graphed.eager_steps == 3  # then 9 replays of the one capture
+    assert [s for s, _ in r_graph.losses] == list(range(1, 13))
+    assert r_again.losses == r_eager.losses  # the reference is reproducible, so the comparison below means something
+    loss_g = torch.tensor([v for _, v in r_graph.losses])
+    assert loss_g[-1] < loss_g[0]
+    torch.testing.assert_close(loss_g, torch.tensor([v for _, v in r_eager.losses]), atol=1e-4, rtol=1e-4)
+    for (name, a), b in zip(eager.model.named_parameters(), graphed.model.parameters()):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-3, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.gpu
+def test_the_captured_optimizer_step_uses_the_scheduled_lr_and_refuses_other_batch_shapes():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 8 * 8, 4)).cuda()
+    opt = build_optimizer(compose(["optim.impl=fused", "optim.lr=0.5"]), model, 256)
+    factors = [1.0] * 5 + [0.0] * 5  # the lr drops to zero after five steps, i.e. two steps after the capture
+    step = cuda_graph.CapturedStep(
+        lambda x, y: _loss_step(model, opt, x, y), opt, torch.device("cuda"), warmup_steps=3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: factors[min(i, 9)])
+    x, y = torch.randn(16, 3, 8, 8, device="cuda"), torch.randint(0, 4, (16,), device="cuda")
+    snapshots = []
+    for _ in range(8):
+        step(x + torch.randn_like(x), y)
+        sched.step()
+        snapshots.append([p.detach().clone() for p in model.parameters()])
+    assert step.graph is not None
+    assert not torch.equal(snapshots[3][0], snapshots[4][0])  # a replayed step with lr 0.5 moves the weights
+    for later in snapshots[5:]:  # replays with lr 0 leave them alone
+        for a, b in zip(snapshots[4], later):
+            assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"captured for images of shape \(16, 3, 8, 8\).*got \(8, 3, 8, 8\)"):
+        step(x[:8], y[:8])
+
+
+def _loss_step(model, opt, x, y):
+    loss = nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return loss
