@@ -161,7 +161,8 @@ class Config:
     compile: bool = False
     # Capture the training step as one CUDA graph (mobilenet/cuda_graph.py): true = required (an error where the run
     # cannot be captured); auto = where it can and was measured to help, and the summary says which; false = eager.
-    # Off by default until a captured fp32 run is shown to train like the eager one (docs/results/cuda_graph_h200.md).
+    # Off by default until the step-by-step GPU check of captured vs eager steps has passed
+    # (docs/results/cuda_graph_h200.md).
     cuda_graph: str = "false"
     # BatchNorm statistics over all ranks (SyncBatchNorm); needs a process group (torchrun).
     sync_bn: bool = False

@@ -1,7 +1,9 @@
-"""The throughput matrix: training and inference img/s of every backend x amp x layout x compile x data combination.
+"""The throughput matrix: training and inference img/s of every backend x amp x layout x compile x data combination
+(and, on request, with the training step captured as a CUDA graph).
 
     python scripts/benchmark.py [--backends torch,cudnn,custom] [--amp off,fp16,bf16] [--channels-last false,true]
-                                [--compile false,true] [--data synthetic,dali] [--batch-size 256] [--resolution 224]
+                                [--compile false,true] [--data synthetic,dali] [--cuda-graph false]
+                                [--batch-size 256] [--resolution 224]
                                 [--warmup 20] [--steps 100] [--out runs/matrix-<time>] [-- HYDRA OVERRIDES ...]
     python scripts/compare.py runs/matrix-<time>
 
@@ -50,9 +52,13 @@ AXES = {
     "channels_last": ("false", "true"),
     "compile": ("false", "true"),
     "data": ("synthetic", "dali"),
+    "cuda_graph": ("false", "true"),
 }
+# Axes whose default is one value, not all of them: the captured training step is an opt-in extra axis.
+AXIS_DEFAULTS = {"cuda_graph": ["false"]}
 # Hydra-style spellings of the axes (`backend=torch,cudnn`) -> their AXES key (also the argparse destination).
-HYDRA_AXES = {"backend": "backends", "amp": "amp", "channels_last": "channels_last", "compile": "compile", "data": "data"}
+HYDRA_AXES = {"backend": "backends", "amp": "amp", "channels_last": "channels_last", "compile": "compile", "data": "data",
+              "cuda_graph": "cuda_graph"}
 PEER_BACKEND = "timm"
 PEER_MODEL = "mobilenetv1_100"
 TIMM_MISSING = "timm not installed (pip install timm)"
@@ -68,12 +74,13 @@ class Combo:
     channels_last: bool
     compile: bool
     data: str
+    cuda_graph: bool = False
 
     @property
     def name(self) -> str:
-        """The run directory's name, Hydra-style."""
+        """The run directory's name, Hydra-style (cuda_graph only where it is on, the opt-in)."""
         return (f"backend={self.backend},amp={self.amp},channels_last={str(self.channels_last).lower()},"
-                f"compile={str(self.compile).lower()},data={self.data}")
+                f"compile={str(self.compile).lower()},data={self.data}" + (",cuda_graph=true" if self.cuda_graph else ""))
 
     @property
     def peer(self) -> bool:
@@ -101,6 +108,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="comma-separated subset of false,true (default: both); torch.compile's default mode")
     p.add_argument("--data", type=lambda s: _choices(s, "data"), default=list(AXES["data"]),
                    help="comma-separated subset of synthetic,dali (default: both)")
+    p.add_argument("--cuda-graph", type=lambda s: _choices(s, "cuda_graph"), default=AXIS_DEFAULTS["cuda_graph"],
+                   help="comma-separated subset of false,true (default: false): train with the step captured as a "
+                        "CUDA graph (cuda_graph=true); combinations that cannot be captured are skipped with the reason")
     p.add_argument("--peer", choices=("yes", "no", "only"), default="yes",
                    help=f"timm's {PEER_MODEL} rows (synthetic data only): yes (default), no, or only them")
     p.add_argument("--batch-size", type=int, default=256)
@@ -148,12 +158,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def plan(args: argparse.Namespace) -> list[Combo]:
     """Every combination asked for, grouped so that all runs of one data kind and compile setting are adjacent."""
     combos = []
-    for data, compile_ in itertools.product(args.data, args.compile):
+    for data, compile_, graph in itertools.product(args.data, args.compile, args.cuda_graph):
         backends = [] if args.peer == "only" else list(args.backends)
         if args.peer != "no" and data == "synthetic":
             backends.append(PEER_BACKEND)
         for backend, amp, cl in itertools.product(backends, args.amp, args.channels_last):
-            combos.append(Combo(backend, amp, cl == "true", compile_ == "true", data))
+            combos.append(Combo(backend, amp, cl == "true", compile_ == "true", data, graph == "true"))
     return combos
 
 
@@ -167,6 +177,7 @@ def hydra_overrides(combo: Combo, args: argparse.Namespace) -> list[str]:
         # The peer runs the same config (for its loader, optimizer and checks) with the plain torch backend.
         f"backend={'torch' if combo.peer else combo.backend}", *amp,
         f"channels_last={str(combo.channels_last).lower()}", f"compile={str(combo.compile).lower()}",
+        f"cuda_graph={str(combo.cuda_graph).lower()}",
         f"data.batch_size={args.batch_size}", f"data.resolution={args.resolution}",
         f"data.steps_per_epoch={args.warmup + args.steps}", "data.val_steps=1", f"perf.warmup_steps={args.warmup}",
         f"model.width_mult={args.width_mult}", "epochs=1", "evaluate=false", "save_checkpoints=false",
@@ -212,12 +223,16 @@ class Prechecks:
 
 
 def _validate(overrides: list[str]) -> None:
-    """The engine's own up-front checks (backend availability, fp16 without CUDA, ...) on the composed config."""
+    """The engine's own up-front checks (backend availability, fp16 without CUDA, a step that cannot be captured,
+    ...) on the composed config."""
+    from mobilenet import cuda_graph
     from mobilenet.config import compose
     from mobilenet.engine import resolve_device, validate
 
     cfg = compose(overrides)
-    validate(cfg, resolve_device(cfg.device))
+    device = resolve_device(cfg.device)
+    validate(cfg, device)
+    cuda_graph.resolve(cfg, device, distributed=False)
 
 
 def last_error_line(log_text: str) -> str:
@@ -333,11 +348,13 @@ def print_table(records: list[dict], out: Path) -> None:
     from rich.table import Table
 
     table = Table(title=f"throughput matrix: {out}")
-    for col in ("backend", "amp", "channels_last", "compile", "data", "status", "train img/s", "infer img/s", "reason"):
+    for col in ("backend", "amp", "channels_last", "compile", "cuda_graph", "data", "status", "train img/s", "infer img/s",
+                "reason"):
         table.add_column(col, justify="right" if "img/s" in col else "left", overflow="fold")
     for r in records:
         ok = r["status"] == "ok"
-        table.add_row(r["backend"], r["amp"], str(r["channels_last"]), str(r["compile"]), r["data"], r["status"],
+        table.add_row(r["backend"], r["amp"], str(r["channels_last"]), str(r["compile"]), str(r.get("cuda_graph", False)),
+                      r["data"], r["status"],
                       f"{r['train_img_s']:,.0f}" if ok else "", f"{r['infer_img_s']:,.0f}" if ok else "", r.get("reason", ""))
     Console(width=max(160, Console().width)).print(table)
     print(f"compare: python scripts/compare.py {out}")

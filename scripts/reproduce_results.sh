@@ -27,8 +27,8 @@ if has graph; then
   done; done; done
 fi
 if has matrix; then
-  # The full synthetic matrix (both compile settings, the timm peer); rerun the same line to continue after a stop.
-  python scripts/benchmark.py --data synthetic --peer yes --out "$OUT/matrix_h200_runs" -- cuda_graph=auto
+  # The full synthetic matrix (both compile settings, eager and captured steps, the timm peer); rerun the same line to continue after a stop.
+  python scripts/benchmark.py --data synthetic --peer yes --cuda-graph false,true --out "$OUT/matrix_h200_runs"
   python scripts/compare.py "$OUT/matrix_h200_runs" --out "$OUT" --name matrix_h200
 fi
 if has loader || has dali-train; then

@@ -224,9 +224,27 @@ def test_axes_are_selected_with_overrides():
     assert benchmark.plan(hydra_style) == benchmark.plan(benchmark.parse_args(
         ["--backends", "torch,cudnn", "--amp", "off,fp16", "--data", "synthetic", "--compile", "false"]))
     assert hydra_style.overrides == ["data.num_classes=10"]  # the rest goes to every run
-    for bad in (["--amp", "fp8"], ["--", "amp=true"], ["--backends", "cudnn,tensorrt"]):
+    assert not any(c.cuda_graph for c in full)  # the captured step is an opt-in axis
+    graphs = benchmark.plan(benchmark.parse_args(["--backends", "custom", "--amp", "fp16", "--channels-last", "true",
+                                                  "--data", "synthetic", "--peer", "no", "--", "cuda_graph=false,true"]))
+    assert [(c.compile, c.cuda_graph) for c in graphs] == [(False, False), (False, True), (True, False), (True, True)]
+    assert graphs[1].name.endswith(",cuda_graph=true") and "cuda_graph" not in graphs[0].name
+    assert "cuda_graph=true" in benchmark.hydra_overrides(graphs[1], benchmark.parse_args([]))
+    for bad in (["--amp", "fp8"], ["--", "amp=true"], ["--backends", "cudnn,tensorrt"], ["--cuda-graph", "auto"]):
         with pytest.raises(SystemExit):
             benchmark.parse_args(bad)
+
+
+def test_captured_combinations_that_cannot_run_here_are_skipped_with_the_reason(tmp_path):
+    proc = _run(BENCHMARK, *TINY, "--backends", "torch", "--amp", "off", "--channels-last", "false", "--peer", "no",
+                "--compile", "false,true", "--cuda-graph", "true", "--out", str(tmp_path / "m"))
+    assert proc.returncode == 0, proc.stderr
+    for compiled in (False, True):
+        name = f"backend=torch,amp=off,channels_last=false,compile={str(compiled).lower()},data=synthetic,cuda_graph=true"
+        record = json.loads((tmp_path / "m" / name / "benchmark.json").read_text())
+        assert record["status"] == "skipped" and record["cuda_graph"] is True
+        assert "cannot be captured: the run's device is cpu" in record["reason"]
+        assert ("compile=true" in record["reason"]) == compiled
 
 
 def test_time_budget_leaves_combinations_for_the_next_invocation(tmp_path):
