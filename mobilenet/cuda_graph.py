@@ -147,7 +147,8 @@ class CapturedStep:
 
     def _load(self, images: Tensor, labels: Tensor) -> None:
         for name, new, static in (("images", images, self.static_images), ("labels", labels, self.static_labels)):
-            if new.shape != static.shape or new.dtype != static.dtype or new.stride() != static.stride() or new.device != static.device:
+            same = (new.shape, new.dtype, new.stride(), new.device) == (static.shape, static.dtype, static.stride(), static.device)
+            if not same:
                 raise ValueError(
                     f"cuda_graph: the training step was captured for {name} of shape {tuple(static.shape)}, {static.dtype}, "
                     f"strides {static.stride()} on {static.device}, and got {tuple(new.shape)}, {new.dtype}, strides "

@@ -414,11 +414,18 @@ class Trainer:
         sched = self.scheduler
         return sched.base_lrs[0] * sched.lr_lambdas[0](sched.last_epoch)
 
+    def _untimed_steps(self) -> int:
+        """perf.warmup_steps, and with a captured step at least its eager steps and the capture: the capture
+        synchronises and records ~330 launches once, which is set-up, not a step's speed."""
+        if self.graphed is None:
+            return self.cfg.perf.warmup_steps
+        return max(self.cfg.perf.warmup_steps, self.graphed.warmup_steps + 1)
+
     def train_epoch(self, result: RunResult, max_steps: int | None = None) -> Throughput:
         cfg = self.cfg
         self.model.train()
         self.train_loader.set_epoch(self.epoch)
-        meter = StepMeter(self.device, cfg.perf.warmup_steps if self.epoch == self._first_epoch else 0)
+        meter = StepMeter(self.device, self._untimed_steps() if self.epoch == self._first_epoch else 0)
         readback = _LossReadback(self.device)
         # A profiling window may be longer than a small data set's epoch: then the loader is read again.
         steps = self.steps_per_epoch if max_steps is None else max_steps
@@ -569,8 +576,8 @@ class Trainer:
         hparams = {
             "backend": self.backend_label, "amp": cfg.amp, "amp_dtype": _value(cfg.amp_dtype), "channels_last": cfg.channels_last,
             "data": cfg.data.name, "batch_size": cfg.data.batch_size, "resolution": cfg.data.resolution, "compile": cfg.compile,
-            "cuda_graph": self.graphed is not None, "gpu": self.env.get("gpu", "none"), "torch": self.env["torch"], "cudnn": self.env["cudnn"],
-            "world_size": self.dist.world_size,
+            "cuda_graph": self.graphed is not None, "gpu": self.env.get("gpu", "none"), "torch": self.env["torch"],
+            "cudnn": self.env["cudnn"], "world_size": self.dist.world_size,
         }
         metrics = {"hparam/train_img_s": result.train.img_s if result.train else float("nan"),
                    "hparam/val_top1": result.val_top1}

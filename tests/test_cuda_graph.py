@@ -155,6 +155,7 @@ def test_a_captured_fit_logs_every_step_and_learns(tmp_path):
     result = t.fit()
     losses = [v for _, v in result.losses]
     assert [s for s, _ in result.losses] == list(range(1, 13)) and losses[-1] < losses[0]
+    assert result.train.steps == 12 - 4  # perf.warmup_steps=2, raised to the 3 eager steps and the capture
     assert t.summary_rows(result)["CUDA graph"] == "on (cuda_graph=true)"
 
 
