@@ -179,6 +179,11 @@ class Config:
     progress: bool = True
 
 
+def enum_value(v: Any) -> Any:
+    """A structured-config enum member as its plain value (`OptimImpl.fused` -> "fused"); other values as they are."""
+    return v.value if isinstance(v, Enum) else v
+
+
 def _run_name(override_dirname: str) -> str:
     return override_dirname or "default"
 

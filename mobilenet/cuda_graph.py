@@ -22,6 +22,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from .config import enum_value
+
 MODES = ("auto", "true", "false")
 
 
@@ -45,7 +47,7 @@ def blockers(cfg, device: torch.device, distributed: bool) -> list[str]:
                    "belongs), and the two are not combined here")
     if cfg.profile:
         out.append("profile=true traces eager steps, so that every kernel is attributed to the op that launched it")
-    name, impl = str(getattr(cfg.optim.name, "value", cfg.optim.name)), str(getattr(cfg.optim.impl, "value", cfg.optim.impl))
+    name, impl = enum_value(cfg.optim.name), enum_value(cfg.optim.impl)
     if (name, impl) != ("sgd", "fused"):
         out.append(f"optim={name} with optim.impl={impl}: only torch's fused SGD reads a learning rate held on the device "
                    "(others read it on the host every step, which a captured step would freeze at its first value)")

@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from . import cuda_graph, distributed
+from .config import enum_value
 from .data import LoaderSpec, build_loaders
 from .depthwise import get_backend
 from .meter import StepMeter, Throughput
@@ -33,12 +34,8 @@ class CheckpointError(RuntimeError):
     pass
 
 
-def _value(v: Any) -> Any:
-    return v.value if hasattr(v, "value") else v  # structured-config enums -> their plain value
-
-
 def resolve_device(kind: Any) -> torch.device:
-    kind = _value(kind)
+    kind = enum_value(kind)
     if kind == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if kind == "cuda" and not torch.cuda.is_available():
@@ -50,11 +47,11 @@ def resolve_device(kind: Any) -> torch.device:
 
 def autocast_dtype(cfg) -> torch.dtype | None:
     """The autocast dtype under amp=true, else None (autocast off)."""
-    return AMP_DTYPES[_value(cfg.amp_dtype)] if cfg.amp else None
+    return AMP_DTYPES[enum_value(cfg.amp_dtype)] if cfg.amp else None
 
 
 def precision_label(cfg) -> str:
-    return f"amp {_value(cfg.amp_dtype)}" if cfg.amp else "fp32"
+    return f"amp {enum_value(cfg.amp_dtype)}" if cfg.amp else "fp32"
 
 
 def layout_label(cfg) -> str:
@@ -84,7 +81,7 @@ def run_dtype(cfg) -> torch.dtype:
 def validate(cfg, device: torch.device) -> None:
     """Reject combinations that cannot run as asked, before any work is done. Nothing is substituted."""
     get_backend(cfg.backend.name).check(device)  # first: a GPU-only backend on a CPU is the root cause to report
-    if cfg.amp and _value(cfg.amp_dtype) == "fp16" and device.type != "cuda":
+    if cfg.amp and enum_value(cfg.amp_dtype) == "fp16" and device.type != "cuda":
         raise ValueError("amp=true with amp_dtype=fp16 needs a CUDA GPU (CPU autocast runs bf16 only); "
                          "use amp_dtype=bf16 on a CPU, or run on a GPU")
 
@@ -138,7 +135,7 @@ def build_optimizer(cfg, model: nn.Module, global_batch: int) -> torch.optim.Opt
     o = cfg.optim
     lr = o.lr * global_batch / 256  # linear scaling from the reference batch of 256
     groups = param_groups(model, o.weight_decay)
-    name, impl = _value(o.name), _value(o.impl)
+    name, impl = enum_value(o.name), enum_value(o.impl)
     nesterov = o.nesterov and o.momentum > 0
     if impl == "apex":
         try:
@@ -574,7 +571,7 @@ class Trainer:
         md = print_summary(f"run {self.overrides or 'default'}", self.summary_rows(result))
         self.tb.text("summary", md)
         hparams = {
-            "backend": self.backend_label, "amp": cfg.amp, "amp_dtype": _value(cfg.amp_dtype), "channels_last": cfg.channels_last,
+            "backend": self.backend_label, "amp": cfg.amp, "amp_dtype": enum_value(cfg.amp_dtype), "channels_last": cfg.channels_last,
             "data": cfg.data.name, "batch_size": cfg.data.batch_size, "resolution": cfg.data.resolution, "compile": cfg.compile,
             "cuda_graph": self.graphed is not None, "gpu": self.env.get("gpu", "none"), "torch": self.env["torch"],
             "cudnn": self.env["cudnn"], "world_size": self.dist.world_size,

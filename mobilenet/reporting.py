@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import re
-
 import os
 import platform
+import re
 import subprocess
 from pathlib import Path
 from typing import Any

@@ -5,8 +5,9 @@
 Every directory under RUNS_DIR holding TensorBoard event files is a run (scripts/benchmark.py writes one per
 combination; train.py runs work too when they have the scalars). From each run it reads the hparams that the run
 logged (hparams plugin data: backend, amp, amp_dtype, channels_last, compile, cuda_graph, data, batch_size,
-resolution, gpu, torch, cudnn; runs older than the cuda_graph option show it blank) and the last value of the scalars perf/train_img_s and perf/infer_img_s (plus perf/compute_img_s,
-perf/step_ms and sys/max_mem_gb where present). Combinations that scripts/benchmark.py skipped or that failed (their
+resolution, gpu, torch, cudnn; runs older than the cuda_graph option show it blank) and the last value of the
+scalars perf/train_img_s and perf/infer_img_s (plus perf/compute_img_s, perf/step_ms and sys/max_mem_gb where
+present). Combinations that scripts/benchmark.py skipped or that failed (their
 benchmark.json says so) are listed with their reason.
 
 Writes DIR/NAME.md (also printed), DIR/NAME.csv and DIR/NAME.png (DIR defaults to the first RUNS_DIR). Exit status:
@@ -30,7 +31,6 @@ from mobilenet.reporting import read_tensorboard  # noqa: E402
 
 REQUIRED_SCALARS = {"train_img_s": "perf/train_img_s", "infer_img_s": "perf/infer_img_s"}
 OPTIONAL_SCALARS = {"compute_img_s": "perf/compute_img_s", "step_ms": "perf/step_ms", "max_mem_gb": "sys/max_mem_gb"}
-HPARAMS = ("backend", "amp", "amp_dtype", "channels_last", "compile", "cuda_graph", "data", "batch_size", "resolution", "gpu", "torch", "cudnn")
 BACKEND_ORDER = ("torch", "cudnn", "custom", "timm")
 PRECISION_ORDER = ("fp32", "fp16", "bf16")
 LAYOUT_ORDER = ("NCHW", "channels_last")
@@ -270,10 +270,11 @@ def markdown(rows: list[Row], notes: list[str]) -> str:
                          f"| {_num(c.metrics['infer_img_s'])} | {p['infer']:.2f}x |")
         lines.append("")
     if other:
-        lines += ["## Not measured", "", "| backend | precision | layout | compile | data | status | reason |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["## Not measured", "", "| backend | precision | layout | compile | CUDA graph | data | status | reason |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in other:
-            lines.append(f"| {r.backend} | {r.precision} | {r.layout} | {r.compile} | {r.data} | {r.status} "
+            lines.append(f"| {r.backend} | {r.precision} | {r.layout} | {r.compile} | {_graph(r.cuda_graph)} | {r.data} "
+                         f"| {r.status} "
                          f"| {r.reason.replace('|', '/')} |")
         lines.append("")
     return "\n".join(lines)

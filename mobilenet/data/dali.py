@@ -41,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from ..config import enum_value
 from . import LoaderSpec, register_loader
 from .folder import CorruptImageError, check_batch_fits, scan_image_folder, val_resize_size
 
@@ -395,7 +396,7 @@ def build(cfg, spec: LoaderSpec):
 
     device_id = _device_id(spec)
     on_gpu = device_id is not None
-    decode = str(getattr(dali_cfg.decode, "value", dali_cfg.decode))
+    decode = enum_value(dali_cfg.decode)
     if not on_gpu and decode != "cpu":
         raise ValueError(f"data.dali.decode={decode} decodes on the GPU, but this run has none; "
                          "set data.dali.decode=cpu for DALI's CPU-only mode")
