@@ -40,6 +40,12 @@ class OptimImpl(str, Enum):
     apex = "apex"  # NVIDIA apex's FusedSGD / FusedLAMB
 
 
+class StreamMode(str, Enum):
+    auto = "auto"
+    default = "default"
+    dedicated = "dedicated"
+
+
 class DaliDecode(str, Enum):
     mixed = "mixed"
     cpu = "cpu"
@@ -62,9 +68,6 @@ class DaliConfig:
     decode: DaliDecode = DaliDecode.mixed
     threads: int = 4
     prefetch: int = 2
-    # Training pipelines per rank, each decoding batch_size/pipelines images of every batch (joined with one device
-    # copy). More than one keeps several hardware-decoder round trips in flight when the GPU is never idle.
-    pipelines: int = 1
     seed: int = 42
     # Share of images nvJPEG sends to the hardware JPEG decoder where the GPU has one (0..1). All of them on the
     # H200: 17.9k vs 15.9k img/s at DALI's 0.65, and the SMs stay free for training (docs/results/loader_h200.md).
@@ -128,6 +131,11 @@ class PerfConfig:
     log_every: int = 50
     # img/s of the same config on one GPU: with it, a multi-GPU run reports its scaling efficiency.
     single_gpu_img_s: Optional[float] = None
+    # The CUDA stream the run issues its work on (mobilenet/streams.py). default: PyTorch's default stream, which is
+    # CUDA's legacy stream and so implicitly synchronises with every blocking stream in the process; dedicated: a
+    # non-blocking stream of the run's own; auto: dedicated for data=dali (DALI-fed training 12.7k vs 10.2k img/s on
+    # the H200), the default stream otherwise.
+    stream: StreamMode = StreamMode.auto
 
 
 @dataclass
@@ -161,8 +169,8 @@ class Config:
     compile: bool = False
     # Capture the training step as one CUDA graph (mobilenet/cuda_graph.py): true = required (an error where the run
     # cannot be captured); auto = where it can and was measured to help, and the summary says which; false = eager.
-    # Off by default until the step-by-step GPU check of captured vs eager steps has passed
-    # (docs/results/cuda_graph_h200.md).
+    # Off by default: on the H200 it buys 1-2% with synthetic data and loses with DALI (docs/results/cuda_graph_h200.md).
+    # Replayed steps match eager ones step by step (tests/test_cuda_graph.py, passed on the H200).
     cuda_graph: str = "false"
     # BatchNorm statistics over all ranks (SyncBatchNorm); needs a process group (torchrun).
     sync_bn: bool = False

@@ -57,9 +57,9 @@ def blockers(cfg, device: torch.device, distributed: bool) -> list[str]:
 def measured_slower(cfg) -> list[str]:
     """Runs that can be captured but were measured slower captured; `auto` leaves them eager, `true` captures them."""
     if cfg.data.name == "dali":
-        return ["data=dali: with the step captured the GPU has no idle gaps, DALI's per-image decode round trips wait "
-                "behind the training kernels, and the loader fell to 9.4k img/s against 12.0k eager on the H200 "
-                "(docs/results/cuda_graph_h200.md)"]
+        return ["data=dali: with the step captured the GPU has no idle gaps, DALI's decoding waits behind the "
+                "training kernels, and the loader fell to 9.4k img/s against 12.7k eager on the H200 (the same with "
+                "2 or 4 pipelines, whole-image decoding or a dedicated stream; docs/results/loader_h200.md)"]
     return []
 
 

@@ -16,7 +16,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from . import cuda_graph, distributed
+from . import cuda_graph, distributed, streams
 from .config import enum_value
 from .data import LoaderSpec, build_loaders
 from .depthwise import get_backend
@@ -290,6 +290,12 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.dist, self.device = distributed.init(resolve_device(cfg.device), cfg.dist.timeout_s)
         validate(cfg, self.device)
+        self.overrides = overrides
+        self.stream, self.stream_state = streams.resolve(cfg, self.device)
+        with streams.issued_on(self.stream):  # the model, optimizer state and batches live on the run's stream
+            self._build(cfg, model, backend_label)
+
+    def _build(self, cfg, model: nn.Module | None, backend_label: str | None) -> None:
         use_graph, self.cuda_graph_state = cuda_graph.resolve(cfg, self.device, self.dist.enabled)
         if cfg.sync_bn and not self.dist.enabled:
             raise ValueError("sync_bn=true needs a process group, and this run is a single process: "
@@ -336,7 +342,6 @@ class Trainer:
         if use_graph:  # after a resume: the restored learning rates become the captured step's device tensors
             self.graphed = cuda_graph.CapturedStep(self._step_math, self.optimizer, self.device)
         self.env = environment(self.device)
-        self.overrides = overrides
         # Only rank 0 writes: one TensorBoard run and one checkpoint per training run.
         self.tb = TensorBoardLog(str(self.run_dir), enabled=self.dist.is_main)
         self.profiler = None
@@ -495,9 +500,11 @@ class Trainer:
                           data_wait_seconds=mx(tp.data_wait_seconds), step_ms_median=mx(tp.step_ms_median))
 
     def fit(self) -> RunResult:
+        with streams.issued_on(self.stream):
+            return self.profile() if self.cfg.profile else self._fit()
+
+    def _fit(self) -> RunResult:
         cfg = self.cfg
-        if cfg.profile:
-            return self.profile()
         result = RunResult(run_dir=str(self.run_dir))
         self._first_epoch = self.epoch
         if self.device.type == "cuda":
@@ -545,6 +552,7 @@ class Trainer:
         cfg, tp = self.cfg, result.train
         rows = config_rows(cfg, self.device, self.env, self.backend_label)
         rows["CUDA graph"] = self.cuda_graph_state
+        rows["CUDA stream"] = self.stream_state
         if self.dist.enabled:
             rows["ranks"] = self.dist.world_size
         if tp is not None:
@@ -573,7 +581,8 @@ class Trainer:
         hparams = {
             "backend": self.backend_label, "amp": cfg.amp, "amp_dtype": enum_value(cfg.amp_dtype), "channels_last": cfg.channels_last,
             "data": cfg.data.name, "batch_size": cfg.data.batch_size, "resolution": cfg.data.resolution, "compile": cfg.compile,
-            "cuda_graph": self.graphed is not None, "gpu": self.env.get("gpu", "none"), "torch": self.env["torch"],
+            "cuda_graph": self.graphed is not None, "stream": "dedicated" if self.stream is not None else "default",
+            "gpu": self.env.get("gpu", "none"), "torch": self.env["torch"],
             "cudnn": self.env["cudnn"], "world_size": self.dist.world_size,
         }
         metrics = {"hparam/train_img_s": result.train.img_s if result.train else float("nan"),

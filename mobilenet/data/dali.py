@@ -14,12 +14,6 @@ on the consumer's current stream). A yielded tensor keeps its DALI buffer alive 
 so DALI never overwrites a batch the training step is still using. We insist on that executor (exec_dynamic=True)
 rather than rely on a default.
 
-Several pipelines per rank (data.dali.pipelines=P): each decodes batch/P images of every batch from its own sub-shard
-(rank*P + p of world*P), and the parts are concatenated on the device: one copy per batch, so channels_last is
-then no longer a view. Why: with the GPU kept busy (a captured training step), one pipeline's hardware-decoder
-round trips are serial and DALI's thread count does not change its rate (docs/results/loader_h200.md); P pipelines
-have P decoders in flight. Not yet measured on a GPU.
-
 bf16: DALI has no bfloat16 type. For a bf16 run the pipeline produces float32 and each batch is converted on the
 device (one extra elementwise copy per batch); this is logged as a warning when the loader is built.
 
@@ -235,16 +229,6 @@ def make_train_pipeline(cfg, files, labels, *, decode: str, on_gpu: bool, out_ty
     return train_pipe(**pipeline_kwargs)
 
 
-def make_train_pipelines(cfg, files, labels, *, rank: int, world_size: int, parts: int, seed: int, batch_size: int,
-                         **kwargs) -> list:
-    """This rank's `parts` training pipelines: pipeline p reads sub-shard rank*parts + p of world_size*parts and
-    yields batch_size/parts images of every batch. The file list's shuffle before sharding does not depend on the
-    pipeline seed, so the sub-shards are disjoint."""
-    return [make_train_pipeline(cfg, files, labels, shard_id=rank * parts + p, num_shards=world_size * parts,
-                                batch_size=batch_size // parts, seed=(seed + 7 * p) % (2**31), **kwargs)
-            for p in range(parts)]
-
-
 def make_val_pipeline(cfg, files, labels, *, decode: str, on_gpu: bool, out_type, channels_last: bool,
                       **pipeline_kwargs):
     """The validation pipeline over this rank's own file list (no DALI sharding, last batch padded then trimmed)."""
@@ -277,8 +261,6 @@ class DaliLoader:
 
     def __init__(self, pipeline, files: list[str], *, train: bool, spec: LoaderSpec, batch_size: int,
                  num_classes: int, num_batches: int, num_samples: int, skipped: int, name: str):
-        """`pipeline`: one DALI pipeline, a list of pipelines that each produce a part of every batch, or None
-        (no images for this rank)."""
         _, _, _, DALIGenericIterator, LastBatchPolicy = import_dali()
         self.spec = spec
         self.train = train
@@ -296,8 +278,7 @@ class DaliLoader:
         if pipeline is not None:
             # Train drops the last partial batch; val returns it partial with DALI's padding removed.
             policy = LastBatchPolicy.DROP if train else LastBatchPolicy.PARTIAL
-            pipelines = pipeline if isinstance(pipeline, list) else [pipeline]
-            self._iterator = DALIGenericIterator(pipelines, ["images", "labels"], reader_name="Reader",
+            self._iterator = DALIGenericIterator([pipeline], ["images", "labels"], reader_name="Reader",
                                                  last_batch_policy=policy, auto_reset=True, prepare_first_batch=False)
 
     def __len__(self) -> int:
@@ -306,13 +287,8 @@ class DaliLoader:
     def set_epoch(self, epoch: int) -> None:
         pass  # DALI reshuffles (train) and rotates shards by itself every epoch
 
-    def _handover(self, outs: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One batch from the outputs of each pipeline (one output per pipeline)."""
-        if len(outs) == 1:
-            images, labels = outs[0]["images"], outs[0]["labels"]
-        else:  # several pipelines: their parts of the batch, joined in one device copy
-            images = torch.cat([o["images"] for o in outs])
-            labels = torch.cat([o["labels"] for o in outs])
+    def _handover(self, out: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        images, labels = out["images"], out["labels"]
         if self.spec.channels_last:
             images = images.permute(0, 3, 1, 2)  # NHWC memory seen as channels_last NCHW: a view, no copy
         if self._convert_to is not None:
@@ -321,7 +297,7 @@ class DaliLoader:
 
     def _next(self):
         try:
-            return next(self._iterator)
+            return next(self._iterator)[0]
         except RuntimeError as e:
             # DALI's message does not name the file: look for it now (cheap check), then say what we know.
             bad = find_corrupt(self._files, os.cpu_count() or 1)
@@ -409,18 +385,14 @@ def build(cfg, spec: LoaderSpec):
 
     # Train: DALI shards (shard i holds images [N*i/S, N*(i+1)/S) of its globally shuffled list, and the shards
     # rotate every epoch); every rank yields the same number of full batches, as DDP needs: the iterator sizes an
-    # epoch as floor(N/S) images and drops the partial batch. With P pipelines per rank, S = world size * P.
-    parts = dali_cfg.pipelines
-    if parts < 1 or cfg.batch_size % parts:
-        raise ValueError(f"data.dali.pipelines={parts}: it must be >= 1 and divide data.batch_size={cfg.batch_size} "
-                         "(each pipeline decodes an equal part of every batch)")
+    # epoch as floor(N/S) images and drops the partial batch.
     train_files = [p for p, _ in train_samples]
     train_labels = [lbl for _, lbl in train_samples]
-    train_batches = (len(train_files) // (spec.world_size * parts)) // (cfg.batch_size // parts)
+    train_batches = (len(train_files) // spec.world_size) // cfg.batch_size
     if cfg.steps_per_epoch is not None:
         train_batches = min(train_batches, cfg.steps_per_epoch)
-    train_pipe = make_train_pipelines(cfg, train_files, train_labels, rank=spec.rank, world_size=spec.world_size,
-                                      parts=parts, seed=seed, **common)
+    train_pipe = make_train_pipeline(cfg, train_files, train_labels, shard_id=spec.rank, num_shards=spec.world_size,
+                                     seed=seed, **common)
     train = DaliLoader(train_pipe, train_files, train=True, spec=spec, batch_size=cfg.batch_size, num_classes=len(classes),
                        num_batches=train_batches, num_samples=train_batches * cfg.batch_size,
                        skipped=skipped["train"], name="train")
@@ -438,7 +410,7 @@ def build(cfg, spec: LoaderSpec):
                      num_batches=math.ceil(len(val_rank) / cfg.batch_size), num_samples=len(val_rank),
                      skipped=skipped["val"], name="val")
     train.classes = val.classes = classes  # class names, as data=folder provides them
-    log.info("data=dali: decode=%s on %s, %d train / %d val image(s) on rank %d of %d, %d training pipeline(s) of "
-             "%d thread(s), prefetch %d", decode, spec.device, train.num_samples, val.num_samples, spec.rank,
-             spec.world_size, parts, dali_cfg.threads, dali_cfg.prefetch)
+    log.info("data=dali: decode=%s on %s, %d train / %d val image(s) on rank %d of %d, %d thread(s), prefetch %d",
+             decode, spec.device, train.num_samples, val.num_samples, spec.rank, spec.world_size,
+             dali_cfg.threads, dali_cfg.prefetch)
     return train, val
