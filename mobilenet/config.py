@@ -51,6 +51,11 @@ class DaliDecode(str, Enum):
     cpu = "cpu"
 
 
+class DaliHandover(str, Enum):
+    zero_copy = "zero_copy"  # the dynamic executor's own output buffers, shared by DLPack
+    copy = "copy"  # the legacy executor: each batch copied into a tensor PyTorch owns
+
+
 @dataclass
 class BackendConfig:
     name: str = "torch"
@@ -72,6 +77,10 @@ class DaliConfig:
     # Share of images nvJPEG sends to the hardware JPEG decoder where the GPU has one (0..1). All of them on the
     # H200: 17.9k vs 15.9k img/s at DALI's 0.65, and the SMs stay free for training (docs/results/loader_h200.md).
     hw_decoder_load: float = 1.0
+    # How a batch reaches PyTorch. zero_copy: DALI's buffer itself (DLPack); DALI takes a buffer back only after a
+    # device-wide sync in a thread of its own. copy: one device copy per batch into PyTorch's memory, after which
+    # DALI reuses its buffer in stream order. Which is faster behind a busy GPU is not yet measured.
+    handover: DaliHandover = DaliHandover.zero_copy
     # Check every file's image signature / JPEG structure before DALI starts (DALI's decode errors do not name
     # the file); needed for data.skip_corrupt. Costs one small read at each end of every file.
     check_files: bool = True

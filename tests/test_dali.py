@@ -77,9 +77,10 @@ def test_val_labels_and_sizes_match_folder(digits):
         assert label_counts(labels) == label_counts(epoch(folder_val)[1])
 
 
-def test_train_epoch_labels_match_folder(digits):
+@pytest.mark.parametrize("handover", ["zero_copy", "copy"])
+def test_train_epoch_labels_match_folder(digits, handover):
     # 1437 = 3 * 479: with this batch size both loaders yield every image once and drop nothing.
-    dali_train, _ = build_loaders(data_cfg(digits, batch_size=479), CPU_FP32)
+    dali_train, _ = build_loaders(data_cfg(digits, f"data.dali.handover={handover}", batch_size=479), CPU_FP32)
     folder_train, _ = build_loaders(data_cfg(digits, loader="folder", batch_size=479), CPU_FP32)
     assert len(dali_train) == len(folder_train) == 3 and dali_train.num_samples == NUM_TRAIN
     first = None
@@ -113,9 +114,12 @@ def test_train_output_is_normalised_and_in_range(digits):
 # ------------------------------------------------------------------------------------- layout and lifetime
 
 
+@pytest.mark.parametrize("handover", ["zero_copy", "copy"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
-def test_channels_last_is_a_view_of_the_nhwc_batch(digits, dtype):
-    train, val = build_loaders(data_cfg(digits), LoaderSpec(torch.device("cpu"), dtype, channels_last=True))
+def test_channels_last_is_a_view_of_the_nhwc_batch(digits, dtype, handover):
+    """With either handover, the NHWC batch PyTorch receives is viewed as channels_last, not transposed."""
+    train, val = build_loaders(data_cfg(digits, f"data.dali.handover={handover}"),
+                               LoaderSpec(torch.device("cpu"), dtype, channels_last=True))
     for loader in (train, val):
         x, y = next(iter(loader))
         n = len(y)
@@ -135,8 +139,10 @@ def test_channels_first_is_contiguous_nchw(digits):
     assert x.is_contiguous() and x.shape == (64, 3, 21, 21)
 
 
-def test_yielded_batches_stay_valid_while_dali_runs_on(digits):
-    train, _ = build_loaders(data_cfg(digits), LoaderSpec(torch.device("cpu"), torch.float16, channels_last=True))
+@pytest.mark.parametrize("handover", ["zero_copy", "copy"])
+def test_yielded_batches_stay_valid_while_dali_runs_on(digits, handover):
+    train, _ = build_loaders(data_cfg(digits, f"data.dali.handover={handover}"),
+                             LoaderSpec(torch.device("cpu"), torch.float16, channels_last=True))
     kept, copies = [], []
     for _ in range(2):  # two epochs: DALI would have recycled its buffers several times over
         for x, y in train:
@@ -342,12 +348,13 @@ def test_gpu_mixed_val_matches_folder(digits):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("handover", ["zero_copy", "copy"])
 @pytest.mark.parametrize("dedicated_stream", [False, True])
-def test_gpu_yielded_batches_stay_valid(digits, dedicated_stream):
+def test_gpu_yielded_batches_stay_valid(digits, dedicated_stream, handover):
     """Also on a dedicated stream (perf.stream=auto's choice for data=dali): DALI orders each handed-over batch
     after its own work on the consumer's current stream, whichever that is."""
     spec = LoaderSpec(torch.device("cuda", 0), torch.float16, channels_last=True)
-    train, _ = build_loaders(data_cfg(digits, "data.dali.decode=mixed"), spec)
+    train, _ = build_loaders(data_cfg(digits, "data.dali.decode=mixed", f"data.dali.handover={handover}"), spec)
     kept, sums = [], []
     with streams.issued_on(torch.cuda.Stream() if dedicated_stream else None):
         for _ in range(3):

@@ -8,11 +8,15 @@ centre crop -> normalise. Without a GPU (spec.device is the CPU) the same pipeli
 Memory format: with channels_last the pipeline writes HWC and the NHWC batch is handed over as
 `permute(0, 3, 1, 2)`, a channels_last NCHW *view* of the same memory (no copy); otherwise it writes CHW.
 
-Buffer lifetime: DALI 2.x runs the dynamic executor by default. Its outputs are allocated per iteration and
-reference-counted, and DALIGenericIterator hands them to PyTorch by DLPack (zero copy, ordered after DALI's work
-on the consumer's current stream). A yielded tensor keeps its DALI buffer alive for as long as it is referenced,
-so DALI never overwrites a batch the training step is still using. We insist on that executor (exec_dynamic=True)
-rather than rely on a default.
+Buffer lifetime (data.dali.handover). zero_copy, the default: DALI 2.x's dynamic executor (exec_dynamic=True,
+asked for explicitly rather than taken from a default) allocates its outputs per iteration and reference-counts
+them, and DALIGenericIterator hands them to PyTorch by DLPack (no copy, ordered after DALI's work on the consumer's
+current stream). A yielded tensor keeps its DALI buffer alive for as long as it is referenced, so DALI never
+overwrites a batch the training step is still using. When PyTorch frees it, DALI takes the buffer back only after
+a cudaDeviceSynchronize in a thread of its own (its "DLTensorGraveyard"): behind a GPU that always has training
+work queued, buffers come back late. copy: the legacy executor (exec_dynamic=False); DALIGenericIterator copies
+each batch into a tensor PyTorch allocates, on the current stream, and DALI reuses its buffer in stream order.
+That is one device copy per batch in the same layout (channels_last stays a view of the NHWC copy).
 
 bf16: DALI has no bfloat16 type. For a bf16 run the pipeline produces float32 and each batch is converted on the
 device (one extra elementwise copy per batch); this is logged as a warning when the loader is built.
@@ -207,7 +211,7 @@ def make_train_pipeline(cfg, files, labels, *, decode: str, on_gpu: bool, out_ty
     initial_fill = max(1, min(SHUFFLE_BUFFER, len(files) // max(1, num_shards)))
     decoder_extra = _decoder_args(cfg, decode)
 
-    @pipeline_def(exec_dynamic=True)
+    @pipeline_def
     def train_pipe():
         # pad_last_batch: each epoch ends at the shard's end (the padded last batch is dropped) instead of running
         # into the next epoch's samples, which would repeat images within one epoch.
@@ -236,7 +240,7 @@ def make_val_pipeline(cfg, files, labels, *, decode: str, on_gpu: bool, out_type
     res = cfg.resolution
     decoder_extra = _decoder_args(cfg, decode)
 
-    @pipeline_def(exec_dynamic=True)
+    @pipeline_def
     def val_pipe():
         jpegs, lbl = fn.readers.file(files=files, labels=labels, random_shuffle=False, pad_last_batch=True, name="Reader")
         images = fn.decoders.image(jpegs, device=decode, output_type=types.RGB, **decoder_extra)
@@ -379,7 +383,8 @@ def build(cfg, spec: LoaderSpec):
     out_type = _output_type(spec, types)
     common = dict(decode=decode, on_gpu=on_gpu, out_type=out_type, channels_last=spec.channels_last,
                   batch_size=cfg.batch_size, num_threads=dali_cfg.threads, device_id=device_id,
-                  prefetch_queue_depth=dali_cfg.prefetch)
+                  prefetch_queue_depth=dali_cfg.prefetch,
+                  exec_dynamic=enum_value(dali_cfg.handover) == "zero_copy")
     # One seed per run and rank: ranks augment differently, and data.dali.seed / the run's seed both change it.
     seed = (dali_cfg.seed + 1000 * spec.seed + spec.rank) % (2**31)
 
@@ -410,7 +415,7 @@ def build(cfg, spec: LoaderSpec):
                      num_batches=math.ceil(len(val_rank) / cfg.batch_size), num_samples=len(val_rank),
                      skipped=skipped["val"], name="val")
     train.classes = val.classes = classes  # class names, as data=folder provides them
-    log.info("data=dali: decode=%s on %s, %d train / %d val image(s) on rank %d of %d, %d thread(s), prefetch %d",
-             decode, spec.device, train.num_samples, val.num_samples, spec.rank, spec.world_size,
-             dali_cfg.threads, dali_cfg.prefetch)
+    log.info("data=dali: decode=%s on %s, %d train / %d val image(s) on rank %d of %d, %d thread(s), prefetch %d, "
+             "handover %s", decode, spec.device, train.num_samples, val.num_samples, spec.rank, spec.world_size,
+             dali_cfg.threads, dali_cfg.prefetch, enum_value(dali_cfg.handover))
     return train, val
