@@ -143,7 +143,7 @@ class PerfConfig:
     # The CUDA stream the run issues its work on (mobilenet/streams.py). default: PyTorch's default stream, which is
     # CUDA's legacy stream and so implicitly synchronises with every blocking stream in the process; dedicated: a
     # non-blocking stream of the run's own; auto: dedicated for data=dali (DALI-fed training 12.7k vs 10.2k img/s on
-    # the H200), the default stream otherwise.
+    # the H200, one A/B pair), the default stream otherwise. train.py and infer.py's evaluation follow it.
     stream: StreamMode = StreamMode.auto
 
 

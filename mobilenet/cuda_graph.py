@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from . import streams
 from .config import enum_value
 
 MODES = ("auto", "true", "false")
@@ -58,8 +59,8 @@ def measured_slower(cfg) -> list[str]:
     """Runs that can be captured but were measured slower captured; `auto` leaves them eager, `true` captures them."""
     if cfg.data.name == "dali":
         return ["data=dali: with the step captured the GPU has no idle gaps, DALI's decoding waits behind the "
-                "training kernels, and the loader fell to 9.4k img/s against 12.7k eager on the H200 (the same with "
-                "2 or 4 pipelines, whole-image decoding or a dedicated stream; docs/results/loader_h200.md)"]
+                "training kernels, and the loader fell to 9.4k img/s against 12.7k eager on the H200 (also on a dedicated "
+                "stream; docs/results/loader_h200.md)"]
     return []
 
 
@@ -129,10 +130,8 @@ class CapturedStep:
         return self.static_loss
 
     def _eager(self, images: Tensor, labels: Tensor) -> Tensor:
-        self._side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._side):
+        with streams.issued_on(self._side):
             loss = self.step(images, labels)
-        torch.cuda.current_stream(self.device).wait_stream(self._side)
         self.eager_steps += 1
         return loss
 

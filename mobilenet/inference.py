@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from . import streams
 from .data import LoaderSpec, build_loaders
 from .data.folder import image_transforms
 from .engine import autocast_dtype, build_for_run, config_rows, evaluate, load_checkpoint, resolve_device, run_dtype, validate
@@ -71,12 +72,15 @@ def benchmark(cfg, warmup: int, steps: int) -> float:
 
 def evaluate_checkpoint(cfg, checkpoint: str) -> tuple[float, float]:
     device, _, forward, amp_dtype, state = _setup(cfg, checkpoint)
+    stream, stream_state = streams.resolve(cfg, device)  # as in training: a dedicated stream for data=dali
     spec = LoaderSpec(device, run_dtype(cfg), cfg.channels_last, seed=cfg.seed)
     _, val = build_loaders(cfg.data, spec)
     if val.num_classes != state["num_classes"]:
         raise ValueError(f"the data has {val.num_classes} classes but the checkpoint was trained for {state['num_classes']}")
-    top1, top5, n, tp = evaluate(forward, val, device, amp_dtype)
+    with streams.issued_on(stream):
+        top1, top5, n, tp = evaluate(forward, val, device, amp_dtype)
     rows = config_rows(cfg, device, environment(device))
+    rows["CUDA stream"] = stream_state
     rows.update({"checkpoint": checkpoint, "val top-1 %": top1, "val top-5 %": top5, "val images": n, "img/s": tp.img_s})
     print_summary("evaluation", rows)
     return top1, top5

@@ -4,7 +4,7 @@ PyTorch issues work on the device's default stream, which is CUDA's *legacy* def
 it waits for all earlier work on the process's blocking streams, and work on those streams waits for it. A library
 that copies or launches on blocking streams (or on the legacy stream itself) then serialises with training
 instead of overlapping it. DALI's GPU decoding is such a case: on the H200, DALI-fed training (fp16, channels_last,
-batch 256) ran at 12.7k img/s on a dedicated stream against 10.2k on the default stream, back to back
+batch 256) ran at 12.7k img/s on a dedicated stream against 10.2k on the default stream, one A/B pair back to back
 (docs/results/loader_h200.md). With synthetic data the two were within 2% (14.7k vs 15.0k, one run each), so
 `auto` uses a dedicated stream for data=dali only.
 
@@ -21,14 +21,11 @@ import torch
 
 from .config import enum_value
 
-MODES = ("auto", "default", "dedicated")
-
 
 def resolve(cfg, device: torch.device) -> tuple[torch.cuda.Stream | None, str]:
-    """(the stream to issue the run's work on, or None for the default stream; a description for the summary)."""
+    """(the stream to issue the run's work on, or None for the default stream; a description for the summary).
+    The schema (config.StreamMode) has already refused any other value of perf.stream."""
     mode = enum_value(cfg.perf.stream)
-    if mode not in MODES:
-        raise ValueError(f"perf.stream={mode!r} is not a choice; choose one of: {', '.join(MODES)}")
     if device.type != "cuda":
         if mode == "dedicated":
             raise ValueError(f"perf.stream=dedicated issues the run's work on a CUDA stream, but this run's device is "
@@ -43,8 +40,10 @@ def resolve(cfg, device: torch.device) -> tuple[torch.cuda.Stream | None, str]:
 @contextmanager
 def issued_on(stream: torch.cuda.Stream | None):
     """Make `stream` the current stream for the block (nothing changes for None). It first waits for the work
-    already queued on the stream it replaces, and that stream waits for the block's work afterwards, so tensors
-    can pass between them in both directions."""
+    already queued on the stream it replaces, and that stream waits for the block's work afterwards, so work on
+    either side sees the other's results. Memory is another matter: a tensor allocated on one stream and freed
+    while the other still uses it needs `Tensor.record_stream`; the Trainer allocates the run's tensors inside
+    the block and keeps them for the whole run."""
     if stream is None:
         yield
         return

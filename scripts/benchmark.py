@@ -368,8 +368,11 @@ def run_project(cfg, run_dir: Path, spec: dict, model=None, backend_label: str |
     from mobilenet.engine import Trainer
     from mobilenet.inference import measure
 
+    from mobilenet import streams
+
     trainer = Trainer(cfg, run_dir=run_dir, overrides=spec["name"], model=model, backend_label=backend_label)
-    infer = measure(trainer.forward, trainer.model, cfg, trainer.device, spec["infer_warmup"], spec["infer_steps"])
+    with streams.issued_on(trainer.stream):  # the same stream as the row's training (perf.stream)
+        infer = measure(trainer.forward, trainer.model, cfg, trainer.device, spec["infer_warmup"], spec["infer_steps"])
     trainer.extra_metrics = {"infer_img_s": infer.img_s, "infer_step_ms": infer.step_ms}
     result = trainer.fit()
     return {"train_img_s": result.train.img_s, "infer_img_s": infer.img_s}

@@ -80,7 +80,9 @@ def test_val_labels_and_sizes_match_folder(digits):
 @pytest.mark.parametrize("handover", ["zero_copy", "copy"])
 def test_train_epoch_labels_match_folder(digits, handover):
     # 1437 = 3 * 479: with this batch size both loaders yield every image once and drop nothing.
-    dali_train, _ = build_loaders(data_cfg(digits, f"data.dali.handover={handover}", batch_size=479), CPU_FP32)
+    dali_train, dali_val = build_loaders(data_cfg(digits, f"data.dali.handover={handover}", batch_size=479), CPU_FP32)
+    for loader in (dali_train, dali_val):  # zero_copy is the dynamic executor, copy the legacy one
+        assert loader._iterator._pipes[0].exec_dynamic is (handover == "zero_copy")
     folder_train, _ = build_loaders(data_cfg(digits, loader="folder", batch_size=479), CPU_FP32)
     assert len(dali_train) == len(folder_train) == 3 and dali_train.num_samples == NUM_TRAIN
     first = None
@@ -194,7 +196,7 @@ def test_train_epochs_repeat_no_image_and_shards_are_disjoint(digits, world_size
         spec = LoaderSpec(torch.device("cpu"), torch.float32, False, rank=rank, world_size=world_size)
         pipe = make_train_pipeline(cfg, files, list(range(len(files))), decode="cpu", on_gpu=False, out_type=types.FLOAT,
                                    channels_last=False, shard_id=rank, num_shards=world_size,
-                                   batch_size=64, num_threads=2, device_id=None, seed=rank)
+                                   batch_size=64, num_threads=2, device_id=None, seed=rank, exec_dynamic=True)
         loaders.append(DaliLoader(pipe, files, train=True, spec=spec, batch_size=64, num_classes=10,
                                   num_batches=batches, num_samples=batches * 64, skipped=0, name="train"))
     for _ in range(3):  # shards rotate between epochs
@@ -333,6 +335,38 @@ def test_gpu_output_dtype_layout_device(digits, decode, dtype, channels_last):
         fmt = torch.channels_last if channels_last else torch.contiguous_format
         assert x.is_contiguous(memory_format=fmt)
         assert torch.isfinite(x.float()).all()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("handover", ["zero_copy", "copy"])
+def test_gpu_batches_survive_a_consumer_that_lags_behind_dali(digits, handover):
+    """The consumer's stream is held up before every hand-over (as a long training step would): with copy, the copy
+    runs late and DALI must not reuse its buffer before it; with zero_copy, the buffer must outlive the delay. Every
+    epoch must still deliver each image once, with its label."""
+    spec = LoaderSpec(torch.device("cuda", 0), torch.float32, channels_last=True)
+    cfg = data_cfg(digits, "data.dali.decode=mixed", f"data.dali.handover={handover}", batch_size=479)
+    train, _ = build_loaders(cfg, spec)
+    folder_labels = epoch(build_loaders(data_cfg(digits, loader="folder", batch_size=479), CPU_FP32)[0])[1]
+    with streams.issued_on(torch.cuda.Stream()):
+        for _ in range(2):
+            labels, sums = [], []
+            for x, y in _lagging(train):
+                labels.append(y)
+                sums.append(x.double().sum())
+            assert label_counts(torch.cat(labels).cpu()) == label_counts(folder_labels)
+            assert all(torch.isfinite(s) for s in sums) and len({float(s) for s in sums}) == len(sums)
+
+
+def _lagging(loader):
+    """`loader`'s batches, with ~50 ms of GPU work queued on the current stream before each one is taken."""
+    it = iter(loader)
+    while True:
+        torch.cuda._sleep(100_000_000)
+        try:
+            yield next(it)
+        except StopIteration:
+            return
 
 
 @pytest.mark.gpu

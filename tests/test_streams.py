@@ -73,7 +73,7 @@ def test_a_dedicated_stream_run_issues_its_steps_there_and_trains_like_the_defau
     for mode in ("dedicated", "default"):
         t = Trainer(compose([*GPU_RUN, f"perf.stream={mode}"]), tmp_path / mode)
         seen = set()
-        t.model.register_forward_hook(lambda *_: seen.add(torch.cuda.current_stream().cuda_stream))
+        t.model.register_forward_hook(lambda *_, seen=seen: seen.add(torch.cuda.current_stream().cuda_stream))
         runs[mode] = t, seen, t.fit()
     t, seen, result = runs["dedicated"]
     assert seen == {t.stream.cuda_stream} != {torch.cuda.default_stream().cuda_stream}
