@@ -323,6 +323,7 @@ LAYOUT_OPS = ("aten::contiguous", "aten::clone", "aten::copy_")
 _AUTOGRAD_PREFIX = "autograd::engine::evaluate_function: "  # autograd's backward ops, on its own thread
 SYNC_CALLS = re.compile(r"^(cudaStreamSynchronize|cudaDeviceSynchronize|cudaEventSynchronize|cudaMemcpy|cudaMemcpy2D|"
                         r"cuStreamSynchronize|cuCtxSynchronize|cuEventSynchronize|cuMemcpyDtoH|cuMemcpyHtoD)$")
+DEVICE_SYNC_CALLS = frozenset({"cudaDeviceSynchronize", "cuCtxSynchronize"})
 SLOW_LAUNCH_US = 1000.0
 
 CATEGORIES = ("depthwise", "transpose", "cast", "memcpy", "other")
@@ -464,6 +465,9 @@ class Report:
     # their own thread, but they share the CUDA context (and its locks) with the step's launches.
     other_thread_syncs_per_step: float = 0.0
     other_thread_cuda_calls_per_step: float = 0.0
+    # Device-wide syncs among them: each waits for everything queued on the GPU, the step's work included.
+    other_thread_device_syncs_per_step: float = 0.0
+    other_thread_device_sync_ms_median: float = 0.0
     top_kernels: list[dict] = field(default_factory=list)
     top_ops: list[dict] = field(default_factory=list)  # CPU runs: self CPU time by op
     findings: list[Finding] = field(default_factory=list)
@@ -742,6 +746,9 @@ def analyse_trace(trace: dict | str | Path, baseline_step_ms: float | None = Non
     syncs = [e for e in blocking_calls if on_step_thread(e)]
     report.other_thread_syncs_per_step = (len(blocking_calls) - len(syncs)) / n_steps
     report.other_thread_cuda_calls_per_step = sum(1 for e in in_window if not on_step_thread(e)) / n_steps
+    device_syncs = [e.dur for e in in_window if not on_step_thread(e) and e.name in DEVICE_SYNC_CALLS]
+    report.other_thread_device_syncs_per_step = len(device_syncs) / n_steps
+    report.other_thread_device_sync_ms_median = statistics.median(device_syncs) / 1000 if device_syncs else 0.0
     by_sync: dict[tuple, list] = defaultdict(lambda: [0.0, 0])
     for e in syncs:
         call = f"{e.name} (pageable)" if id(e) in pageable_calls and not SYNC_CALLS.match(e.name) else e.name
@@ -949,6 +956,14 @@ def _findings(r: Report) -> None:
                          f"{r.median_launch_us:.1f} us here)",
                          "if the step is host-bound, compare the launch times with a run on synthetic data: contention "
                          "for the context slows the step's own launches; fewer loader threads or batched loader work help"))
+    if r.other_thread_device_syncs_per_step >= 0.5:
+        F.append(Finding("device-wide syncs from other threads",
+                         f"{r.other_thread_device_syncs_per_step:.1f} per step on threads other than the step's (median "
+                         f"{r.other_thread_device_sync_ms_median:.2f} ms each): each waits for all work queued on the GPU, "
+                         "the step's included, so whatever that thread does next waits for the training to drain",
+                         "DALI hands batches over by DLPack and takes each buffer back only after such a sync (its "
+                         "DLTensorGraveyard): with data=dali, compare data.dali.handover=copy",
+                         "warn"))
     if r.gpu_span_ms_per_step and r.gpu_span_ms_per_step > 1.2 * r.host_step_ms_median:
         F.append(Finding("host runs ahead",
                          f"the GPU work a step launches spans {r.gpu_span_ms_per_step:.2f} ms, the host step "

@@ -231,6 +231,25 @@ def test_synthetic_gpu_trace_exact_figures():
     assert "nchwToNhwcKernel" in md and "Pageable" in md
 
 
+def test_device_wide_syncs_of_another_thread_are_named_with_their_cost():
+    """A loader thread (DALI's buffer graveyard) calls cudaDeviceSynchronize once per step, waiting 800 us."""
+    b = _TraceBuilder()
+    for s in range(4):
+        t = 1000.0 * s
+        b.x(f"ProfilerStep#{s}", "user_annotation", t, 1000)
+        b.launch(t + 10, "sm90_xmma_fprop_implicit_gemm", t + 20, 900)
+        b.x("cudaDeviceSynchronize", "cuda_runtime", t + 100, 800 + s, tid=9)
+        b.x("cudaEventSynchronize", "cuda_runtime", t + 950, 10, tid=9)  # blocking, but not device-wide
+    r = analyse_trace({"traceEvents": b.events, "deviceProperties": [{"name": "Synthetic GPU"}]})
+    assert r.other_thread_device_syncs_per_step == 1 and r.other_thread_syncs_per_step == 2
+    assert math.isclose(r.other_thread_device_sync_ms_median, 0.8015)
+    (f,) = [f for f in r.findings if f.title == "device-wide syncs from other threads"]
+    assert "1.0 per step" in f.detail and "0.80 ms each" in f.detail and "data.dali.handover=copy" in f.hint
+    assert r.syncs_per_step == 0  # the step's own threads never blocked
+    # The step-thread trace above has no such call, and no such finding.
+    assert not any(f.title == "device-wide syncs from other threads" for f in analyse_trace(_synthetic_gpu_trace()).findings)
+
+
 def _cold_trace() -> dict:
     """Three steps; the first launches 50 autotune kernels and loads a module inside its first launch."""
     b = _TraceBuilder()
