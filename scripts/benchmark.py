@@ -365,10 +365,9 @@ def print_table(records: list[dict], out: Path) -> None:
 
 def run_project(cfg, run_dir: Path, spec: dict, model=None, backend_label: str | None = None) -> dict:
     """One row: inference measured on the run's model first, then training through the project's one loop."""
+    from mobilenet import streams
     from mobilenet.engine import Trainer
     from mobilenet.inference import measure
-
-    from mobilenet import streams
 
     trainer = Trainer(cfg, run_dir=run_dir, overrides=spec["name"], model=model, backend_label=backend_label)
     with streams.issued_on(trainer.stream):  # the same stream as the row's training (perf.stream)
