@@ -76,7 +76,10 @@ __device__ __forceinline__ void load_fwd_steps(const FwdColumnRow& row, int W, i
 // 2p + 1 of one image (pairs never straddle images; with odd OH the last pair of an image has only
 // its first row, whose extra input rows are then neither loaded nor stored); the walk holds the
 // K + S input rows of both (stride 1: 4 rows for 2 outputs, stride 2: 5). Every (row, word) has
-// exactly one lane, which writes all OW output words of its row(s). FLIP: the kernel rotated 180
+// exactly one lane, which writes all OW output words of its row(s). With t.reverse the bands run from
+// the last image to the first: blocks start roughly in blockIdx order, so the first to run read the end
+// of the input, the part its producer wrote last and most likely still in L2, and the last to run write
+// the start of the output, which the next layer's kernel reads first. FLIP: the kernel rotated 180
 // degrees and no bias (the input gradient of a stride-1 convolution, run on the flipped shape).
 // 4 blocks of 256 per SM (64 registers), as the wgrad column kernel.
 template <class TT, int S, int U, bool FLIP, int R>
@@ -94,7 +97,9 @@ __global__ void __launch_bounds__(256, 4)
   const int words = s.C / V;
   const int cw = (blockIdx.x % t.groups) * t.lanes_c + ln.cv;
   const int OHR = R == 1 ? s.OH : (s.OH + 1) >> 1;  // lane rows per image
-  const int r = (blockIdx.x / t.groups) * t.sy_n + ln.sy;
+  const int bands = gridDim.x / t.groups;
+  const int band = t.reverse ? bands - 1 - static_cast<int>(blockIdx.x) / t.groups : blockIdx.x / t.groups;
+  const int r = band * t.sy_n + ln.sy;
   if (cw >= words || r >= s.N * OHR) return;
   const int n = r / OHR, oh = (r - n * OHR) * R;
   const bool second = R == 2 && oh + 1 < s.OH;  // the lane's second output row exists
@@ -219,11 +224,13 @@ constexpr int column_unroll_r2() {
 }
 
 template <class TT, int S, bool FLIP, int R>
-void launch_column(const ConvShape& s, const void* x, const void* w, const void* bias, void* y, cudaStream_t stream) {
+void launch_column(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
+                   cudaStream_t stream) {
   using Sx = typename TT::S;
   constexpr int V = 4 / sizeof(Sx);
   constexpr int U = R == 1 ? kColumnUnroll : column_unroll_r2<TT, S>();
-  const Tiling t = column_tiling(s.N * (R == 1 ? s.OH : (s.OH + 1) / 2), s.C / V);
+  Tiling t = column_tiling(s.N * (R == 1 ? s.OH : (s.OH + 1) / 2), s.C / V);
+  t.reverse = knob(Knob::kColumnReverse, dt);
   const dim3 grid(t.groups * t.tiles_h);
   fwd_nhwc_column_kernel<TT, S, U, FLIP, R><<<grid, t.block, 0, stream>>>(
       static_cast<const uint32_t*>(x), static_cast<const Sx*>(w), static_cast<const Sx*>(bias),
@@ -236,12 +243,12 @@ template <class TT, bool FLIP>
 void column_t(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
               cudaStream_t stream) {
   if constexpr (FLIP) {
-    launch_column<TT, 1, true, 1>(s, x, w, bias, y, stream);  // the input gradient: stride 1 only
+    launch_column<TT, 1, true, 1>(s, dt, x, w, bias, y, stream);  // the input gradient: stride 1 only
   } else {
     if (knob(Knob::kFwdColumnRows, dt) == 2) {
-      (s.SH == 1 ? launch_column<TT, 1, false, 2> : launch_column<TT, 2, false, 2>)(s, x, w, bias, y, stream);
+      (s.SH == 1 ? launch_column<TT, 1, false, 2> : launch_column<TT, 2, false, 2>)(s, dt, x, w, bias, y, stream);
     } else {
-      (s.SH == 1 ? launch_column<TT, 1, false, 1> : launch_column<TT, 2, false, 1>)(s, x, w, bias, y, stream);
+      (s.SH == 1 ? launch_column<TT, 1, false, 1> : launch_column<TT, 2, false, 1>)(s, dt, x, w, bias, y, stream);
     }
   }
 }

@@ -132,6 +132,7 @@ struct Tiling {
   int images;    // NHWC forward/dgrad: images each block loops over (amortises its weight staging)
   int group_fastest;     // NHWC forward/dgrad: channel group is the fastest-varying block index
   int blocks_per_group;  // NHWC forward/dgrad: blocks of one channel group
+  int reverse;           // column walks: bands of rows from the last image to the first (COLUMN_REVERSE)
 };
 
 // Which tile a linear tile index names: tile_w varies fastest, then tile_h, then `outer` (the image,
@@ -392,6 +393,7 @@ enum class Knob {
   kWgradColumn,  // NHWC 3x3 weight gradient through the column-walking kernel (wgrad.cu)
   kFwdColumn,    // NHWC 3x3 column-walking forward (1), and the stride-1 input gradient too (2) (column.cu)
   kFwdColumnRows,  // column-walking forward: output rows per lane (1 or 2)
+  kColumnReverse,  // column-walking forward/input gradient: blocks walk the images last to first (1) or first to last (0)
   kCount
 };
 int knob(Knob k, DType dt);

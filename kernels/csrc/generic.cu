@@ -28,7 +28,7 @@ static int env_int(const char* name, int fallback) {
 int knob(Knob k, DType dt) {
   constexpr int kKnobs = static_cast<int>(Knob::kCount);
   static const char* names[kKnobs] = {"GROUP_FASTEST", "IMAGES", "WGRAD_BLOCKS_PER_SM", "NCHW_ROWS", "WGRAD_COLUMN",
-                                      "FWD_COLUMN",    "FWD_COLUMN_ROWS"};
+                                      "FWD_COLUMN",    "FWD_COLUMN_ROWS", "COLUMN_REVERSE"};
   static const char* suffix[] = {"F32", "F16", "BF16", "F64"};
   static int cache[kKnobs][4];
   static bool ready[kKnobs][4];
@@ -43,6 +43,7 @@ int knob(Knob k, DType dt) {
         {1, 1, 1, 0},     // WGRAD_COLUMN (NHWC 3x3 weight gradient: column-walking kernel)
         {2, 2, 2, 0},     // FWD_COLUMN (NHWC 3x3 column-walking forward; 2: also the stride-1 input gradient)
         {2, 1, 1, 1},     // FWD_COLUMN_ROWS (column-walking forward: output rows per lane)
+        {1, 1, 1, 1},     // COLUMN_REVERSE (column walks: images last to first, see column.cu)
     };
     const std::string base = std::string("MDW_") + names[ki];
     int v = env_int(base.c_str(), defaults[ki][di]);
