@@ -46,14 +46,15 @@ class StreamMode(str, Enum):
     dedicated = "dedicated"
 
 
+class StreamPriority(str, Enum):
+    auto = "auto"
+    normal = "normal"
+    high = "high"
+
+
 class DaliDecode(str, Enum):
     mixed = "mixed"
     cpu = "cpu"
-
-
-class DaliHandover(str, Enum):
-    zero_copy = "zero_copy"  # the dynamic executor's own output buffers, shared by DLPack
-    copy = "copy"  # the legacy executor: each batch copied into a tensor PyTorch owns
 
 
 @dataclass
@@ -77,10 +78,6 @@ class DaliConfig:
     # Share of images nvJPEG sends to the hardware JPEG decoder where the GPU has one (0..1). All of them on the
     # H200: 17.9k vs 15.9k img/s at DALI's 0.65, and the SMs stay free for training (docs/results/loader_h200.md).
     hw_decoder_load: float = 1.0
-    # How a batch reaches PyTorch. zero_copy: DALI's buffer itself (DLPack); DALI takes a buffer back only after a
-    # device-wide sync in a thread of its own. copy: one device copy per batch into PyTorch's memory, after which
-    # DALI reuses its buffer in stream order. Which is faster behind a busy GPU is not yet measured.
-    handover: DaliHandover = DaliHandover.zero_copy
     # Check every file's image signature / JPEG structure before DALI starts (DALI's decode errors do not name
     # the file); needed for data.skip_corrupt. Costs one small read at each end of every file.
     check_files: bool = True
@@ -145,6 +142,11 @@ class PerfConfig:
     # non-blocking stream of the run's own; auto: dedicated for data=dali (DALI-fed training 12.7k vs 10.2k img/s on
     # the H200, one A/B pair), the default stream otherwise. train.py and infer.py's evaluation follow it.
     stream: StreamMode = StreamMode.auto
+    # The scheduling priority of a dedicated stream: high lets the GPU start the run's kernels ahead of work queued
+    # on normal-priority streams (a loader's decoding), which then runs in the gaps. auto: high for data=dali
+    # (DALI-fed training 12.4k vs 12.0-12.2k img/s on the H200, two A/B pairs), normal otherwise. The default
+    # stream's priority cannot be changed, so high needs a dedicated stream.
+    stream_priority: StreamPriority = StreamPriority.auto
 
 
 @dataclass

@@ -961,8 +961,10 @@ def _findings(r: Report) -> None:
                          f"{r.other_thread_device_syncs_per_step:.1f} per step on threads other than the step's (median "
                          f"{r.other_thread_device_sync_ms_median:.2f} ms each): each waits for all work queued on the GPU, "
                          "the step's included, so whatever that thread does next waits for the training to drain",
-                         "DALI hands batches over by DLPack and takes each buffer back only after such a sync (its "
-                         "DLTensorGraveyard): with data=dali, compare data.dali.handover=copy",
+                         "DALI takes each batch's buffer back only after such a sync (its DLTensorGraveyard); it stalls "
+                         "DALI's buffer recycling, not the step, as long as the step does not wait for data (see the "
+                         "data wait); a captured step (cuda_graph) always has a whole replay queued, so keep "
+                         "DALI-fed steps eager (cuda_graph=auto does)",
                          "warn"))
     if r.gpu_span_ms_per_step and r.gpu_span_ms_per_step > 1.2 * r.host_step_ms_median:
         F.append(Finding("host runs ahead",

@@ -77,12 +77,11 @@ def test_val_labels_and_sizes_match_folder(digits):
         assert label_counts(labels) == label_counts(epoch(folder_val)[1])
 
 
-@pytest.mark.parametrize("handover", ["zero_copy", "copy"])
-def test_train_epoch_labels_match_folder(digits, handover):
+def test_train_epoch_labels_match_folder(digits):
     # 1437 = 3 * 479: with this batch size both loaders yield every image once and drop nothing.
-    dali_train, dali_val = build_loaders(data_cfg(digits, f"data.dali.handover={handover}", batch_size=479), CPU_FP32)
-    for loader in (dali_train, dali_val):  # zero_copy is the dynamic executor, copy the legacy one
-        assert loader._iterator._pipes[0].exec_dynamic is (handover == "zero_copy")
+    dali_train, dali_val = build_loaders(data_cfg(digits, batch_size=479), CPU_FP32)
+    for loader in (dali_train, dali_val):  # the dynamic executor: outputs handed over by DLPack, no copy
+        assert loader._iterator._pipes[0].exec_dynamic is True
     folder_train, _ = build_loaders(data_cfg(digits, loader="folder", batch_size=479), CPU_FP32)
     assert len(dali_train) == len(folder_train) == 3 and dali_train.num_samples == NUM_TRAIN
     first = None
@@ -116,12 +115,10 @@ def test_train_output_is_normalised_and_in_range(digits):
 # ------------------------------------------------------------------------------------- layout and lifetime
 
 
-@pytest.mark.parametrize("handover", ["zero_copy", "copy"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
-def test_channels_last_is_a_view_of_the_nhwc_batch(digits, dtype, handover):
-    """With either handover, the NHWC batch PyTorch receives is viewed as channels_last, not transposed."""
-    train, val = build_loaders(data_cfg(digits, f"data.dali.handover={handover}"),
-                               LoaderSpec(torch.device("cpu"), dtype, channels_last=True))
+def test_channels_last_is_a_view_of_the_nhwc_batch(digits, dtype):
+    """The NHWC batch PyTorch receives is viewed as channels_last, not transposed."""
+    train, val = build_loaders(data_cfg(digits), LoaderSpec(torch.device("cpu"), dtype, channels_last=True))
     for loader in (train, val):
         x, y = next(iter(loader))
         n = len(y)
@@ -141,10 +138,8 @@ def test_channels_first_is_contiguous_nchw(digits):
     assert x.is_contiguous() and x.shape == (64, 3, 21, 21)
 
 
-@pytest.mark.parametrize("handover", ["zero_copy", "copy"])
-def test_yielded_batches_stay_valid_while_dali_runs_on(digits, handover):
-    train, _ = build_loaders(data_cfg(digits, f"data.dali.handover={handover}"),
-                             LoaderSpec(torch.device("cpu"), torch.float16, channels_last=True))
+def test_yielded_batches_stay_valid_while_dali_runs_on(digits):
+    train, _ = build_loaders(data_cfg(digits), LoaderSpec(torch.device("cpu"), torch.float16, channels_last=True))
     kept, copies = [], []
     for _ in range(2):  # two epochs: DALI would have recycled its buffers several times over
         for x, y in train:
@@ -339,13 +334,11 @@ def test_gpu_output_dtype_layout_device(digits, decode, dtype, channels_last):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("handover", ["zero_copy", "copy"])
-def test_gpu_batches_survive_a_consumer_that_lags_behind_dali(digits, handover):
-    """The consumer's stream is held up before every hand-over (as a long training step would): with copy, the copy
-    runs late and DALI must not reuse its buffer before it; with zero_copy, the buffer must outlive the delay. Every
-    epoch must still deliver each image once, with its label."""
+def test_gpu_batches_survive_a_consumer_that_lags_behind_dali(digits):
+    """The consumer's stream is held up before every hand-over (as a long training step would): DALI's buffer must
+    outlive the delay. Every epoch must still deliver each image once, with its label."""
     spec = LoaderSpec(torch.device("cuda", 0), torch.float32, channels_last=True)
-    cfg = data_cfg(digits, "data.dali.decode=mixed", f"data.dali.handover={handover}", batch_size=479)
+    cfg = data_cfg(digits, "data.dali.decode=mixed", batch_size=479)
     train, _ = build_loaders(cfg, spec)
     folder_labels = epoch(build_loaders(data_cfg(digits, loader="folder", batch_size=479), CPU_FP32)[0])[1]
     with streams.issued_on(torch.cuda.Stream()):
@@ -382,13 +375,12 @@ def test_gpu_mixed_val_matches_folder(digits):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("handover", ["zero_copy", "copy"])
 @pytest.mark.parametrize("dedicated_stream", [False, True])
-def test_gpu_yielded_batches_stay_valid(digits, dedicated_stream, handover):
+def test_gpu_yielded_batches_stay_valid(digits, dedicated_stream):
     """Also on a dedicated stream (perf.stream=auto's choice for data=dali): DALI orders each handed-over batch
     after its own work on the consumer's current stream, whichever that is."""
     spec = LoaderSpec(torch.device("cuda", 0), torch.float16, channels_last=True)
-    train, _ = build_loaders(data_cfg(digits, "data.dali.decode=mixed", f"data.dali.handover={handover}"), spec)
+    train, _ = build_loaders(data_cfg(digits, "data.dali.decode=mixed"), spec)
     kept, sums = [], []
     with streams.issued_on(torch.cuda.Stream() if dedicated_stream else None):
         for _ in range(3):

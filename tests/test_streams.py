@@ -24,6 +24,15 @@ def test_a_cpu_run_has_no_stream_and_refuses_a_dedicated_one(run_dir):
     assert t.stream is None and t.summary_rows(t.fit())["CUDA stream"] == "none (cpu)"
 
 
+def test_high_priority_is_refused_where_there_is_no_dedicated_stream_to_give_it():
+    with pytest.raises(ValueError, match="perf.stream_priority=high sets a CUDA stream's priority, but this run's "
+                                         "device is cpu; use perf.stream_priority=normal"):
+        streams.resolve(compose(["perf.stream_priority=high", "data=dali"]), CPU)
+    with pytest.raises(Exception) as err:
+        compose(["perf.stream_priority=urgent"])
+    assert "expected one of [auto, normal, high]" in str(err.value) + str(err.value.__cause__)
+
+
 def test_an_unknown_mode_is_refused_with_the_choices():
     with pytest.raises(Exception) as err:
         compose(["perf.stream=side"])
@@ -42,12 +51,27 @@ GPU_RUN = ["device=cuda", "progress=false", "data=synthetic", "data.steps_per_ep
 @pytest.mark.gpu
 def test_auto_gives_dali_runs_a_dedicated_stream_and_others_the_default():
     stream, why = streams.resolve(compose(["data=dali"]), CUDA)
-    assert isinstance(stream, torch.cuda.Stream) and why == "dedicated (perf.stream=auto for data=dali)"
+    assert isinstance(stream, torch.cuda.Stream) and why == "dedicated, high priority (perf.stream=auto for data=dali)"
     assert stream != torch.cuda.default_stream()
     assert streams.resolve(compose(["data=synthetic"]), CUDA) == (None, "default (perf.stream=auto)")
     assert streams.resolve(compose(["data=dali", "perf.stream=default"]), CUDA) == (None, "default (perf.stream=default)")
     stream, why = streams.resolve(compose(["data=synthetic", "perf.stream=dedicated"]), CUDA)
     assert stream is not None and why == "dedicated (perf.stream=dedicated)"
+
+
+@pytest.mark.gpu
+def test_high_priority_goes_to_the_dedicated_stream_only():
+    normal, why = streams.resolve(compose(["data=dali", "perf.stream_priority=normal"]), CUDA)
+    assert why == "dedicated (perf.stream=auto for data=dali)"
+    high, why = streams.resolve(compose(["data=synthetic", "perf.stream=dedicated", "perf.stream_priority=high"]), CUDA)
+    assert why == "dedicated, high priority (perf.stream=dedicated)"
+    assert high.priority < normal.priority == 0  # CUDA: lower numbers run first; 0 is the default and the lowest
+    # auto: high for data=dali only
+    assert streams.resolve(compose(["data=dali"]), CUDA)[0].priority == high.priority
+    assert streams.resolve(compose(["data=synthetic", "perf.stream=dedicated"]), CUDA)[0].priority == 0
+    with pytest.raises(ValueError, match=r"but this run uses the default stream \(perf.stream=auto, data=synthetic\), "
+                                         r"whose priority is fixed; add perf.stream=dedicated"):
+        streams.resolve(compose(["data=synthetic", "perf.stream_priority=high"]), CUDA)
 
 
 @pytest.mark.gpu
