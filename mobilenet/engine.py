@@ -581,8 +581,7 @@ class Trainer:
         hparams = {
             "backend": self.backend_label, "amp": cfg.amp, "amp_dtype": enum_value(cfg.amp_dtype), "channels_last": cfg.channels_last,
             "data": cfg.data.name, "batch_size": cfg.data.batch_size, "resolution": cfg.data.resolution, "compile": cfg.compile,
-            "cuda_graph": self.graphed is not None, "stream": self.stream_state.split(" ")[0].rstrip(","),
-            "stream_priority": enum_value(self.cfg.perf.stream_priority),
+            "cuda_graph": self.graphed is not None, **streams.hparams(self.stream, self.device),
             "gpu": self.env.get("gpu", "none"), "torch": self.env["torch"],
             "cudnn": self.env["cudnn"], "world_size": self.dist.world_size,
         }

@@ -54,6 +54,15 @@ def resolve(cfg, device: torch.device) -> tuple[torch.cuda.Stream | None, str]:
     return torch.cuda.Stream(device), f"dedicated (perf.stream={mode}{why})"
 
 
+def hparams(stream: torch.cuda.Stream | None, device: torch.device) -> dict[str, str]:
+    """What the HParams view records about the stream a run used (not the setting that chose it)."""
+    if device.type != "cuda":
+        return {"stream": "none", "stream_priority": "none"}
+    if stream is None:
+        return {"stream": "default", "stream_priority": "normal"}
+    return {"stream": "dedicated", "stream_priority": "high" if stream.priority < 0 else "normal"}
+
+
 @contextmanager
 def issued_on(stream: torch.cuda.Stream | None):
     """Make `stream` the current stream for the block (nothing changes for None). It first waits for the work

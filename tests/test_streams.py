@@ -22,6 +22,7 @@ def test_a_cpu_run_has_no_stream_and_refuses_a_dedicated_one(run_dir):
         Trainer(compose([*CPU_FAST, "perf.stream=dedicated"]), run_dir)
     t = Trainer(compose(CPU_FAST), run_dir)
     assert t.stream is None and t.summary_rows(t.fit())["CUDA stream"] == "none (cpu)"
+    assert streams.hparams(t.stream, CPU) == {"stream": "none", "stream_priority": "none"}
 
 
 def test_high_priority_is_refused_where_there_is_no_dedicated_stream_to_give_it():
@@ -69,6 +70,10 @@ def test_high_priority_goes_to_the_dedicated_stream_only():
     # auto: high for data=dali only
     assert streams.resolve(compose(["data=dali"]), CUDA)[0].priority == high.priority
     assert streams.resolve(compose(["data=synthetic", "perf.stream=dedicated"]), CUDA)[0].priority == 0
+    # HParams record the stream that was used
+    assert streams.hparams(high, CUDA) == {"stream": "dedicated", "stream_priority": "high"}
+    assert streams.hparams(normal, CUDA) == {"stream": "dedicated", "stream_priority": "normal"}
+    assert streams.hparams(None, CUDA) == {"stream": "default", "stream_priority": "normal"}
     with pytest.raises(ValueError, match=r"but this run uses the default stream \(perf.stream=auto, data=synthetic\), "
                                          r"whose priority is fixed; add perf.stream=dedicated"):
         streams.resolve(compose(["data=synthetic", "perf.stream_priority=high"]), CUDA)
