@@ -29,17 +29,16 @@ from .config import enum_value
 
 def resolve(cfg, device: torch.device) -> tuple[torch.cuda.Stream | None, str]:
     """(the stream to issue the run's work on, or None for the default stream; a description for the summary).
-    The schema (config.StreamMode) has already refused any other value of perf.stream."""
-    mode = enum_value(cfg.perf.stream)
+    The schema (config.StreamMode, config.StreamPriority) has already refused any other value."""
+    mode, priority = enum_value(cfg.perf.stream), enum_value(cfg.perf.stream_priority)
     if device.type != "cuda":
         if mode == "dedicated":
             raise ValueError(f"perf.stream=dedicated issues the run's work on a CUDA stream, but this run's device is "
                              f"{device.type}; use perf.stream=auto or perf.stream=default")
-        if enum_value(cfg.perf.stream_priority) == "high":
+        if priority == "high":
             raise ValueError(f"perf.stream_priority=high sets a CUDA stream's priority, but this run's device is "
                              f"{device.type}; use perf.stream_priority=normal")
         return None, f"none ({device.type})"
-    priority = enum_value(cfg.perf.stream_priority)
     high = priority == "high" or (priority == "auto" and cfg.data.name == "dali")
     if mode == "default" or (mode == "auto" and cfg.data.name != "dali"):
         if priority == "high":
