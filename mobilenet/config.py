@@ -79,7 +79,8 @@ class DaliConfig:
     # H200: 17.9k vs 15.9k img/s at DALI's 0.65, and the SMs stay free for training (docs/results/loader_h200.md).
     hw_decoder_load: float = 1.0
     # Check every file's image signature / JPEG structure before DALI starts (DALI's decode errors do not name
-    # the file); needed for data.skip_corrupt. Costs one small read at each end of every file.
+    # the file, and DALI 2.4's CPU decoder has segfaulted instead of failing); needed for data.skip_corrupt. Costs
+    # one small read at each end of every file.
     check_files: bool = True
 
 
