@@ -209,7 +209,7 @@ def make_train_pipeline(cfg, files, labels, *, decode: str, on_gpu: bool, out_ty
     initial_fill = max(1, min(SHUFFLE_BUFFER, len(files) // max(1, num_shards)))
     decoder_extra = _decoder_args(cfg, decode)
 
-    @pipeline_def
+    @pipeline_def(exec_dynamic=True)
     def train_pipe():
         # pad_last_batch: each epoch ends at the shard's end (the padded last batch is dropped) instead of running
         # into the next epoch's samples, which would repeat images within one epoch.
@@ -238,7 +238,7 @@ def make_val_pipeline(cfg, files, labels, *, decode: str, on_gpu: bool, out_type
     res = cfg.resolution
     decoder_extra = _decoder_args(cfg, decode)
 
-    @pipeline_def
+    @pipeline_def(exec_dynamic=True)
     def val_pipe():
         jpegs, lbl = fn.readers.file(files=files, labels=labels, random_shuffle=False, pad_last_batch=True, name="Reader")
         images = fn.decoders.image(jpegs, device=decode, output_type=types.RGB, **decoder_extra)
@@ -381,8 +381,7 @@ def build(cfg, spec: LoaderSpec):
     out_type = _output_type(spec, types)
     common = dict(decode=decode, on_gpu=on_gpu, out_type=out_type, channels_last=spec.channels_last,
                   batch_size=cfg.batch_size, num_threads=dali_cfg.threads, device_id=device_id,
-                  prefetch_queue_depth=dali_cfg.prefetch,
-                  exec_dynamic=True)
+                  prefetch_queue_depth=dali_cfg.prefetch)
     # One seed per run and rank: ranks augment differently, and data.dali.seed / the run's seed both change it.
     seed = (dali_cfg.seed + 1000 * spec.seed + spec.rank) % (2**31)
 
