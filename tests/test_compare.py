@@ -11,24 +11,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from scripts_under_test import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARK = ROOT / "scripts" / "benchmark.py"
 COMPARE = ROOT / "scripts" / "compare.py"
 
 
-def _load_script(path: Path):
-    """scripts/ is not a package; load the script as a module without putting scripts/ on sys.path."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"scripts_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-benchmark = _load_script(BENCHMARK)
+benchmark = load_script("benchmark")
 
 TINY = ["--batch-size", "8", "--resolution", "32", "--width-mult", "0.25", "--warmup", "2", "--steps", "3",
         "--infer-warmup", "2", "--infer-steps", "3", "--compile", "false", "--data", "synthetic"]
@@ -245,7 +235,7 @@ def test_captured_combinations_that_cannot_run_here_are_skipped_with_the_reason(
         assert record["status"] == "skipped" and record["cuda_graph"] is True
         assert "cannot be captured: the run's device is cpu" in record["reason"]
         assert ("compile=true" in record["reason"]) == compiled
-    compare = _load_script(COMPARE)  # its table of what was not measured says these were the captured rows
+    compare = load_script("compare")  # its table of what was not measured says these were the captured rows
     listing = compare.markdown(compare.load_rows([tmp_path / "m"]), [])
     for compiled in ("False", "True"):
         assert f"| torch | fp32 | NCHW | {compiled} | on | synthetic | skipped |" in listing, listing

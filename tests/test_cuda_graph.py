@@ -10,6 +10,7 @@ from torch import nn
 from mobilenet import cuda_graph
 from mobilenet.config import compose
 from mobilenet.engine import Trainer, build_optimizer, load_checkpoint, warmup_cosine
+from scripts_under_test import load_script
 
 CUDA = torch.device("cuda")  # a device name only: resolve() is a pure function of the config and the device kind
 CPU_FAST = ["model.width_mult=0.25", "device=cpu", "progress=false", "perf.warmup_steps=1", "data=synthetic",
@@ -231,13 +232,7 @@ def _loss_step(model, opt, x, y):
 def test_perturbation_growth_reports_zero_gap_without_a_nudge_and_a_gap_with_one(capsys):
     """scripts/perturbation_growth.py, the evidence for comparing step by step above: on the CPU two identical runs
     end bit-identical, and a nudge shows."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "scripts" / "perturbation_growth.py"
-    spec = importlib.util.spec_from_file_location("perturbation_growth", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("perturbation_growth")
     small = ["device=cpu", "model.width_mult=0.25", "data.steps_per_epoch=3", "data.resolution=32", "data.batch_size=8"]
     gaps = {}
     for nudge in (0.0, 1e-3):
