@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-docs/results}
-STEPS=${STEPS:-"tests depthwise overhead loss profile graph matrix loader dali-train scaling"}
+STEPS=${STEPS:-"tests depthwise overhead loss profile inference-ab graph matrix loader dali-train scaling"}
 FAKE=${FAKE:-/tmp/fake-imagenet}
 mkdir -p "$OUT"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -18,6 +18,13 @@ if has profile; then
   python infer.py --profile backend=cudnn amp=true channels_last=false > "$OUT/profile_infer_cudnn_amp_nchw.txt" 2>&1
   python infer.py --profile backend=cudnn amp=true channels_last=true > "$OUT/profile_infer_cudnn_amp_cl.txt" 2>&1
   python train.py profile=true backend=custom amp=true channels_last=true data=synthetic > "$OUT/profile_train_custom_amp_cl.txt" 2>&1
+fi
+if has inference-ab; then
+  # fp16 channels_last inference, custom vs cudnn in one process, with and without COLUMN_REVERSE (docs/kernel_notes.md, v8).
+  for r in 1 2 3; do for rev in 0 1; do
+    MDW_COLUMN_REVERSE=$rev python scripts/inference_ab.py | tee "$OUT/inference_ab_rev${rev}_r$r.txt"
+  done; done
+  python infer.py --profile backend=custom amp=true channels_last=true > "$OUT/profile_infer_custom_amp_cl.txt" 2>&1
 fi
 if has graph; then
   # Eager vs the captured training step (docs/results/cuda_graph_h200.md), two alternating rounds.
@@ -42,6 +49,8 @@ if has dali-train; then
   python train.py data=synthetic $common 2>&1 | grep -E "img/s|data wait" | tee "$OUT/synthetic_train.txt"
   # What the dedicated stream buys (perf.stream=auto picks it for data=dali): the same DALI run on the default stream.
   python train.py data=dali data.root="$FAKE" perf.stream=default $common 2>&1 | grep -E "img/s|data wait" | tee "$OUT/dali_train_default_stream.txt"
+  # What the high priority buys (perf.stream_priority=auto picks it for data=dali): the same stream at normal priority.
+  python train.py data=dali data.root="$FAKE" perf.stream_priority=normal $common 2>&1 | grep -E "img/s|data wait" | tee "$OUT/dali_train_normal_priority.txt"
 fi
 if has scaling; then
   # The DDP acceptance: 1 GPU vs torchrun on 2, same config, back to back (the script sets NCCL_NVLS_ENABLE=0).
