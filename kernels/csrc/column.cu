@@ -245,7 +245,13 @@ void column_t(const ConvShape& s, DType dt, const void* x, const void* w, const 
   if constexpr (FLIP) {
     launch_column<TT, 1, true, 1>(s, dt, x, w, bias, y, stream);  // the input gradient: stride 1 only
   } else {
-    if (knob(Knob::kFwdColumnRows, dt) == 2) {
+    // Two output rows per lane load 4 input rows for 2 outputs instead of 3 for 1, at 2 steps in flight instead
+    // of 4 (16-bit registers). Auto (0) takes it where the rows are short: at stride 1 with OW <= 28 the per-row
+    // start (weights, first window) weighs most, and there it measured 5-17% faster per layer in the L2-warm
+    // benchmark (fp16: 512x14 0.048 -> 0.040 ms), while the 112- and 56-wide layers and every stride-2 layer
+    // were as fast or faster with one row (docs/kernel_notes.md, v9).
+    const int rows = knob(Knob::kFwdColumnRows, dt);
+    if (rows == 2 || (rows == 0 && s.SH == 1 && s.OW <= 28)) {
       (s.SH == 1 ? launch_column<TT, 1, false, 2> : launch_column<TT, 2, false, 2>)(s, dt, x, w, bias, y, stream);
     } else {
       (s.SH == 1 ? launch_column<TT, 1, false, 1> : launch_column<TT, 2, false, 1>)(s, dt, x, w, bias, y, stream);

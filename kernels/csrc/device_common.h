@@ -392,7 +392,7 @@ enum class Knob {
   kGroupFastest, kImages, kWgradBlocksPerSm, kNchwRows,
   kWgradColumn,  // NHWC 3x3 weight gradient through the column-walking kernel (wgrad.cu)
   kFwdColumn,    // NHWC 3x3 column-walking forward (1), and the stride-1 input gradient too (2) (column.cu)
-  kFwdColumnRows,  // column-walking forward: output rows per lane (1 or 2)
+  kFwdColumnRows,  // column-walking forward: output rows per lane (1 or 2; 0: by shape, see column.cu)
   kColumnReverse,  // column-walking forward/input gradient: blocks walk the images last to first (1) or first to last (0)
   kCount
 };

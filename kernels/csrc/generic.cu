@@ -42,7 +42,7 @@ int knob(Knob k, DType dt) {
         {2, 2, 2, 2},     // NCHW_ROWS (NCHW 3x3 stride 1 forward)
         {1, 1, 1, 0},     // WGRAD_COLUMN (NHWC 3x3 weight gradient: column-walking kernel)
         {2, 2, 2, 0},     // FWD_COLUMN (NHWC 3x3 column-walking forward; 2: also the stride-1 input gradient)
-        {2, 1, 1, 1},     // FWD_COLUMN_ROWS (column-walking forward: output rows per lane)
+        {2, 0, 0, 1},     // FWD_COLUMN_ROWS (column-walking forward: output rows per lane; 0: auto, see column.cu)
         {1, 1, 1, 1},     // COLUMN_REVERSE (column walks: images last to first, see column.cu)
     };
     const std::string base = std::string("MDW_") + names[ki];
