@@ -148,6 +148,11 @@ class PerfConfig:
     # (DALI-fed training 12.4k vs 12.0-12.2k img/s on the H200, two A/B pairs), normal otherwise. The default
     # stream's priority cannot be changed, so high needs a dedicated stream.
     stream_priority: StreamPriority = StreamPriority.auto
+    # CUDA_DEVICE_MAX_CONNECTIONS, the hardware work queues between host and GPU (CUDA's default 8), applied before
+    # the run creates its CUDA context: auto or 1..32. With 8, DALI's ~15 decoder streams share queues with the
+    # training stream and wait behind its kernels. auto: 32 for data=dali (DALI-fed training 13.1-13.6k vs 10.9-12.4k
+    # img/s eager, 13.8-14.1k vs 9.6k captured, on the H200), CUDA's default otherwise (mobilenet/streams.py).
+    max_connections: str = "auto"
 
 
 @dataclass
@@ -181,9 +186,10 @@ class Config:
     compile: bool = False
     # Capture the training step as one CUDA graph (mobilenet/cuda_graph.py): true = required (an error where the run
     # cannot be captured); auto = where it can and was measured to help, and the summary says which; false = eager.
-    # Off by default: on the H200 it buys 1-2% with synthetic data and loses with DALI (docs/results/cuda_graph_h200.md).
-    # Replayed steps match eager ones step by step (tests/test_cuda_graph.py, passed on the H200).
-    cuda_graph: str = "false"
+    # auto by default: on the H200 it buys 1-2% with synthetic data, and about 5% DALI-fed once DALI has 32 hardware work
+    # queues (perf.max_connections); docs/results/cuda_graph_h200.md. Replayed steps match eager ones step by step
+    # (tests/test_cuda_graph.py, passed on the H200).
+    cuda_graph: str = "auto"
     # BatchNorm statistics over all ranks (SyncBatchNorm); needs a process group (torchrun).
     sync_bn: bool = False
     dist: DistConfig = field(default_factory=DistConfig)

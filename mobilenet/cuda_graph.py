@@ -4,7 +4,8 @@ once as a CUDA graph and replayed, one graph launch per step instead of ~330 ker
 Why: at batch 256 on an H200, MobileNetV1's kernels take about as long as the host needs to launch them, so the
 eager loop is close to host-bound, and on a slow host day every microsecond added per launch shows in img/s (the
 custom backend's Python autograd wrappers; DALI's decoder threads sharing the CUDA context). Measured gain on a day
-the host kept up: 1-2%; with DALI it is a loss (docs/results/cuda_graph_h200.md).
+the host kept up: 1-2% (docs/results/cuda_graph_h200.md); DALI-fed, with 32 hardware work queues, about 5%
+(docs/results/loader_h200.md), and a loss with CUDA's default 8.
 
 What a captured step needs, and how it is met here:
 - fixed input buffers: each batch is copied into the captured step's own input tensors (one device copy);
@@ -57,10 +58,12 @@ def blockers(cfg, device: torch.device, distributed: bool) -> list[str]:
 
 def measured_slower(cfg) -> list[str]:
     """Runs that can be captured but were measured slower captured; `auto` leaves them eager, `true` captures them."""
-    if cfg.data.name == "dali":
-        return ["data=dali: with the step captured the GPU has no idle gaps, DALI's decoding waits behind the "
-                "training kernels, and the loader fell to 9.4k img/s against 12.7k eager on the H200 (also on a dedicated "
-                "stream; docs/results/loader_h200.md)"]
+    queues = streams.connections_in_force()
+    if cfg.data.name == "dali" and queues < streams.MAX_CONNECTIONS:
+        return [f"data=dali with {queues} CUDA hardware work queues: DALI's decoder streams share queues with the "
+                "replayed step and wait behind whole replays (9.6k img/s captured against 12.4k eager on the H200); "
+                f"with {streams.MAX_CONNECTIONS} queues (perf.max_connections=auto's choice for data=dali) captured was "
+                "the fastest, 13.8-14.1k against 13.1-13.6k eager (docs/results/loader_h200.md)"]
     return []
 
 

@@ -288,7 +288,10 @@ class Trainer:
         names it in summaries and hparams."""
         self.cfg = cfg
         self.run_dir = Path(run_dir)
+        self.queues_state = streams.apply_max_connections(cfg)  # before anything creates the CUDA context
         self.dist, self.device = distributed.init(resolve_device(cfg.device), cfg.dist.timeout_s)
+        if self.device.type != "cuda":
+            self.queues_state = f"none ({self.device.type})"
         validate(cfg, self.device)
         self.overrides = overrides
         self.stream, self.stream_state = streams.resolve(cfg, self.device)
@@ -553,6 +556,7 @@ class Trainer:
         rows = config_rows(cfg, self.device, self.env, self.backend_label)
         rows["CUDA graph"] = self.cuda_graph_state
         rows["CUDA stream"] = self.stream_state
+        rows["CUDA work queues"] = self.queues_state
         if self.dist.enabled:
             rows["ranks"] = self.dist.world_size
         if tp is not None:
@@ -582,6 +586,7 @@ class Trainer:
             "backend": self.backend_label, "amp": cfg.amp, "amp_dtype": enum_value(cfg.amp_dtype), "channels_last": cfg.channels_last,
             "data": cfg.data.name, "batch_size": cfg.data.batch_size, "resolution": cfg.data.resolution, "compile": cfg.compile,
             "cuda_graph": self.graphed is not None, **streams.hparams(self.stream, self.device),
+            "max_connections": streams.connections_in_force() if self.device.type == "cuda" else 0,
             "gpu": self.env.get("gpu", "none"), "torch": self.env["torch"],
             "cudnn": self.env["cudnn"], "world_size": self.dist.world_size,
         }

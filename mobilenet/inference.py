@@ -15,6 +15,7 @@ from .reporting import environment, print_summary
 
 
 def _setup(cfg, checkpoint: str | None, num_classes: int | None = None):
+    streams.apply_max_connections(cfg)  # before anything creates the CUDA context
     device = resolve_device(cfg.device)
     validate(cfg, device)
     torch.backends.cudnn.benchmark = True
@@ -81,6 +82,7 @@ def evaluate_checkpoint(cfg, checkpoint: str) -> tuple[float, float]:
         top1, top5, n, tp = evaluate(forward, val, device, amp_dtype)
     rows = config_rows(cfg, device, environment(device))
     rows["CUDA stream"] = stream_state
+    rows["CUDA work queues"] = str(streams.connections_in_force()) if device.type == "cuda" else "none (cpu)"
     rows.update({"checkpoint": checkpoint, "val top-1 %": top1, "val top-5 %": top5, "val images": n, "img/s": tp.img_s})
     print_summary("evaluation", rows)
     return top1, top5

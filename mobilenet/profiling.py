@@ -964,8 +964,7 @@ def _findings(r: Report) -> None:
                          "the step's included, so whatever that thread does next waits for the training to drain",
                          "DALI takes each batch's buffer back only after such a sync (its DLTensorGraveyard); it stalls "
                          "DALI's buffer recycling, not the step, as long as the step does not wait for data (see the "
-                         "data wait); a captured step (cuda_graph) always has a whole replay queued, so keep "
-                         "DALI-fed steps eager (cuda_graph=auto does)",
+                         "data wait)",
                          "warn"))
     if r.gpu_span_ms_per_step and r.gpu_span_ms_per_step > 1.2 * r.host_step_ms_median:
         F.append(Finding("host runs ahead",

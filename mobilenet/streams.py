@@ -13,6 +13,15 @@ kernels ahead of work waiting on normal-priority streams, such as DALI's decodin
 training measured 12.4k (twice) against 12.0k and 12.2k img/s at normal priority, two A/B pairs, and synthetic data
 15.0k either way, so `auto` gives data=dali runs the high priority.
 
+`perf.max_connections=auto|1..32` sets CUDA_DEVICE_MAX_CONNECTIONS, the number of hardware work queues through which
+the host feeds the GPU (CUDA's default: 8). Streams beyond that share queues, and work in one queue runs in order,
+so a stream that shares a queue with the training stream waits behind the training kernels queued before its own
+work, although the two are independent. DALI's decoder uses about 15 streams. With 32 queues, DALI-fed training on
+the H200 went from 10.9-12.4k to 13.1-13.6k img/s eager, and captured (cuda_graph=true) from 9.6k to 13.8-14.1k,
+against 15.0k on synthetic data, which 32 queues left unchanged (docs/results/loader_h200.md, eighth session). `auto` gives data=dali runs 32 and leaves other runs at CUDA's default, unless
+the environment already sets the variable. It must be set before the process creates its CUDA context, so train.py
+and infer.py apply it before they touch the GPU.
+
 A dedicated stream is created with `torch.cuda.Stream()`, which PyTorch makes non-blocking. The run's model, optimizer
 state and batches are created on it (so autograd's gradient accumulation runs on the stream that produces the
 gradients), and the stream is ordered after the work queued before it and before the work queued after it.
@@ -20,11 +29,97 @@ gradients), and the stream is ordered after the work queued before it and before
 
 from __future__ import annotations
 
+import logging
+import os
 from contextlib import contextmanager
 
 import torch
 
 from .config import enum_value
+
+log = logging.getLogger(__name__)
+
+CONNECTIONS_ENV = "CUDA_DEVICE_MAX_CONNECTIONS"
+CUDA_DEFAULT_CONNECTIONS = 8  # what CUDA uses when the variable is not set
+MAX_CONNECTIONS = 32  # CUDA's upper limit; also what auto gives data=dali runs
+# What apply_max_connections wrote into the environment (so that a later run in the same process does not take it
+# for the user's setting), and the queue count it knows to be in force (None: not applied yet).
+_written: str | None = None
+_in_force: int | None = None
+
+
+def parse_max_connections(value) -> int | None:
+    """perf.max_connections as a queue count, or None for auto; a clear error for anything else."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return None
+    n = int(text) if text.isdigit() else 0
+    if not 1 <= n <= MAX_CONNECTIONS:
+        raise ValueError(f"perf.max_connections={value!r} is not a choice: use auto or a whole number of hardware work "
+                         f"queues from 1 to {MAX_CONNECTIONS} (CUDA_DEVICE_MAX_CONNECTIONS; CUDA's default is "
+                         f"{CUDA_DEFAULT_CONNECTIONS})")
+    return n
+
+
+def _user_connections() -> int | None:
+    """The queue count the environment sets, unless this module wrote it."""
+    raw = os.environ.get(CONNECTIONS_ENV)
+    if raw is None or raw == _written:
+        return None
+    if not raw.strip().isdigit():
+        raise ValueError(f"the environment sets {CONNECTIONS_ENV}={raw!r}, which is not a whole number of queues; "
+                         f"unset it or set 1..{MAX_CONNECTIONS}")
+    return int(raw)
+
+
+def apply_max_connections(cfg) -> str:
+    """Set CUDA_DEVICE_MAX_CONNECTIONS for perf.max_connections, before this process creates its CUDA context; return
+    a description for the summary. An explicit value that can no longer take effect (CUDA already initialised with
+    another count) is an error; auto says so in the summary and the log, and goes on."""
+    global _written, _in_force
+    asked = parse_max_connections(cfg.perf.max_connections)
+    if enum_value(cfg.device) == "cpu":
+        return "none (cpu)"
+    env = _user_connections()
+    if asked is not None:
+        want, why = asked, f"perf.max_connections={asked}"
+        if env is not None and env != asked:
+            log.warning("perf.max_connections=%d replaces %s=%d from the environment", asked, CONNECTIONS_ENV, env)
+    elif env is not None:
+        want, why = env, f"{CONNECTIONS_ENV}={env} in the environment, perf.max_connections=auto"
+    elif cfg.data.name == "dali":
+        want, why = MAX_CONNECTIONS, "perf.max_connections=auto for data=dali"
+    else:
+        want, why = CUDA_DEFAULT_CONNECTIONS, "CUDA's default, perf.max_connections=auto"
+    if torch.cuda.is_initialized():
+        in_force = connections_in_force()
+        if in_force != want:
+            msg = (f"{want} hardware work queues ({why}) cannot take effect: this process initialised CUDA earlier with "
+                   f"{in_force}. Set {CONNECTIONS_ENV}={want} in the environment before starting Python")
+            if asked is not None:
+                raise RuntimeError(msg)
+            log.warning(msg)
+            return f"{in_force} (CUDA was initialised before this run; auto wanted {want})"
+        return f"{in_force} ({why})"
+    if env is None:  # the environment holds nothing of the user's: set ours, or leave CUDA's default unset
+        if asked is None and want == CUDA_DEFAULT_CONNECTIONS:
+            os.environ.pop(CONNECTIONS_ENV, None)
+            _written = None
+        else:
+            _written = os.environ[CONNECTIONS_ENV] = str(want)
+    elif env != want:
+        _written = os.environ[CONNECTIONS_ENV] = str(want)
+    _in_force = want
+    return f"{want} ({why})"
+
+
+def connections_in_force() -> int:
+    """The hardware work queues of this process's CUDA context, as far as this process can know: what
+    apply_max_connections set, else the environment's setting, else CUDA's default."""
+    if _in_force is not None:
+        return _in_force
+    raw = os.environ.get(CONNECTIONS_ENV, "")
+    return int(raw) if raw.strip().isdigit() else CUDA_DEFAULT_CONNECTIONS
 
 
 def resolve(cfg, device: torch.device) -> tuple[torch.cuda.Stream | None, str]:

@@ -11,7 +11,11 @@ mkdir -p "$OUT"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
 has tests && python -m pytest -q -m gpu 2>&1 | tail -5 | tee "$OUT/gpu_tests.log"
-has depthwise && python scripts/bench_depthwise.py --out "$OUT/depthwise_h200"
+if has depthwise; then
+  python scripts/bench_depthwise.py --out "$OUT/depthwise_h200"
+  # The layers as the model runs them: each input written by a producer kernel just before (docs/kernel_notes.md, v9).
+  python scripts/bench_depthwise.py --dtypes fp16,bf16 --layouts nhwc --backends cudnn,custom --modes fwd --repeats 10 --l2 warm --out "$OUT/depthwise_h200_l2warm"
+fi
 has overhead && python scripts/check_engine_overhead.py --steps 300 --warmup 40 --rounds 3 --out "$OUT/engine_overhead_h200.md" || true
 has loss && python scripts/compare_loss_curves.py --backends custom,cudnn --steps 100 --out "$OUT/loss_curves_custom_vs_cudnn.md" || true
 if has profile; then
@@ -23,6 +27,10 @@ if has inference-ab; then
   # fp16 channels_last inference, custom vs cudnn in one process, with and without COLUMN_REVERSE (docs/kernel_notes.md, v8).
   for r in 1 2 3; do for rev in 0 1; do
     MDW_COLUMN_REVERSE=$rev python scripts/inference_ab.py | tee "$OUT/inference_ab_rev${rev}_r$r.txt"
+  done; done
+  # ... and with one output row per lane everywhere (1) against the default, two on short stride-1 rows (0: auto; v9).
+  for r in 1 2 3; do for rows in 1 0; do
+    MDW_FWD_COLUMN_ROWS_F16=$rows MDW_FWD_COLUMN_ROWS_BF16=$rows python scripts/inference_ab.py | tee "$OUT/inference_ab_rows${rows}_r$r.txt"
   done; done
   python infer.py --profile backend=custom amp=true channels_last=true > "$OUT/profile_infer_custom_amp_cl.txt" 2>&1
 fi
@@ -43,10 +51,16 @@ if has loader || has dali-train; then
 fi
 has loader && python scripts/bench_loader.py --root "$FAKE" --threads "$(nproc)" --out "$OUT/loader_h200.md"
 if has dali-train; then
-  # The DALI acceptance: the same command with data=dali and with data=synthetic, back to back.
-  common="backend=cudnn amp=true channels_last=true epochs=2 data.steps_per_epoch=300 evaluate=false save_checkpoints=false progress=false"
-  python train.py data=dali data.root="$FAKE" $common 2>&1 | grep -E "img/s|data wait" | tee "$OUT/dali_train.txt"
-  python train.py data=synthetic $common 2>&1 | grep -E "img/s|data wait" | tee "$OUT/synthetic_train.txt"
+  # The DALI acceptance: the same command with data=dali and with data=synthetic, back to back, twice.
+  common="backend=cudnn amp=true channels_last=true epochs=2 data.steps_per_epoch=200 evaluate=false save_checkpoints=false progress=false"
+  for r in 1 2; do
+    python train.py data=synthetic $common 2>&1 | grep -E "img/s|data wait|CUDA graph|work queues" | tee "$OUT/synthetic_train_r$r.txt"
+    python train.py data=dali data.root="$FAKE" $common 2>&1 | grep -E "img/s|data wait|CUDA graph|work queues" | tee "$OUT/dali_train_r$r.txt"
+  done
+  # What 32 hardware work queues buy (perf.max_connections=auto picks them for data=dali), captured and eager.
+  python train.py data=dali data.root="$FAKE" perf.max_connections=8 cuda_graph=true $common 2>&1 | grep -E "img/s|data wait" | tee "$OUT/dali_train_8_queues_captured.txt"
+  python train.py data=dali data.root="$FAKE" perf.max_connections=8 cuda_graph=false $common 2>&1 | grep -E "img/s|data wait" | tee "$OUT/dali_train_8_queues_eager.txt"
+  python train.py data=dali data.root="$FAKE" cuda_graph=false $common 2>&1 | grep -E "img/s|data wait" | tee "$OUT/dali_train_eager.txt"
   # What the dedicated stream buys (perf.stream=auto picks it for data=dali): the same DALI run on the default stream.
   python train.py data=dali data.root="$FAKE" perf.stream=default $common 2>&1 | grep -E "img/s|data wait" | tee "$OUT/dali_train_default_stream.txt"
   # What the high priority buys (perf.stream_priority=auto picks it for data=dali): the same stream at normal priority.

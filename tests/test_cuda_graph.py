@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from mobilenet import cuda_graph
+from mobilenet import cuda_graph, streams
 from mobilenet.config import compose
 from mobilenet.engine import Trainer, build_optimizer, load_checkpoint, warmup_cosine
 from scripts_under_test import load_script
@@ -24,18 +24,22 @@ def test_hydra_spellings_of_the_mode_are_accepted_and_others_refused(run_dir):
         Trainer(compose([*CPU_FAST, "cuda_graph=yes"]), run_dir)
 
 
-def test_a_capturable_gpu_run_is_captured_under_auto_and_true_and_the_default_is_eager():
-    for mode in ("auto", "true"):
-        on, why = cuda_graph.resolve(compose([f"cuda_graph={mode}"]), CUDA, distributed=False)
+def test_a_capturable_gpu_run_is_captured_under_auto_the_default_and_true_and_not_under_false():
+    for overrides, mode in (([], "auto"), (["cuda_graph=auto"], "auto"), (["cuda_graph=true"], "true")):
+        on, why = cuda_graph.resolve(compose(overrides), CUDA, distributed=False)
         assert on and why == f"on (cuda_graph={mode})"
-    for overrides in ([], ["cuda_graph=false"]):
-        assert cuda_graph.resolve(compose(overrides), CUDA, distributed=False) == (False, "off (cuda_graph=false)")
+    assert cuda_graph.resolve(compose(["cuda_graph=false"]), CUDA, distributed=False) == (False, "off (cuda_graph=false)")
 
 
-def test_auto_leaves_dali_runs_eager_where_capture_was_measured_slower_and_true_still_captures():
+def test_auto_captures_dali_runs_only_with_32_work_queues_and_true_captures_them_anyway(monkeypatch):
+    # The queue count this process would give its CUDA context (streams.apply_max_connections sets it in a real run).
+    monkeypatch.setattr(streams, "_in_force", None)
+    monkeypatch.delenv(streams.CONNECTIONS_ENV, raising=False)
     on, why = cuda_graph.resolve(compose(["data=dali", "cuda_graph=auto"]), CUDA, distributed=False)
-    assert not on and "data=dali" in why and "9.4k img/s" in why
+    assert not on and "data=dali with 8 CUDA hardware work queues" in why and "9.6k img/s captured" in why
     assert cuda_graph.resolve(compose(["data=dali", "cuda_graph=true"]), CUDA, distributed=False) == (True, "on (cuda_graph=true)")
+    monkeypatch.setenv(streams.CONNECTIONS_ENV, "32")
+    assert cuda_graph.resolve(compose(["data=dali", "cuda_graph=auto"]), CUDA, distributed=False) == (True, "on (cuda_graph=auto)")
 
 
 @pytest.mark.parametrize("overrides, device, distributed, reason", [

@@ -1,5 +1,11 @@
 """perf.stream=auto|default|dedicated: which CUDA stream a run issues its work on, and (on the GPU) that a dedicated
-stream is ordered against the default one and trains like it."""
+stream is ordered against the default one and trains like it. perf.max_connections: the CUDA hardware work queues,
+set in the environment before the CUDA context exists."""
+
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -41,12 +47,68 @@ def test_an_unknown_mode_is_refused_with_the_choices():
     assert "perf.stream=side" in text and "expected one of [auto, default, dedicated]" in text
 
 
+# A fresh interpreter: CUDA_DEVICE_MAX_CONNECTIONS only counts before the process creates its CUDA context, and each
+# scenario below runs in the order a user's runs would, in one process.
+MAX_CONNECTIONS_SCENARIOS = r"""
+import json, os
+from mobilenet import streams
+from mobilenet.config import compose
+out = []
+for overrides in (["data=dali"], ["data=synthetic"], ["data=synthetic", "perf.max_connections=16"],
+                  ["data=dali", "device=cpu"]):
+    state = streams.apply_max_connections(compose(overrides))
+    out.append([state, os.environ.get(streams.CONNECTIONS_ENV), streams.connections_in_force()])
+print(json.dumps(out))
+"""
+
+
+def _max_connections_scenarios(env_value: str | None) -> list:
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+    if env_value is not None:
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = env_value
+    done = subprocess.run([sys.executable, "-c", MAX_CONNECTIONS_SCENARIOS], env=env, capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_max_connections_auto_gives_dali_32_queues_and_leaves_other_runs_at_cuda_default():
+    assert _max_connections_scenarios(None) == [
+        ["32 (perf.max_connections=auto for data=dali)", "32", 32],
+        ["8 (CUDA's default, perf.max_connections=auto)", None, 8],  # the 32 written for DALI is taken back
+        ["16 (perf.max_connections=16)", "16", 16],
+        ["none (cpu)", "16", 16],  # a CPU run leaves the environment alone
+    ]
+
+
+def test_max_connections_auto_keeps_the_environments_setting_and_an_explicit_value_replaces_it():
+    assert _max_connections_scenarios("4") == [
+        ["4 (CUDA_DEVICE_MAX_CONNECTIONS=4 in the environment, perf.max_connections=auto)", "4", 4],
+        ["4 (CUDA_DEVICE_MAX_CONNECTIONS=4 in the environment, perf.max_connections=auto)", "4", 4],
+        ["16 (perf.max_connections=16)", "16", 16],
+        ["none (cpu)", "16", 16],
+    ]
+
+
+@pytest.mark.parametrize("value", ["0", "33", "many", "-1", "1.5"])
+def test_a_bad_max_connections_is_refused_with_the_allowed_range(run_dir, value):
+    with pytest.raises(ValueError, match=r"perf.max_connections='?" + value.replace(".", r"\.")
+                       + r"'? is not a choice: use auto or a whole number of hardware work queues from 1 to 32"):
+        Trainer(compose([*CPU_FAST, f"perf.max_connections={value}"]), run_dir)
+
+
+def test_a_cpu_run_reports_no_work_queues(run_dir):
+    t = Trainer(compose([*CPU_FAST, "data=synthetic"]), run_dir)
+    assert t.summary_rows(t.fit())["CUDA work queues"] == "none (cpu)"
+
+
 # --- on the GPU ------------------------------------------------------------------------------------------------
 
 CUDA = torch.device("cuda")
 GPU_RUN = ["device=cuda", "progress=false", "data=synthetic", "data.steps_per_epoch=6", "data.num_classes=100",
            "data.batch_size=32", "data.resolution=64", "evaluate=false", "save_checkpoints=false", "epochs=1",
-           "perf.warmup_steps=2", "perf.log_every=1", "backend=custom", "amp=true", "channels_last=true"]
+           "perf.warmup_steps=2", "perf.log_every=1", "backend=custom", "amp=true", "channels_last=true",
+           "cuda_graph=false"]  # eager steps: the forward hooks below see every step's stream
 
 
 @pytest.mark.gpu
@@ -112,3 +174,15 @@ def test_a_dedicated_stream_run_issues_its_steps_there_and_trains_like_the_defau
     ded, dft = [v for _, v in result.losses], [v for _, v in runs["default"][2].losses]
     assert len(ded) == len(dft) == 6 and ded[0] == pytest.approx(dft[0], rel=1e-3)
     assert ded[1] == pytest.approx(dft[1], rel=1e-2)
+
+
+@pytest.mark.gpu
+def test_max_connections_that_can_no_longer_take_effect_is_an_error_when_asked_and_a_note_under_auto():
+    torch.cuda.init()  # this process's CUDA context now exists with whatever count was in force
+    in_force = streams.connections_in_force()
+    other = 3 if in_force != 3 else 5
+    with pytest.raises(RuntimeError, match=f"{other} hardware work queues \\(perf.max_connections={other}\\) cannot take "
+                                           f"effect: this process initialised CUDA earlier with {in_force}"):
+        streams.apply_max_connections(compose(["data=synthetic", f"perf.max_connections={other}"]))
+    state = streams.apply_max_connections(compose(["data=dali"]))
+    assert state.startswith(f"{in_force} (") and (in_force == 32 or "auto wanted 32" in state)
