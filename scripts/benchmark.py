@@ -4,7 +4,8 @@
     python scripts/benchmark.py [--backends torch,cudnn,custom] [--amp off,fp16,bf16] [--channels-last false,true]
                                 [--compile false,true] [--data synthetic,dali] [--cuda-graph false]
                                 [--batch-size 256] [--resolution 224]
-                                [--warmup 20] [--steps 100] [--out runs/matrix-<time>] [-- HYDRA OVERRIDES ...]
+                                [--warmup 20] [--steps 100] [--repeats 1] [--out runs/matrix-<time>]
+                                [-- HYDRA OVERRIDES ...]
     python scripts/compare.py runs/matrix-<time>
 
 Every combination runs in its own subprocess with its own run directory under --out: torch.compile caches and
@@ -27,6 +28,12 @@ amp=fp16, DALI not installed, no --data-root for data=dali, timm not installed);
 only its benchmark.json, so compare.py lists it with that reason; so does a combination that --time-budget left
 unstarted. A run directory whose benchmark.json says "ok"
 is not measured again when the same --out is used again: an interrupted matrix continues where it stopped.
+
+--repeats N measures every combination N times, each time in a process of its own, in rounds: every combination once,
+then every combination again, so that the runs of a pair (custom and cudnn of one setting) alternate. Round k > 1
+writes to `<combination>,repeat=k`. compare.py turns the runs of one combination into their median and shows their
+spread: some rows (compiled training above all) differ by several percent from one process to the next, more than
+the differences a matrix is read for.
 """
 
 from __future__ import annotations
@@ -120,6 +127,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=100, help="timed training steps (default 100)")
     p.add_argument("--infer-warmup", type=int, default=20, help="untimed inference steps (default 20)")
     p.add_argument("--infer-steps", type=int, default=100, help="timed inference steps (default 100)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="measure every combination this many times, in rounds, each in its own process (default 1)")
     p.add_argument("--data-root", help="ImageFolder (DIR/train, DIR/val) for data=dali; without it dali rows are skipped")
     p.add_argument("--out", help="the matrix's runs directory (default runs/matrix-<time>); reused: finished runs are kept")
     p.add_argument("--force", action="store_true", help="measure again the runs --out already holds as ok")
@@ -149,6 +158,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup < 0 or args.infer_warmup < 0:
         p.error("--warmup and --infer-warmup must be >= 0")
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
         p.error(f"Hydra overrides look like key=value, got {bad}")
@@ -299,9 +310,10 @@ def main(argv: list[str]) -> int:
     longest: dict[bool, float] = {}  # the longest run so far, eager and compiled: what the next one may need
     prechecks = Prechecks()
     records: list[dict] = []
-    print(f"{len(combos)} combinations -> {out}", flush=True)
-    for i, combo in enumerate(combos, 1):
-        run_dir = out / combo.name
+    rounds = [(k, combo) for k in range(1, args.repeats + 1) for combo in combos]
+    print(f"{len(combos)} combinations" + (f" x {args.repeats} rounds" if args.repeats > 1 else "") + f" -> {out}", flush=True)
+    for i, (k, combo) in enumerate(rounds, 1):
+        run_dir = out / (combo.name if k == 1 else f"{combo.name},repeat={k}")
         overrides = hydra_overrides(combo, args)
         previous = run_dir / SPEC_FILE
         earlier = json.loads(previous.read_text()) if previous.is_file() else {}
@@ -311,6 +323,8 @@ def main(argv: list[str]) -> int:
             record = {**earlier, "note": "kept from an earlier invocation"}
             longest[combo.compile] = max(longest.get(combo.compile, 0.0), earlier.get("seconds", 0.0))
         elif reason := prechecks.reason(combo, overrides):
+            if k > 1:
+                continue  # said once, in the first round
             record = _record(combo, overrides, "skipped", reason)
             if not args.dry_run:
                 _leave_record(run_dir, record)
@@ -328,7 +342,7 @@ def main(argv: list[str]) -> int:
                 record = run_combo(combo, run_dir, overrides, args, timeout)
                 longest[combo.compile] = max(longest.get(combo.compile, 0.0), record["seconds"])
         records.append(record)
-        print(f"[{i}/{len(combos)}] {combo.name}: {_one_line(record)}", flush=True)
+        print(f"[{i}/{len(rounds)}] {run_dir.name}: {_one_line(record)}", flush=True)
     print_table(records, out)
     if any(r["status"] == "not started" for r in records):
         print("some combinations did not start within --time-budget: run the same command again to continue "

@@ -8,7 +8,9 @@ logged (hparams plugin data: backend, amp, amp_dtype, channels_last, compile, cu
 resolution, gpu, torch, cudnn; runs older than the cuda_graph option show it blank) and the last value of the
 scalars perf/train_img_s and perf/infer_img_s (plus perf/compute_img_s, perf/step_ms and sys/max_mem_gb where
 present). Combinations that scripts/benchmark.py skipped or that failed (their
-benchmark.json says so) are listed with their reason.
+benchmark.json says so) are listed with their reason. Runs of one combination (scripts/benchmark.py --repeats N, or
+the same combination measured again) become one row: the median of each scalar, with the number of runs and the
+min-max of training and inference img/s; ratios and speed-ups are taken between those medians.
 
 Writes DIR/NAME.md (also printed), DIR/NAME.csv and DIR/NAME.png (DIR defaults to the first RUNS_DIR). Exit status:
 0; 1 when batch size or resolution differ between runs (img/s would not be comparable) unless --allow-mixed;
@@ -21,6 +23,7 @@ import argparse
 import csv
 import json
 import math
+import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +62,8 @@ class Row:
     torch: str = ""
     cudnn: str = ""
     metrics: dict[str, float] = field(default_factory=dict)
+    runs: int = 1  # how many runs of this combination the metrics are the median of
+    spread: dict[str, tuple[float, float]] = field(default_factory=dict)  # (min, max) over those runs
     train_speedup: float = math.nan
     infer_speedup: float = math.nan
 
@@ -184,15 +189,32 @@ def add_speedups(rows: list[Row]) -> list[str]:
     return notes
 
 
-def duplicates(rows: list[Row]) -> list[str]:
-    seen: dict[tuple, str] = {}
-    notes = []
+def combine_repeats(rows: list[Row]) -> tuple[list[Row], list[str]]:
+    """One row per combination: the finished runs of one combination become their first row, holding the median of
+    each scalar they all have, their count and the (min, max) of train and infer img/s. Rows that did not finish stay
+    as they are. Returns the rows and a note when any were combined."""
+    groups: dict[tuple, list[Row]] = {}
+    out: list[Row] = []
     for r in rows:
+        if r.status == "ok" and r.key in groups:
+            groups[r.key].append(r)
+            continue
         if r.status == "ok":
-            if r.key in seen:
-                notes.append(f"WARNING: runs {seen[r.key]!r} and {r.run!r} measure the same combination; both are listed")
-            seen.setdefault(r.key, r.run)
-    return notes
+            groups[r.key] = [r]
+        out.append(r)
+    combined = [g for g in groups.values() if len(g) > 1]
+    for group in combined:
+        head = group[0]
+        shared = set.intersection(*(set(g.metrics) for g in group))
+        head.spread = {k: (min(g.metrics[k] for g in group), max(g.metrics[k] for g in group)) for k in REQUIRED_SCALARS}
+        head.metrics = {k: statistics.median(g.metrics[k] for g in group) for k in head.metrics if k in shared}
+        head.runs = len(group)
+    notes = []
+    if combined:
+        notes.append(f"{len(combined)} combination(s) measured more than once ({sum(len(g) for g in combined)} runs): "
+                     "each such row shows the median of its runs; the runs column and the min-max columns give their "
+                     "count and spread")
+    return out, notes
 
 
 def mixed_settings(rows: list[Row]) -> dict[str, str]:
@@ -230,6 +252,11 @@ def _speed(v: float) -> str:
     return "" if math.isnan(v) else f"{v:.2f}x"
 
 
+def _span(r: Row, metric: str) -> str:
+    low, high = r.spread.get(metric, (None, None))
+    return "" if low is None else f"{_num(low)}-{_num(high)}"
+
+
 def markdown(rows: list[Row], notes: list[str]) -> str:
     ok = sorted((r for r in rows if r.status == "ok"), key=lambda r: -r.metrics["train_img_s"])
     other = sorted((r for r in rows if r.status != "ok"), key=_order)
@@ -246,15 +273,20 @@ def markdown(rows: list[Row], notes: list[str]) -> str:
     if notes:
         lines.append("")
     if ok:
+        repeated = any(r.runs > 1 for r in ok)
         lines += ["| backend | precision | layout | compile | CUDA graph | data | train img/s | train speed-up | infer img/s "
-                  "| infer speed-up | compute img/s | step ms | max mem GB |",
-                  "|---|---|---|---|---|---|--:|--:|--:|--:|--:|--:|--:|"]
+                  "| infer speed-up | compute img/s | step ms | max mem GB |"
+                  + (" runs | train min-max | infer min-max |" if repeated else ""),
+                  "|---|---|---|---|---|---|--:|--:|--:|--:|--:|--:|--:|" + ("--:|--:|--:|" if repeated else "")]
         for r in ok:
             m = r.metrics
-            lines.append(f"| {r.backend} | {r.precision} | {r.layout} | {r.compile} | {_graph(r.cuda_graph)} | {r.data} "
-                         f"| {_num(m['train_img_s'])} "
-                         f"| {_speed(r.train_speedup)} | {_num(m['infer_img_s'])} | {_speed(r.infer_speedup)} "
-                         f"| {_num(m.get('compute_img_s'))} | {_num(m.get('step_ms'), 1)} | {_num(m.get('max_mem_gb'), 2)} |")
+            line = (f"| {r.backend} | {r.precision} | {r.layout} | {r.compile} | {_graph(r.cuda_graph)} | {r.data} "
+                    f"| {_num(m['train_img_s'])} "
+                    f"| {_speed(r.train_speedup)} | {_num(m['infer_img_s'])} | {_speed(r.infer_speedup)} "
+                    f"| {_num(m.get('compute_img_s'))} | {_num(m.get('step_ms'), 1)} | {_num(m.get('max_mem_gb'), 2)} |")
+            if repeated:
+                line += f" {r.runs} | {_span(r, 'train_img_s')} | {_span(r, 'infer_img_s')} |"
+            lines.append(line)
         lines.append("")
     pairs = custom_vs_cudnn(rows)
     if pairs:
@@ -280,8 +312,10 @@ def markdown(rows: list[Row], notes: list[str]) -> str:
     return "\n".join(lines)
 
 
+SPREAD_COLUMNS = [f"{m}_{end}" for m in REQUIRED_SCALARS for end in ("min", "max")]
 CSV_COLUMNS = ["run", "status", "reason", "backend", "precision", "layout", "compile", "cuda_graph", "data", "batch_size", "resolution",
-               "gpu", "torch", "cudnn", *REQUIRED_SCALARS, *OPTIONAL_SCALARS, "train_speedup", "infer_speedup"]
+               "gpu", "torch", "cudnn", *REQUIRED_SCALARS, *OPTIONAL_SCALARS, "train_speedup", "infer_speedup", "runs",
+               *SPREAD_COLUMNS]
 
 
 def write_csv(rows: list[Row], path: Path) -> None:
@@ -293,6 +327,8 @@ def write_csv(rows: list[Row], path: Path) -> None:
             values.update(r.metrics)  # full precision: the CSV is for further analysis
             for c in ("train_speedup", "infer_speedup"):
                 values[c] = "" if math.isnan(values[c]) else values[c]
+            for metric, (low, high) in r.spread.items():
+                values[f"{metric}_min"], values[f"{metric}_max"] = low, high
             writer.writerow({c: "" if values.get(c) is None else values[c] for c in CSV_COLUMNS})
 
 
@@ -316,13 +352,17 @@ def write_plot(rows: list[Row], path: Path) -> None:
                         key=lambda g: (_index(PRECISION_ORDER, g[0]), _index(LAYOUT_ORDER, g[1])))
         for ax, (metric, label) in zip(ax_row, metrics):
             for b, backend in enumerate(backends):
-                xs, ys = [], []
+                xs, ys, err = [], [], [[], []]
                 for g, group in enumerate(groups):
                     r = next((r for r in rows_here if r.backend == backend and (r.precision, r.layout) == group), None)
                     if r is not None:
                         xs.append(g + (b - (len(backends) - 1) / 2) * width)
                         ys.append(r.metrics[metric])
-                bars = ax.bar(xs, ys, width, label=backend, color=colors[b % len(colors)])
+                        low, high = r.spread.get(metric, (ys[-1], ys[-1]))  # repeated runs: their min-max as a whisker
+                        err[0].append(ys[-1] - low)
+                        err[1].append(high - ys[-1])
+                bars = ax.bar(xs, ys, width, label=backend, color=colors[b % len(colors)],
+                              yerr=err if any(err[0] + err[1]) else None, capsize=2)
                 ax.bar_label(bars, fmt="{:,.0f}", fontsize=6, rotation=90, padding=2)
             ax.set_xticks(range(len(groups)), [f"{p}\n{layout}" for p, layout in groups])
             ax.set_ylabel(label)
@@ -371,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     warnings = mixed_settings(rows)
     mixed = [w for name, w in warnings.items() if name in ("batch_size", "resolution")]
-    notes = list(warnings.values()) + duplicates(rows) + add_speedups(rows)
+    rows, repeat_notes = combine_repeats(rows)
+    notes = list(warnings.values()) + repeat_notes + add_speedups(rows)
     out = args.out or args.runs_dirs[0]
     out.mkdir(parents=True, exist_ok=True)
     table = markdown(rows, notes)

@@ -45,6 +45,9 @@ if has matrix; then
   # The full synthetic matrix (both compile settings, eager and captured steps, the timm peer); rerun the same line to continue after a stop.
   python scripts/benchmark.py --data synthetic --peer yes --cuda-graph false,true --out "$OUT/matrix_h200_runs"
   python scripts/compare.py "$OUT/matrix_h200_runs" --out "$OUT" --name matrix_h200
+  # Compiled training varies by several percent between processes: its custom/cudnn channels_last pairs in 3 rounds.
+  python scripts/benchmark.py --data synthetic --peer no --compile true --channels-last true --backends cudnn,custom --repeats 3 --out "$OUT/matrix_h200_compiled_repeats"
+  python scripts/compare.py "$OUT/matrix_h200_compiled_repeats" --out "$OUT" --name matrix_h200_compiled_repeats
 fi
 if has loader || has dali-train; then
   [[ -d "$FAKE/train" ]] || python scripts/make_fake_imagenet.py --out "$FAKE" --num 20000 --val-fraction 0.05

@@ -259,3 +259,31 @@ def test_last_error_line_of_a_traceback():
     assert benchmark.last_error_line(log) == "RuntimeError: CUDA out of memory"
     assert benchmark.last_error_line("Killed\n") == "Killed"
     assert benchmark.last_error_line("") == "no output"
+
+
+def test_repeats_run_in_rounds_and_compare_reports_their_median_and_spread(tmp_path):
+    out = tmp_path / "repeats"
+    proc = _run(BENCHMARK, *TINY, "--backends", "torch", "--amp", "off", "--channels-last", "false,true", "--peer", "no",
+                "--repeats", "2", "--out", str(out), check=True)
+    names = [_run_dir(out, "torch", "off", cl).name for cl in (False, True)]
+    order = [line.split("] ")[1].split(":")[0] for line in proc.stdout.splitlines() if line.startswith("[")]
+    assert order == names + [f"{n},repeat=2" for n in names]  # rounds: every combination once, then again
+    report = tmp_path / "report"
+    shown = _run(COMPARE, str(out), "--out", str(report), "--name", "m", check=True)
+    assert "2 combination(s) measured more than once (4 runs)" in shown.stdout
+    rows = {r["run"]: r for r in csv.DictReader(open(report / "m.csv"))}
+    assert len(rows) == 2 and set(rows) == set(names)
+    table = (report / "m.md").read_text()
+    for name in names:
+        runs = [read_scalars(out / name), read_scalars(out / f"{name},repeat=2")]
+        row = rows[name]
+        assert row["runs"] == "2"
+        for column, tag in (("train_img_s", "perf/train_img_s"), ("infer_img_s", "perf/infer_img_s")):
+            values = [r[tag] for r in runs]
+            assert float(row[column]) == pytest.approx(sum(values) / 2, rel=1e-6)  # the median of two
+            assert float(row[f"{column}_min"]) == pytest.approx(min(values), rel=1e-6)
+            assert float(row[f"{column}_max"]) == pytest.approx(max(values), rel=1e-6)
+        span = f"{min(r['perf/train_img_s'] for r in runs):,.0f}-{max(r['perf/train_img_s'] for r in runs):,.0f}"
+        assert span in table
+    bad = _run(BENCHMARK, *TINY, "--repeats", "0", "--out", str(tmp_path / "never"))
+    assert bad.returncode == 2 and "--repeats must be >= 1, got 0" in bad.stderr
