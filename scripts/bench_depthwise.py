@@ -197,10 +197,14 @@ def main(argv=None):
     ap.add_argument("--no-check", action="store_true", help="skip the forward correctness check")
     ap.add_argument("--l2", choices=("cold", "warm"), default="cold",
                     help="cold: inputs rotated out of L2; warm: a producer writes each input just before the pass")
+    ap.add_argument("--cudnn-benchmark", action="store_true",
+                    help="let cuDNN autotune its algorithm per shape (torch.backends.cudnn.benchmark), as train.py and "
+                         "infer.py do; default: cuDNN's heuristic choice")
     ap.add_argument("--out", default=None, help="output stem (default docs/results/depthwise_<gpu>)")
     args = ap.parse_args(argv[1:])
     if not torch.cuda.is_available():
         sys.exit("bench_depthwise: needs a CUDA GPU")
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark  # autotuning happens in each case's untimed warm-up
 
     dtypes = [d for d in args.dtypes.split(",") if d]
     layouts = [l for l in args.layouts.split(",") if l]
@@ -251,6 +255,8 @@ def write_results(rows, backends, dtypes, layouts, modes, layer_ids, info, bw, a
           f"- torch {info['torch']}, CUDA {info['cuda']}, cuDNN {info['cudnn']}, Python {info['python']}",
           f"- command: `{info['command']}`",
           f"- custom-kernel launch knobs from the environment: {info['knobs']}",
+          "- cuDNN algorithms: " + ("autotuned per shape (`--cudnn-benchmark`)" if args.cudnn_benchmark
+                                    else "cuDNN's heuristic choice (`torch.backends.cudnn.benchmark` off)"),
           f"- batch {args.batch}; MobileNetV1's 13 depthwise layers (3x3, padding 1) at 224x224 input",
           f"- device-to-device copy bandwidth measured in this run: {bw / 1e12:.2f} TB/s (bytes read + written); "
           "HBM floor = (input + output [+ grad_out + input + grad_input]) bytes / that bandwidth",
