@@ -42,8 +42,10 @@ log = logging.getLogger(__name__)
 CONNECTIONS_ENV = "CUDA_DEVICE_MAX_CONNECTIONS"
 CUDA_DEFAULT_CONNECTIONS = 8  # what CUDA uses when the variable is not set
 MAX_CONNECTIONS = 32  # CUDA's upper limit; also what auto gives data=dali runs
-# What apply_max_connections wrote into the environment (so that a later run in the same process does not take it
-# for the user's setting), and the queue count it knows to be in force (None: not applied yet).
+# The environment's own setting as last seen (None: unset), what apply_max_connections last left in the environment
+# (so that a later run in the same process tells its own value from the user's), and the queue count it knows to be
+# in force (None: not applied yet).
+_user_value: str | None = None
 _written: str | None = None
 _in_force: int | None = None
 
@@ -62,14 +64,19 @@ def parse_max_connections(value) -> int | None:
 
 
 def _user_connections() -> int | None:
-    """The queue count the environment sets, unless this module wrote it."""
+    """The queue count the user's environment sets: what the variable holds, unless this module put it there, in
+    which case what it held before."""
+    global _user_value
     raw = os.environ.get(CONNECTIONS_ENV)
-    if raw is None or raw == _written:
+    if raw != _written:  # set, changed or removed by someone else since this module last wrote it
+        _user_value = raw
+    if _user_value is None:
         return None
-    if not raw.strip().isdigit():
-        raise ValueError(f"the environment sets {CONNECTIONS_ENV}={raw!r}, which is not a whole number of queues; "
-                         f"unset it or set 1..{MAX_CONNECTIONS}")
-    return int(raw)
+    n = int(_user_value) if _user_value.strip().isdigit() else 0
+    if not 1 <= n <= MAX_CONNECTIONS:
+        raise ValueError(f"the environment sets {CONNECTIONS_ENV}={_user_value!r}; CUDA takes a whole number of queues "
+                         f"from 1 to {MAX_CONNECTIONS}: fix or unset it")
+    return n
 
 
 def apply_max_connections(cfg) -> str:
@@ -101,14 +108,11 @@ def apply_max_connections(cfg) -> str:
             log.warning(msg)
             return f"{in_force} (CUDA was initialised before this run; auto wanted {want})"
         return f"{in_force} ({why})"
-    if env is None:  # the environment holds nothing of the user's: set ours, or leave CUDA's default unset
-        if asked is None and want == CUDA_DEFAULT_CONNECTIONS:
-            os.environ.pop(CONNECTIONS_ENV, None)
-            _written = None
-        else:
-            _written = os.environ[CONNECTIONS_ENV] = str(want)
-    elif env != want:
-        _written = os.environ[CONNECTIONS_ENV] = str(want)
+    if asked is None and env is None and want == CUDA_DEFAULT_CONNECTIONS:
+        os.environ.pop(CONNECTIONS_ENV, None)  # nothing of the user's and CUDA's default: leave it unset
+    else:
+        os.environ[CONNECTIONS_ENV] = str(want)  # the user's own value again after an explicit one, or ours
+    _written = os.environ.get(CONNECTIONS_ENV)
     _in_force = want
     return f"{want} ({why})"
 

@@ -55,7 +55,7 @@ from mobilenet import streams
 from mobilenet.config import compose
 out = []
 for overrides in (["data=dali"], ["data=synthetic"], ["data=synthetic", "perf.max_connections=16"],
-                  ["data=dali", "device=cpu"]):
+                  ["data=dali", "device=cpu"], ["data=synthetic"]):
     state = streams.apply_max_connections(compose(overrides))
     out.append([state, os.environ.get(streams.CONNECTIONS_ENV), streams.connections_in_force()])
 print(json.dumps(out))
@@ -78,6 +78,7 @@ def test_max_connections_auto_gives_dali_32_queues_and_leaves_other_runs_at_cuda
         ["8 (CUDA's default, perf.max_connections=auto)", None, 8],  # the 32 written for DALI is taken back
         ["16 (perf.max_connections=16)", "16", 16],
         ["none (cpu)", "16", 16],  # a CPU run leaves the environment alone
+        ["8 (CUDA's default, perf.max_connections=auto)", None, 8],  # auto again: the explicit 16 is taken back
     ]
 
 
@@ -87,7 +88,19 @@ def test_max_connections_auto_keeps_the_environments_setting_and_an_explicit_val
         ["4 (CUDA_DEVICE_MAX_CONNECTIONS=4 in the environment, perf.max_connections=auto)", "4", 4],
         ["16 (perf.max_connections=16)", "16", 16],
         ["none (cpu)", "16", 16],
+        ["4 (CUDA_DEVICE_MAX_CONNECTIONS=4 in the environment, perf.max_connections=auto)", "4", 4],  # the user's again
     ]
+
+
+def test_an_environment_value_cuda_cannot_take_is_refused():
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+    done = subprocess.run([sys.executable, "-c", "from mobilenet import streams; from mobilenet.config import compose; "
+                           "streams.apply_max_connections(compose(['data=dali']))"],
+                          env={**env, "CUDA_DEVICE_MAX_CONNECTIONS": "64"}, capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode != 0
+    assert ("the environment sets CUDA_DEVICE_MAX_CONNECTIONS='64'; CUDA takes a whole number of queues from 1 to 32"
+            in done.stderr)
 
 
 @pytest.mark.parametrize("value", ["0", "33", "many", "-1", "1.5"])
