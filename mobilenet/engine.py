@@ -611,6 +611,8 @@ def run_meta(cfg, env: dict, mode: str) -> dict[str, Any]:
         "memory_format": layout_label(cfg),
         "batch_size": cfg.data.batch_size, "resolution": cfg.data.resolution, "compile": cfg.compile,
         "data": cfg.data.name,
+        # the profiler's "streams share hardware work queues" finding compares it with the streams in the trace
+        **({"cuda_work_queues": streams.connections_in_force()} if env.get("gpu", "none") != "none" else {}),
     }
 
 

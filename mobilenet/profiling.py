@@ -218,6 +218,8 @@ _CATEGORY_ALIASES = {
     "gpu_memset": "memset", "memset": "memset",
 }
 GPU_CATS = ("kernel", "memcpy", "memset")
+# CUDA_DEVICE_MAX_CONNECTIONS when nothing sets it (mobilenet.streams applies perf.max_connections).
+CUDA_DEFAULT_WORK_QUEUES = 8
 _STEP_RE = re.compile(r"^ProfilerStep#(\d+)$")
 # Containment tolerance: trace timestamps are microseconds with nanosecond rounding.
 _EPS = 0.002
@@ -468,6 +470,10 @@ class Report:
     # Device-wide syncs among them: each waits for everything queued on the GPU, the step's work included.
     other_thread_device_syncs_per_step: float = 0.0
     other_thread_device_sync_ms_median: float = 0.0
+    # CUDA streams whose work ran in the window, and the hardware work queues the process had (meta
+    # "cuda_work_queues"; None: the trace does not say, so CUDA's default 8 applies unless the environment changed it).
+    streams_with_work: int = 0
+    work_queues: int | None = None
     top_kernels: list[dict] = field(default_factory=list)
     top_ops: list[dict] = field(default_factory=list)  # CPU runs: self CPU time by op
     findings: list[Finding] = field(default_factory=list)
@@ -750,6 +756,9 @@ def analyse_trace(trace: dict | str | Path, baseline_step_ms: float | None = Non
     device_syncs = [e.dur for e in other_thread_calls if e.name in DEVICE_SYNC_CALLS]
     report.other_thread_device_syncs_per_step = len(device_syncs) / n_steps
     report.other_thread_device_sync_ms_median = statistics.median(device_syncs) / 1000 if device_syncs else 0.0
+    report.streams_with_work = len({(g.args.get("device"), g.args["stream"]) for g, _, _, _ in counted if "stream" in g.args})
+    if meta.get("cuda_work_queues") is not None:
+        report.work_queues = int(meta["cuda_work_queues"])
     by_sync: dict[tuple, list] = defaultdict(lambda: [0.0, 0])
     for e in syncs:
         call = f"{e.name} (pageable)" if id(e) in pageable_calls and not SYNC_CALLS.match(e.name) else e.name
@@ -957,6 +966,17 @@ def _findings(r: Report) -> None:
                          f"{r.median_launch_us:.1f} us here)",
                          "if the step is host-bound, compare the launch times with a run on synthetic data: contention "
                          "for the context slows the step's own launches; fewer loader threads or batched loader work help"))
+    queues = r.work_queues if r.work_queues is not None else CUDA_DEFAULT_WORK_QUEUES
+    if r.streams_with_work > queues:
+        known = "" if r.work_queues is not None else " (CUDA's default; the trace does not record the setting)"
+        F.append(Finding("streams share hardware work queues",
+                         f"{r.streams_with_work} CUDA streams ran work in these steps, but the process had {queues} "
+                         f"hardware work queues{known}: streams beyond that share queues, and the work in one queue "
+                         "runs in order, so independent streams wait behind each other (a loader's copies and kernels "
+                         "behind the training kernels queued before them)",
+                         "give the process 32 queues: perf.max_connections=32 (auto does it for data=dali), or "
+                         "CUDA_DEVICE_MAX_CONNECTIONS=32 in the environment before the process starts",
+                         "warn"))
     if r.other_thread_device_syncs_per_step >= 0.5:
         F.append(Finding("device-wide syncs from other threads",
                          f"{r.other_thread_device_syncs_per_step:.1f} per step on threads other than the step's (median "

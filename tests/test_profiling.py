@@ -250,6 +250,31 @@ def test_device_wide_syncs_of_another_thread_are_named_with_their_cost():
     assert not any(f.title == "device-wide syncs from other threads" for f in analyse_trace(_synthetic_gpu_trace()).findings)
 
 
+def _many_streams_trace() -> dict:
+    """Three steps: the training kernel on stream 7, and a loader thread's copies and kernels on 12 streams of its own."""
+    b = _TraceBuilder()
+    for s in range(3):
+        t = 1000.0 * s
+        b.x(f"ProfilerStep#{s}", "user_annotation", t, 1000)
+        b.launch(t + 10, "sm90_xmma_fprop_implicit_gemm", t + 20, 900, stream=7, device=0)
+        for i in range(12):
+            b.launch(t + 30 + i, "nvjpeg::rgba2rgb", t + 40 + i, 4, tid=9, stream=100 + i, device=0)
+    return {"traceEvents": b.events, "deviceProperties": [{"name": "Synthetic GPU"}]}
+
+
+def test_more_streams_than_hardware_work_queues_is_a_finding_with_the_setting_that_fixes_it():
+    r = analyse_trace(_many_streams_trace(), meta={"cuda_work_queues": 8})
+    assert (r.streams_with_work, r.work_queues) == (13, 8)
+    (f,) = [f for f in r.findings if f.title == "streams share hardware work queues"]
+    assert f.detail.startswith("13 CUDA streams ran work in these steps, but the process had 8 hardware work queues:")
+    assert "perf.max_connections=32" in f.hint and f.severity == "warn"
+    # With 32 queues there is room for every stream; a trace that does not record the setting is read with CUDA's 8.
+    assert not any(f.title == "streams share hardware work queues"
+                   for f in analyse_trace(_many_streams_trace(), meta={"cuda_work_queues": 32}).findings)
+    (f,) = [f for f in analyse_trace(_many_streams_trace()).findings if f.title == "streams share hardware work queues"]
+    assert "8 hardware work queues (CUDA's default; the trace does not record the setting)" in f.detail
+
+
 def _cold_trace() -> dict:
     """Three steps; the first launches 50 autotune kernels and loads a module inside its first launch."""
     b = _TraceBuilder()
