@@ -237,6 +237,22 @@ def custom_vs_cudnn(rows: list[Row]) -> list[dict]:
     return pairs
 
 
+def pairs_summary(pairs: list[dict]) -> str:
+    """How many pairs custom wins or ties, in training and in inference, and which pairs it trails (ratios from the
+    img/s themselves, not from their rounded display)."""
+    parts = []
+    behind = []
+    for metric, label in (("train", "training"), ("infer", "inference")):
+        ahead = sum(1 for p in pairs if p[metric] >= 1.0)
+        parts.append(f"{label} in {ahead} of {len(pairs)} pairs")
+        for p in pairs:
+            if p[metric] < 1.0:
+                r = p["row"]
+                behind.append(f"{label} {r.precision} {r.layout}, compile={r.compile}, CUDA graph "
+                              f"{_graph(r.cuda_graph) or 'unknown'}, data={r.data} ({p[metric]:.3f}x)")
+    return "custom >= cudnn: " + "; ".join(parts) + ("." if not behind else ". Custom behind: " + "; ".join(behind) + ".")
+
+
 # ------------------------------------------------------------------------------------------------------ writing
 
 
@@ -300,6 +316,7 @@ def markdown(rows: list[Row], notes: list[str]) -> str:
                          f"| {_num(r.metrics['train_img_s'])} "
                          f"| {_num(c.metrics['train_img_s'])} | {p['train']:.2f}x | {_num(r.metrics['infer_img_s'])} "
                          f"| {_num(c.metrics['infer_img_s'])} | {p['infer']:.2f}x |")
+        lines += ["", pairs_summary(pairs)]
         lines.append("")
     if other:
         lines += ["## Not measured", "", "| backend | precision | layout | compile | CUDA graph | data | status | reason |",

@@ -151,13 +151,13 @@ def test_finished_runs_are_kept_when_the_matrix_is_run_again(matrix, tmp_path):
     assert {p: p.stat().st_mtime_ns for p in copy.rglob("events.out.tfevents.*")} == before
 
 
-def _fake_run(run_dir: Path, batch_size: int, scalars: dict[str, float]) -> None:
+def _fake_run(run_dir: Path, batch_size: int, scalars: dict[str, float], backend: str = "torch") -> None:
     from torch.utils.tensorboard import SummaryWriter
 
     writer = SummaryWriter(log_dir=str(run_dir))
     for tag, value in scalars.items():
         writer.add_scalar(tag, value, 5)
-    writer.add_hparams({"backend": "torch", "amp": False, "amp_dtype": "fp16", "channels_last": False, "compile": True,
+    writer.add_hparams({"backend": backend, "amp": False, "amp_dtype": "fp16", "channels_last": False, "compile": True,
                         "data": "synthetic", "batch_size": batch_size, "resolution": 32, "gpu": "none"},
                        {"hparam/train_img_s": scalars.get("perf/train_img_s", 0.0)}, run_name=".")
     writer.close()
@@ -287,3 +287,14 @@ def test_repeats_run_in_rounds_and_compare_reports_their_median_and_spread(tmp_p
         assert span in table
     bad = _run(BENCHMARK, *TINY, "--repeats", "0", "--out", str(tmp_path / "never"))
     assert bad.returncode == 2 and "--repeats must be >= 1, got 0" in bad.stderr
+
+
+def test_custom_vs_cudnn_says_how_many_pairs_custom_wins_and_names_those_it_trails(tmp_path):
+    # Hand-written event files with real TensorBoard records: one pair (fp32 NCHW, compile) in which custom trains
+    # faster by 0.5% and infers slower by 1%.
+    runs = tmp_path / "runs"
+    _fake_run(runs / "cudnn", 8, {"perf/train_img_s": 1000.0, "perf/infer_img_s": 3000.0}, backend="cudnn")
+    _fake_run(runs / "custom", 8, {"perf/train_img_s": 1005.0, "perf/infer_img_s": 2970.0}, backend="custom")
+    proc = _run(COMPARE, str(runs), check=True)
+    assert ("custom >= cudnn: training in 1 of 1 pairs; inference in 0 of 1 pairs. Custom behind: inference fp32 "
+            "NCHW, compile=True, CUDA graph unknown, data=synthetic (0.990x).") in proc.stdout
