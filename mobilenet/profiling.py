@@ -46,6 +46,7 @@ from typing import Any, Iterable
 import torch
 
 from .reporting import environment
+from .streams import CUDA_DEFAULT_CONNECTIONS  # the hardware work queues when nothing sets CUDA_DEVICE_MAX_CONNECTIONS
 
 TRACE_FILE = "trace.json.gz"
 REPORT_FILE = "profile_report.md"
@@ -218,8 +219,6 @@ _CATEGORY_ALIASES = {
     "gpu_memset": "memset", "memset": "memset",
 }
 GPU_CATS = ("kernel", "memcpy", "memset")
-# CUDA_DEVICE_MAX_CONNECTIONS when nothing sets it (mobilenet.streams applies perf.max_connections).
-CUDA_DEFAULT_WORK_QUEUES = 8
 _STEP_RE = re.compile(r"^ProfilerStep#(\d+)$")
 # Containment tolerance: trace timestamps are microseconds with nanosecond rounding.
 _EPS = 0.002
@@ -966,7 +965,7 @@ def _findings(r: Report) -> None:
                          f"{r.median_launch_us:.1f} us here)",
                          "if the step is host-bound, compare the launch times with a run on synthetic data: contention "
                          "for the context slows the step's own launches; fewer loader threads or batched loader work help"))
-    queues = r.work_queues if r.work_queues is not None else CUDA_DEFAULT_WORK_QUEUES
+    queues = r.work_queues if r.work_queues is not None else CUDA_DEFAULT_CONNECTIONS
     if r.streams_with_work > queues:
         known = "" if r.work_queues is not None else " (CUDA's default; the trace does not record the setting)"
         F.append(Finding("streams share hardware work queues",

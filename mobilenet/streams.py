@@ -51,13 +51,20 @@ _written: str | None = None
 _in_force: int | None = None
 
 
+def _queue_count(text: str) -> int | None:
+    """`text` as a queue count CUDA takes (a whole number from 1 to MAX_CONNECTIONS), else None."""
+    text = text.strip()
+    n = int(text) if text.isdigit() else 0
+    return n if 1 <= n <= MAX_CONNECTIONS else None
+
+
 def parse_max_connections(value) -> int | None:
     """perf.max_connections as a queue count, or None for auto; a clear error for anything else."""
     text = str(value).strip().lower()
     if text == "auto":
         return None
-    n = int(text) if text.isdigit() else 0
-    if not 1 <= n <= MAX_CONNECTIONS:
+    n = _queue_count(text)
+    if n is None:
         raise ValueError(f"perf.max_connections={value!r} is not a choice: use auto or a whole number of hardware work "
                          f"queues from 1 to {MAX_CONNECTIONS} (CUDA_DEVICE_MAX_CONNECTIONS; CUDA's default is "
                          f"{CUDA_DEFAULT_CONNECTIONS})")
@@ -73,8 +80,8 @@ def _user_connections() -> int | None:
         _user_value = raw
     if _user_value is None:
         return None
-    n = int(_user_value) if _user_value.strip().isdigit() else 0
-    if not 1 <= n <= MAX_CONNECTIONS:
+    n = _queue_count(_user_value)
+    if n is None:
         raise ValueError(f"the environment sets {CONNECTIONS_ENV}={_user_value!r}; CUDA takes a whole number of queues "
                          f"from 1 to {MAX_CONNECTIONS}: fix or unset it")
     return n
