@@ -1,0 +1,65 @@
+#!/usr/bin/env python
+"""One depthwise layer's forward as it runs inside the model, for Nsight Compute: a producer kernel (a ReLU from
+another tensor, standing in for the model's BatchNorm + ReLU) writes the input just before the convolution, so the
+part it wrote last is still in L2. Three untimed producer + convolution pairs (cuDNN autotuning, module loading),
+then one pair between cudaProfilerStart and cudaProfilerStop, which `ncu --profile-from-start off` profiles.
+
+    ncu --clock-control none --profile-from-start off --section SpeedOfLight --section MemoryWorkloadAnalysis \\
+        --section Occupancy --section LaunchStats --section WarpStateStats \\
+        python scripts/ncu_depthwise_layer.py --backend custom --dtype fp16 --channels 512 --size 14 --stride 1
+
+NHWC (channels_last), batch 256, 3x3, padding 1; cuDNN autotuned as in train.py and infer.py. The custom kernels'
+launch knobs come from the environment (MDW_..., docs/kernel_notes.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as `python scripts/ncu_depthwise_layer.py`
+
+from mobilenet.depthwise import get_backend  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", choices=("torch", "cudnn", "custom"), required=True)
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="fp16")
+    p.add_argument("--channels", type=int, required=True)
+    p.add_argument("--size", type=int, required=True, help="input height = width")
+    p.add_argument("--stride", type=int, choices=(1, 2), default=1)
+    p.add_argument("--batch", type=int, default=256)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU (torch.cuda.is_available() is False)")
+    conv = get_backend(args.backend).conv2d
+    torch.backends.cudnn.benchmark = True
+    dtype = DTYPES[args.dtype]
+    src = torch.randn(args.batch, args.channels, args.size, args.size, device="cuda", dtype=dtype)
+    src = src.contiguous(memory_format=torch.channels_last)
+    x = torch.empty_like(src)
+    w = torch.randn(args.channels, 1, 3, 3, device="cuda", dtype=dtype) / 3
+    stride = (args.stride, args.stride)
+
+    def pair():
+        torch.clamp(src, min=0, out=x)  # the producer: x's last-written part sits in L2
+        conv(x, w, None, stride, (1, 1), (1, 1))
+
+    with torch.inference_mode():
+        for _ in range(3):
+            pair()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
+        pair()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+
+
+if __name__ == "__main__":
+    main()
