@@ -3,9 +3,11 @@
 
 For every dtype x layout: per-layer rows and the 13-layer sums, with the HBM floor (the fewest bytes the
 pass must move over the device-to-device copy bandwidth measured in this run). Timing: CUDA events around
-CUDA-graph replays (launch overhead out of the numbers; eager fallback if capture fails), warm-up, median
-of repeats, and a rotation over several input sets totalling well above the 60 MB L2 so that no pass
-reads its inputs from L2. Writes docs/results/depthwise_<gpu>.md and .csv.
+CUDA-graph replays (launch overhead out of the numbers; eager fallback if capture fails, marked in the table),
+warm-up, median of repeats, and a rotation over several input sets totalling well above the 60 MB L2 so that no
+pass reads its inputs from L2. cuDNN autotunes its algorithm per shape, as in train.py and infer.py
+(--no-cudnn-benchmark: its heuristic choice, which on the H200 is up to 1.5x slower on some fp16 layers).
+Writes docs/results/depthwise_<gpu>.md and .csv.
 
 --l2 warm measures the layers as they run inside the model instead: before each pass a producer kernel (a ReLU
 from another tensor, standing in for the model's BatchNorm + ReLU) writes the input, so its last-written part is
@@ -80,18 +82,19 @@ def layer_bytes(n, c, h, stride, elem, mode):
 
 def time_case(step, n_sets: int, repeats: int) -> tuple[float, str]:
     """Median ms of one step, from graph replays of n_sets steps (one per input set)."""
-    for i in range(3):  # warm-up: JIT, cuDNN plans, allocator
-        step(i % n_sets)
+    # Warm-up (JIT, cuDNN plans and autotuning, allocator) on the stream that then captures: autograd's
+    # AccumulateGrad nodes remember the stream they were made on, and a backward captured against nodes of the
+    # default stream fails.
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(max(3, n_sets)):
+            step(i % n_sets)
+    torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for i in range(n_sets):
-                step(i)
-        torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=stream):
             for i in range(n_sets):
                 step(i)
         run, how = graph.replay, "graph"
@@ -128,7 +131,9 @@ def bench_layer(backends, dtype, fmt, n, c, h, stride, modes, repeats, check, wa
     gos = [torch.randn(n, c, oh, oh, device="cuda", dtype=dtype, generator=gen).contiguous(memory_format=fmt)
            for _ in range(n_sets)]
     w = (torch.randn(c, 1, 3, 3, device="cuda", dtype=dtype, generator=gen) / 3).requires_grad_()
-    srcs = [torch.randn_like(x) for x in xs] if warm else []
+    # From the seeded generator, not the default one: a failed capture can leave that one unusable.
+    srcs = [torch.randn(x.shape, device="cuda", dtype=dtype, generator=gen).contiguous(memory_format=fmt) for x in xs
+            ] if warm else []
     for x in xs:
         x.requires_grad_()
 
@@ -143,8 +148,8 @@ def bench_layer(backends, dtype, fmt, n, c, h, stride, modes, repeats, check, wa
         if check:
             with torch.no_grad():
                 y = fn(xs[0], w, None, (stride, stride), (1, 1), (1, 1)).double()
-            if ref is None:
-                ref = F.conv2d(xs[0].double(), w.double(), None, stride, 1, 1, c)
+                if ref is None:  # under no_grad: a graph kept alive here holds the leaves' AccumulateGrad nodes
+                    ref = F.conv2d(xs[0].double(), w.double(), None, stride, 1, 1, c)
             err = ((y - ref).norm() / ref.norm()).item()
             if not err <= (1e-5 if dtype == torch.float32 else 1e-2):
                 print(f"    WARNING {name}: forward rel. error {err:.2e} vs float64", flush=True)
@@ -184,8 +189,7 @@ def fmt_ms(v):
     return "n/a" if v != v else f"{v:.3f}"
 
 
-def main(argv=None):
-    argv = sys.argv if argv is None else argv
+def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtypes", default="fp32,fp16,bf16")
     ap.add_argument("--layouts", default="nchw,nhwc")
@@ -197,11 +201,16 @@ def main(argv=None):
     ap.add_argument("--no-check", action="store_true", help="skip the forward correctness check")
     ap.add_argument("--l2", choices=("cold", "warm"), default="cold",
                     help="cold: inputs rotated out of L2; warm: a producer writes each input just before the pass")
-    ap.add_argument("--cudnn-benchmark", action="store_true",
+    ap.add_argument("--cudnn-benchmark", action=argparse.BooleanOptionalAction, default=True,
                     help="let cuDNN autotune its algorithm per shape (torch.backends.cudnn.benchmark), as train.py and "
-                         "infer.py do; default: cuDNN's heuristic choice")
+                         "infer.py do (default); --no-cudnn-benchmark: cuDNN's heuristic choice")
     ap.add_argument("--out", default=None, help="output stem (default docs/results/depthwise_<gpu>)")
-    args = ap.parse_args(argv[1:])
+    return ap.parse_args(argv)
+
+
+def main(argv=None):
+    argv = sys.argv if argv is None else argv
+    args = parse_args(argv[1:])
     if not torch.cuda.is_available():
         sys.exit("bench_depthwise: needs a CUDA GPU")
     torch.backends.cudnn.benchmark = args.cudnn_benchmark  # autotuning happens in each case's untimed warm-up
@@ -265,7 +274,11 @@ def write_results(rows, backends, dtypes, layouts, modes, layer_ids, info, bw, a
           + ("inputs never sit in L2" if args.l2 == "cold" else
              "**L2 warm**: a producer (ReLU from another tensor) writes each input just before its pass, as in the "
              "model; reported = median(producer + pass) - median(producer)"),
-          "- `speed-up` = best of the other backends / custom (>= 1.00 means custom is at least as fast)", ""]
+          "- `speed-up` = best of the other backends / custom (>= 1.00 means custom is at least as fast)"]
+    if any(r[f"{b}_timing"] == "eager" for r in rows for b in backends):
+        md.append("- a time marked (eager) was measured from eager launches because capturing that case as a CUDA "
+                  "graph failed (the run's log says why); launch gaps are in it")
+    md.append("")
     intro_len = len(md)
     summary = []
     for dname in dtypes:
@@ -284,7 +297,8 @@ def write_results(rows, backends, dtypes, layouts, modes, layer_ids, info, bw, a
                     times = {b: r[f"{b}_ms"] for b in names}
                     cf, sp = ratio_cols(times, r["floor_ms"])  # NaN without a custom column
                     md.append(f"| {r['layer']} | {r['C']} | {r['H']} | {r['stride']} | "
-                              + " | ".join(fmt_ms(times[b]) for b in names)
+                              + " | ".join(fmt_ms(times[b]) + (" (eager)" if r[f"{b}_timing"] == "eager" else "")
+                                           for b in names)
                               + f" | {fmt_ms(r['floor_ms'])} | {cf:.2f} | {sp:.2f} |")
                     for b in names:
                         sums[b] += times[b]

@@ -12,9 +12,13 @@ has() { [[ " $STEPS " == *" $1 "* ]]; }
 
 has tests && python -m pytest -q -m gpu 2>&1 | tail -5 | tee "$OUT/gpu_tests.log"
 if has depthwise; then
-  python scripts/bench_depthwise.py --out "$OUT/depthwise_h200"
+  python scripts/bench_depthwise.py --repeats 10 --out "$OUT/depthwise_h200"
   # The layers as the model runs them: each input written by a producer kernel just before (docs/kernel_notes.md, v9).
-  python scripts/bench_depthwise.py --dtypes fp16,bf16 --layouts nhwc --backends cudnn,custom --modes fwd --repeats 10 --l2 warm --out "$OUT/depthwise_h200_l2warm"
+  python scripts/bench_depthwise.py --dtypes fp16,bf16 --layouts nhwc --backends cudnn,custom --modes fwd,fwdbwd --repeats 10 --l2 warm --out "$OUT/depthwise_h200_l2warm"
+  # The deeper 16-bit stride-1 forward, not yet the default (docs/kernel_notes.md, session 9).
+  for l2 in warm cold; do
+    MDW_FWD_COLUMN_DEEP=1 python scripts/bench_depthwise.py --dtypes fp16,bf16 --layouts nhwc --backends cudnn,custom --modes fwd --repeats 10 --l2 $l2 --out "$OUT/depthwise_h200_fwd_column_deep_${l2/warm/l2warm}"
+  done
 fi
 has overhead && python scripts/check_engine_overhead.py --steps 300 --warmup 40 --rounds 3 --out "$OUT/engine_overhead_h200.md" || true
 has loss && python scripts/compare_loss_curves.py --backends custom,cudnn --steps 100 --out "$OUT/loss_curves_custom_vs_cudnn.md" || true
@@ -31,6 +35,10 @@ if has inference-ab; then
   # ... and with one output row per lane everywhere (1) against the default, two on short stride-1 rows (0: auto; v9).
   for r in 1 2 3; do for rows in 1 0; do
     MDW_FWD_COLUMN_ROWS_F16=$rows MDW_FWD_COLUMN_ROWS_BF16=$rows python scripts/inference_ab.py | tee "$OUT/inference_ab_rows${rows}_r$r.txt"
+  done; done
+  # ... and with the deeper 16-bit stride-1 forward (1) against the default (0) (session 9).
+  for r in 1 2; do for deep in 0 1; do
+    MDW_FWD_COLUMN_DEEP=$deep python scripts/inference_ab.py | tee "$OUT/inference_ab_deep${deep}_r$r.txt"
   done; done
   python infer.py --profile backend=custom amp=true channels_last=true > "$OUT/profile_infer_custom_amp_cl.txt" 2>&1
 fi

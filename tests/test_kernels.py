@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import os
 import random
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -174,6 +176,21 @@ def test_mobilenet_shapes(dw, dtype, layout):
     for c, h, stride in [(32, 28, 1), (64, 28, 2), (512, 14, 1), (512, 14, 2), (1024, 7, 1), (64, 56, 1), (64, 56, 2),
                          (32, 60, 1), (32, 61, 2)]:
         _check_case(dw, dtype, layout, 3, stride, 1, 1, False, 4, c, h, h, gen)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("knobs", ["MDW_FWD_COLUMN_ROWS=1", "MDW_FWD_COLUMN_ROWS=2", "MDW_FWD_COLUMN_DEEP=1",
+                                   "MDW_FWD_COLUMN_DEEP=1 MDW_FWD_COLUMN_ROWS=1", "MDW_COLUMN_REVERSE=0",
+                                   "MDW_FWD_COLUMN=1", "MDW_FWD_COLUMN=0 MDW_WGRAD_COLUMN=0"])
+def test_launch_knobs_keep_results(knobs):
+    # The launch knobs (kernels/csrc/generic.cu) pick other kernels or launch shapes and are read once per
+    # process, so each setting runs the MobileNet-shape checks in a process of its own.
+    env = dict(os.environ, **dict(kv.split("=") for kv in knobs.split()))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                           f"{__file__}::test_mobilenet_shapes"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{knobs}:\n{proc.stdout[-3000:]}{proc.stderr[-2000:]}"
+    assert "6 passed" in proc.stdout, proc.stdout[-1000:]
 
 
 @pytest.mark.gpu

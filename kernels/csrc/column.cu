@@ -81,9 +81,10 @@ __device__ __forceinline__ void load_fwd_steps(const FwdColumnRow& row, int W, i
 // of the input, the part its producer wrote last and most likely still in L2, and the last to run write
 // the start of the output, which the next layer's kernel reads first. FLIP: the kernel rotated 180
 // degrees and no bias (the input gradient of a stride-1 convolution, run on the flipped shape).
-// 4 blocks of 256 per SM (64 registers), as the wgrad column kernel.
-template <class TT, int S, int U, bool FLIP, int R>
-__global__ void __launch_bounds__(256, 4)
+// 4 blocks of 256 per SM (64 registers), as the wgrad column kernel; MINB = 3 (up to 85 registers) for the
+// deeper unrolls of FWD_COLUMN_DEEP.
+template <class TT, int S, int U, bool FLIP, int R, int MINB>
+__global__ void __launch_bounds__(256, MINB)
     fwd_nhwc_column_kernel(const uint32_t* __restrict__ x, const typename TT::S* __restrict__ w,
                            const typename TT::S* __restrict__ bias, uint32_t* __restrict__ y, ConvShape s, Tiling t) {
   static_assert(R == 1 || R == 2, "R: output rows per lane");
@@ -223,16 +224,19 @@ constexpr int column_unroll_r2() {
   return sizeof(typename TT::S) == 4 ? (S == 1 ? kColumnUnroll : 2) : (S == 1 ? 2 : 1);
 }
 
-template <class TT, int S, bool FLIP, int R>
+// DEEP: the 16-bit stride-1 walk with twice the steps in flight (8 with one row per lane, 4 with two) at 3 blocks
+// per SM instead of 4 (80 and 72 registers, no spills). Off by default (FWD_COLUMN_DEEP, see column_t).
+template <class TT, int S, bool FLIP, int R, bool DEEP = false>
 void launch_column(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                    cudaStream_t stream) {
   using Sx = typename TT::S;
   constexpr int V = 4 / sizeof(Sx);
-  constexpr int U = R == 1 ? kColumnUnroll : column_unroll_r2<TT, S>();
+  constexpr int U = DEEP ? (R == 1 ? 2 * kColumnUnroll : 4) : (R == 1 ? kColumnUnroll : column_unroll_r2<TT, S>());
+  constexpr int kMinBlocks = DEEP ? 3 : 4;
   Tiling t = column_tiling(s.N * (R == 1 ? s.OH : (s.OH + 1) / 2), s.C / V);
   t.reverse = knob(Knob::kColumnReverse, dt);
   const dim3 grid(t.groups * t.tiles_h);
-  fwd_nhwc_column_kernel<TT, S, U, FLIP, R><<<grid, t.block, 0, stream>>>(
+  fwd_nhwc_column_kernel<TT, S, U, FLIP, R, kMinBlocks><<<grid, t.block, 0, stream>>>(
       static_cast<const uint32_t*>(x), static_cast<const Sx*>(w), static_cast<const Sx*>(bias),
       static_cast<uint32_t*>(y), s, t);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -251,6 +255,19 @@ void column_t(const ConvShape& s, DType dt, const void* x, const void* w, const 
     // benchmark (fp16: 512x14 0.048 -> 0.040 ms), while the 112- and 56-wide layers and every stride-2 layer
     // were as fast or faster with one row (docs/kernel_notes.md, v9).
     const int rows = knob(Knob::kFwdColumnRows, dt);
+    if constexpr (sizeof(typename TT::S) == 2) {
+      // FWD_COLUMN_DEEP (16-bit, stride 1): in the session-9 sweep (docs/kernel_notes.md) it was 7-9% faster on
+      // the 112-, 56- and 28-wide layers and as fast on the 14- and 7-wide ones; two rows then win up to 56 wide.
+      // Off by default until the matrix's 16-bit channels_last rows are measured with it.
+      if (s.SH == 1 && knob(Knob::kFwdColumnDeep, dt) == 1) {
+        if (rows == 2 || (rows == 0 && s.OW <= 56)) {
+          launch_column<TT, 1, false, 2, true>(s, dt, x, w, bias, y, stream);
+        } else {
+          launch_column<TT, 1, false, 1, true>(s, dt, x, w, bias, y, stream);
+        }
+        return;
+      }
+    }
     if (rows == 2 || (rows == 0 && s.SH == 1 && s.OW <= 28)) {
       (s.SH == 1 ? launch_column<TT, 1, false, 2> : launch_column<TT, 2, false, 2>)(s, dt, x, w, bias, y, stream);
     } else {

@@ -394,6 +394,7 @@ enum class Knob {
   kFwdColumn,    // NHWC 3x3 column-walking forward (1), and the stride-1 input gradient too (2) (column.cu)
   kFwdColumnRows,  // column-walking forward: output rows per lane (1 or 2; 0: by shape, see column.cu)
   kColumnReverse,  // column-walking forward/input gradient: blocks walk the images last to first (1) or first to last (0)
+  kFwdColumnDeep,  // 16-bit stride-1 column-walking forward: twice the steps in flight at 3 blocks per SM (1) or not (0)
   kCount
 };
 int knob(Knob k, DType dt);

@@ -28,7 +28,7 @@ static int env_int(const char* name, int fallback) {
 int knob(Knob k, DType dt) {
   constexpr int kKnobs = static_cast<int>(Knob::kCount);
   static const char* names[kKnobs] = {"GROUP_FASTEST", "IMAGES", "WGRAD_BLOCKS_PER_SM", "NCHW_ROWS", "WGRAD_COLUMN",
-                                      "FWD_COLUMN",    "FWD_COLUMN_ROWS", "COLUMN_REVERSE"};
+                                      "FWD_COLUMN",    "FWD_COLUMN_ROWS", "COLUMN_REVERSE", "FWD_COLUMN_DEEP"};
   static const char* suffix[] = {"F32", "F16", "BF16", "F64"};
   static int cache[kKnobs][4];
   static bool ready[kKnobs][4];
@@ -44,6 +44,7 @@ int knob(Knob k, DType dt) {
         {2, 2, 2, 0},     // FWD_COLUMN (NHWC 3x3 column-walking forward; 2: also the stride-1 input gradient)
         {2, 0, 0, 1},     // FWD_COLUMN_ROWS (column-walking forward: output rows per lane; 0: auto, see column.cu)
         {1, 1, 1, 1},     // COLUMN_REVERSE (column walks: images last to first, see column.cu)
+        {0, 0, 0, 0},     // FWD_COLUMN_DEEP (16-bit stride-1 column forward: more steps in flight, see column.cu)
     };
     const std::string base = std::string("MDW_") + names[ki];
     int v = env_int(base.c_str(), defaults[ki][di]);
