@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -14,9 +15,20 @@ from .meter import StepMeter, Throughput
 from .reporting import environment, print_summary
 
 
-def _setup(cfg, checkpoint: str | None, num_classes: int | None = None):
-    streams.apply_max_connections(cfg)  # before anything creates the CUDA context
+class _Setup(NamedTuple):
+    device: torch.device
+    model: torch.nn.Module
+    forward: Callable  # the model, or its torch.compile wrapper
+    amp_dtype: torch.dtype | None
+    state: dict | None  # the checkpoint, when one was loaded
+    queues: str  # the summary's "CUDA work queues": the count in force and why
+
+
+def _setup(cfg, checkpoint: str | None, num_classes: int | None = None) -> _Setup:
+    queues = streams.apply_max_connections(cfg)  # before anything creates the CUDA context
     device = resolve_device(cfg.device)
+    if device.type != "cuda":
+        queues = f"none ({device.type})"
     validate(cfg, device)
     torch.backends.cudnn.benchmark = True
     state = load_checkpoint(checkpoint) if checkpoint else None
@@ -32,7 +44,7 @@ def _setup(cfg, checkpoint: str | None, num_classes: int | None = None):
     model.eval()
     forward = torch.compile(model) if cfg.compile else model
     amp_dtype = autocast_dtype(cfg)
-    return device, model, forward, amp_dtype, state
+    return _Setup(device, model, forward, amp_dtype, state, queues)
 
 
 def _synthetic_batch(cfg, device):
@@ -63,7 +75,7 @@ def measure(forward, model: torch.nn.Module, cfg, device: torch.device, warmup: 
 
 def benchmark(cfg, warmup: int, steps: int) -> float:
     """Inference img/s of the configured combination on a device-resident batch (no input pipeline)."""
-    device, model, forward, _, _ = _setup(cfg, None)
+    device, model, forward, *_ = _setup(cfg, None)
     tp = measure(forward, model, cfg, device, warmup, steps)
     rows = config_rows(cfg, device, environment(device))
     rows.update({"infer img/s": tp.img_s, "ms / batch": tp.step_ms, "timed steps": tp.steps, "warm-up steps": warmup})
@@ -72,7 +84,7 @@ def benchmark(cfg, warmup: int, steps: int) -> float:
 
 
 def evaluate_checkpoint(cfg, checkpoint: str) -> tuple[float, float]:
-    device, _, forward, amp_dtype, state = _setup(cfg, checkpoint)
+    device, _, forward, amp_dtype, state, queues = _setup(cfg, checkpoint)
     stream, stream_state = streams.resolve(cfg, device)  # as in training: a dedicated stream for data=dali
     spec = LoaderSpec(device, run_dtype(cfg), cfg.channels_last, seed=cfg.seed)
     _, val = build_loaders(cfg.data, spec)
@@ -82,7 +94,7 @@ def evaluate_checkpoint(cfg, checkpoint: str) -> tuple[float, float]:
         top1, top5, n, tp = evaluate(forward, val, device, amp_dtype)
     rows = config_rows(cfg, device, environment(device))
     rows["CUDA stream"] = stream_state
-    rows["CUDA work queues"] = str(streams.connections_in_force()) if device.type == "cuda" else "none (cpu)"
+    rows["CUDA work queues"] = queues
     rows.update({"checkpoint": checkpoint, "val top-1 %": top1, "val top-5 %": top5, "val images": n, "img/s": tp.img_s})
     print_summary("evaluation", rows)
     return top1, top5
@@ -95,7 +107,7 @@ def classify_images(cfg, checkpoint: str | None, files: list[str]) -> list[list[
 
     if checkpoint is None:
         raise ValueError("--images needs --checkpoint PATH (an untrained model's classes mean nothing)")
-    device, _, forward, amp_dtype, state = _setup(cfg, checkpoint)
+    device, _, forward, amp_dtype, state, _ = _setup(cfg, checkpoint)
     classes = state.get("classes") or [str(i) for i in range(state["num_classes"])]
     d = cfg.data
     prep = T.Compose([*image_transforms(d, train=False).transforms, T.ToTensor(), T.Normalize(d.mean, d.std)])
@@ -121,7 +133,7 @@ def profile(cfg, run_dir: Path, warmup: int, steps: int) -> None:
     from .engine import run_meta
     from .profiling import StepProfiler
 
-    device, model, forward, amp_dtype, _ = _setup(cfg, None)
+    device, model, forward, amp_dtype, *_ = _setup(cfg, None)
     baseline = measure(forward, model, cfg, device, warmup, steps)
     x = _synthetic_batch(cfg, device)
     prof = StepProfiler(run_dir, device, run_meta(cfg, environment(device), "infer"), cfg.profiler,

@@ -1,6 +1,7 @@
 """Data-parallel training with torchrun on the CPU (gloo): real processes, real digits data."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -44,7 +45,7 @@ def two_process_run(tmp_path_factory):
     return ckpts[0].parent.parent, out
 
 
-def test_two_process_run_trains_and_its_accuracy_equals_a_single_process_evaluation(two_process_run):
+def test_two_process_run_trains_and_its_accuracy_equals_a_single_process_evaluation(two_process_run, capsys):
     from mobilenet.inference import evaluate_checkpoint
 
     run_dir, out = two_process_run
@@ -53,6 +54,8 @@ def test_two_process_run_trains_and_its_accuracy_equals_a_single_process_evaluat
     assert ddp_top1 > 50  # chance is 10%
     top1, _ = evaluate_checkpoint(compose(COMMON), str(run_dir / "checkpoints" / "last.pt"))
     assert top1 == pytest.approx(ddp_top1, abs=1e-4)  # every one of the 360 images counted once, in both
+    summary = capsys.readouterr().out
+    assert "val top-1 %" in summary and re.search(r"CUDA work queues\W+none \(cpu\)", summary), summary
 
 
 def test_only_rank_zero_writes_tensorboard(two_process_run):
