@@ -37,8 +37,12 @@ def _out_size(size, k, s, p, d):
     return (size + 2 * p - d * (k - 1) - 1) // s + 1
 
 
+# The forward epilogue's activations, by the name users pass, as the op's `activation` argument.
+ACTIVATIONS = {None: 0, "relu": 1, "relu6": 2}
+
+
 @torch.library.register_fake("mobilenet_dw::depthwise_fwd")
-def _fwd_fake(x, w, bias, stride, padding, dilation):
+def _fwd_fake(x, w, bias, stride, padding, dilation, activation=0):
     n, c, h, wd = x.shape
     kh, kw = w.shape[-2:]
     oh = _out_size(h, kh, stride[0], padding[0], dilation[0])
@@ -55,20 +59,25 @@ def _bwd_fake(grad_out, x, w, stride, padding, dilation, output_mask):
 
 
 def _setup_context(ctx, inputs, output):
-    x, w, bias, stride, padding, dilation = inputs
-    ctx.save_for_backward(x, w)
+    x, w, bias, stride, padding, dilation, *rest = inputs
+    ctx.activation = rest[0] if rest else 0
+    # With an activation the output is needed for its gradient mask (y > 0, and y < 6 for ReLU6).
+    ctx.save_for_backward(x, w, output if ctx.activation else None)
     ctx.conv_args = (stride, padding, dilation)
     ctx.has_bias = bias is not None
 
 
 def _backward(ctx, grad):
-    x, w = ctx.saved_tensors
+    x, w, y = ctx.saved_tensors
     mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]]
     if not any(mask):
-        return None, None, None, None, None, None
+        return None, None, None, None, None, None, None
+    if ctx.activation:
+        passes = y > 0 if ctx.activation == ACTIVATIONS["relu"] else (y > 0) & (y < 6)
+        grad = grad * passes
     # One op for all three gradients: grad_out is consumed by dgrad and wgrad in the same call.
     gx, gw, gb = _bwd(grad.to(x.dtype), x, w, *ctx.conv_args, mask)
-    return (gx if mask[0] else None, gw if mask[1] else None, gb if mask[2] else None, None, None, None)
+    return (gx if mask[0] else None, gw if mask[1] else None, gb if mask[2] else None, None, None, None, None)
 
 
 torch.library.register_autograd("mobilenet_dw::depthwise_fwd", _backward, setup_context=_setup_context)
@@ -119,9 +128,14 @@ def depthwise_conv2d(
     stride: IntOrPair = (1, 1),
     padding: IntOrPair | str = (0, 0),
     dilation: IntOrPair = (1, 1),
+    activation: str | None = None,
 ) -> Tensor:
     """Depthwise conv2d (groups = C, weight (C, 1, kh, kw)) with the custom CUDA kernels; same arguments and
-    result as F.conv2d(x, weight, bias, stride, padding, dilation, groups=C). Output in x's memory format."""
+    result as F.conv2d(x, weight, bias, stride, padding, dilation, groups=C), then `activation` ("relu",
+    "relu6" or None) applied in the same kernel. Output in x's memory format."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"depthwise_conv2d: activation {activation!r} is not supported "
+                         f"(choose one of: None, 'relu', 'relu6')")
     if not isinstance(x, Tensor) or x.dim() != 4:
         raise ValueError(f"depthwise_conv2d: input must be a 4-D tensor (N, C, H, W), got {getattr(x, 'shape', x)}")
     if weight.dim() != 4:
@@ -146,7 +160,7 @@ def depthwise_conv2d(
     else:
         padding = _pair(padding, "padding")
     _check_supported(x, weight, bias, stride, padding, dilation)
-    return _fwd(x, weight, bias, list(stride), list(padding), list(dilation))
+    return _fwd(x, weight, bias, list(stride), list(padding), list(dilation), ACTIVATIONS[activation])
 
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)

@@ -190,6 +190,13 @@ class Config:
     # queues (perf.max_connections); docs/results/cuda_graph_h200.md. Replayed steps match eager ones step by step
     # (tests/test_cuda_graph.py, passed on the H200).
     cuda_graph: str = "auto"
+    # Inference (infer.py) only. fold_bn: every BatchNorm folded into the convolution before it, weights stored once in
+    # the run's dtype (mobilenet/inference_model.py); false runs the training graph in eval mode, so each step of the
+    # inference ladder can be measured. fused_epilogue (with fold_bn): bias and ReLU computed inside each convolution
+    # instead of as separate kernels: true = required (an error where no fused kernel exists, e.g. on a CPU); auto =
+    # where the kernels exist, and the summary says which ran; false = every ReLU a kernel of its own.
+    fold_bn: bool = True
+    fused_epilogue: str = "auto"
     # BatchNorm statistics over all ranks (SyncBatchNorm); needs a process group (torchrun).
     sync_bn: bool = False
     dist: DistConfig = field(default_factory=DistConfig)

@@ -80,7 +80,7 @@ __device__ __forceinline__ void load_fwd_steps(const FwdColumnRow& row, int W, i
 // the last image to the first: blocks start roughly in blockIdx order, so the first to run read the end
 // of the input, the part its producer wrote last and most likely still in L2, and the last to run write
 // the start of the output, which the next layer's kernel reads first. FLIP: the kernel rotated 180
-// degrees and no bias (the input gradient of a stride-1 convolution, run on the flipped shape).
+// degrees, no bias and no activation (the input gradient of a stride-1 convolution, run on the flipped shape).
 // 4 blocks of 256 per SM (64 registers), as the wgrad column kernel; MINB = 3 (up to 85 registers) for the
 // deeper unrolls of FWD_COLUMN_DEEP.
 template <class TT, int S, int U, bool FLIP, int R, int MINB>
@@ -191,6 +191,10 @@ __global__ void __launch_bounds__(256, MINB)
           for (int v = 0; v < V; ++v)
             held[kh][j][v] = j + S < KH ? held[kh][j + S < KH ? j + S : 0][v] : fresh[j + S >= KH ? j + S - KH : 0][v];
       }
+      if constexpr (!FLIP) {
+#pragma unroll
+        for (int q = 0; q < R; ++q) activate(acc[q], s.act);
+      }
       if (t0 + u < s.OW) {
         store_global(yp + (t0 + u) * words, narrow_word<TT, V>(acc[0]));
         if (R == 2 && second) store_global(yp + (ystep2 + (t0 + u) * words), narrow_word<TT, V>(acc[R - 1]));
@@ -256,7 +260,7 @@ void column_t(const ConvShape& s, DType dt, const void* x, const void* w, const 
     // were as fast or faster with one row (docs/kernel_notes.md, v9).
     const int rows = knob(Knob::kFwdColumnRows, dt);
     if constexpr (sizeof(typename TT::S) == 2) {
-      // FWD_COLUMN_DEEP (16-bit, stride 1): in the session-9 sweep (docs/kernel_notes.md) it was 7-9% faster on
+      // FWD_COLUMN_DEEP (16-bit, stride 1): in the 2026-11-30 sweep (docs/kernel_notes.md, commit ede22fc) it was 7-9% faster on
       // the 112-, 56- and 28-wide layers and as fast on the 14- and 7-wide ones; two rows then win up to 56 wide.
       // Off by default until the matrix's 16-bit channels_last rows are measured with it.
       if (s.SH == 1 && knob(Knob::kFwdColumnDeep, dt) == 1) {

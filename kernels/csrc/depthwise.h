@@ -18,9 +18,13 @@ struct ConvShape {
   int PH, PW;        // padding
   int DH, DW;        // dilation
   bool channels_last;
+  int act;           // forward epilogue, after the bias: Act below (the gradients always run with kNone)
 };
 
-// y = conv(x, w) + bias; bias may be null.
+// The activations the forward epilogue can apply; values match the op schema's `activation` argument.
+enum Act : int { kActNone = 0, kActReLU = 1, kActReLU6 = 2 };
+
+// y = act(conv(x, w) + bias); bias may be null, act is s.act.
 void launch_forward(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                     cudaStream_t stream);
 

@@ -100,9 +100,13 @@ at::Tensor in_layout(const at::Tensor& t, c10::MemoryFormat fmt) {
 }
 
 at::Tensor depthwise_fwd(const at::Tensor& x_in, const at::Tensor& w_in, const std::optional<at::Tensor>& bias,
-                         at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation) {
+                         at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
+                         int64_t activation) {
   const c10::MemoryFormat fmt = layout_of(x_in);
-  const ConvShape s = check_and_shape(x_in, w_in, stride, padding, dilation, fmt);
+  ConvShape s = check_and_shape(x_in, w_in, stride, padding, dilation, fmt);
+  TORCH_CHECK(activation == kActNone || activation == kActReLU || activation == kActReLU6,
+              "depthwise_conv2d: activation ", activation, " is not supported (0: none, 1: ReLU, 2: ReLU6)");
+  s.act = static_cast<int>(activation);
   c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = in_layout(x_in, fmt);
   const at::Tensor w = w_in.contiguous();
@@ -170,7 +174,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_bwd(const at::Tensor& g
 }  // namespace mdw
 
 TORCH_LIBRARY(mobilenet_dw, m) {
-  m.def("depthwise_fwd(Tensor x, Tensor w, Tensor? bias, int[2] stride, int[2] padding, int[2] dilation) -> Tensor");
+  // activation: the epilogue after the bias (0: none, 1: ReLU, 2: ReLU6), so that inference runs
+  // conv + bias + activation in one pass over the output.
+  m.def(
+      "depthwise_fwd(Tensor x, Tensor w, Tensor? bias, int[2] stride, int[2] padding, int[2] dilation, "
+      "int activation=0) -> Tensor");
   m.def(
       "depthwise_bwd(Tensor grad_out, Tensor x, Tensor w, int[2] stride, int[2] padding, int[2] dilation, "
       "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");

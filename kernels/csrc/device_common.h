@@ -49,6 +49,21 @@ struct F64T {
   static __device__ __forceinline__ S from_acc(double v) { return v; }
 };
 
+// The forward epilogue's activation on the accumulator, before it is rounded to the storage type (one rounding,
+// as a separate ReLU of the rounded value would give the same bits: rounding is monotonic and keeps 0 and 6).
+// `act` is uniform across the grid, so the branch costs no divergence. NaN stays NaN, as in torch.relu.
+template <typename A>
+__device__ __forceinline__ A activate(A v, int act) {
+  if (act == kActNone) return v;
+  v = v < A(0) ? A(0) : v;
+  return act == kActReLU6 && v > A(6) ? A(6) : v;
+}
+template <int N>
+__device__ __forceinline__ void activate(float (&v)[N], int act) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) v[i] = activate(v[i], act);
+}
+
 template <typename S, int V>
 struct alignas(sizeof(S) * V) Pack {
   S v[V];

@@ -53,8 +53,10 @@ __global__ void __launch_bounds__(256, V == 8 ? 2 : 3)
     }
     Sx* yp = y + ((static_cast<size_t>(n) * s.OH + oh) * s.OW + ow0) * s.C + c0;
 #pragma unroll
-    for (int j = 0; j < TW; ++j)
+    for (int j = 0; j < TW; ++j) {
+      activate(acc[j], s.act);
       if (ow0 + j < s.OW) store_vec<TT, V>(yp + static_cast<size_t>(j) * s.C, acc[j]);
+    }
   }
 }
 
@@ -94,7 +96,7 @@ __global__ void __launch_bounds__(256)
   Sx* yp = y + (plane * s.OH + oh) * s.OW + ow0;
 #pragma unroll
   for (int j = 0; j < TW; ++j)
-    if (ow0 + j < s.OW) yp[j] = TT::from_acc(acc[j]);
+    if (ow0 + j < s.OW) yp[j] = TT::from_acc(activate(acc[j], s.act));
 }
 
 
@@ -157,7 +159,7 @@ __global__ void __launch_bounds__(256)
     Sx* yp = y + (plane * s.OH + oh0 + h) * s.OW + ow0;
 #pragma unroll
     for (int j = 0; j < TW; ++j)
-      if (ow0 + j < s.OW) yp[j] = TT::from_acc(acc[h][j]);
+      if (ow0 + j < s.OW) yp[j] = TT::from_acc(activate(acc[h][j], s.act));
   }
 }
 
@@ -216,6 +218,7 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
       for (int kw = 0; kw < 3; ++kw) acc[j] = fmaf(wk[kw], v[j + kw], acc[j]);
   }
+  if constexpr (!FLIP) activate(acc, s.act);
   if (valid) store_vec<TT, TW>(y + (plane * s.H + oh) * s.W + ow0, acc);
 }
 

@@ -113,7 +113,7 @@ __global__ void fwd_generic_kernel(const typename TT::S* __restrict__ x, const t
                TT::to_acc(w[(o.c * s.KH + kh) * s.KW + kw]);
       }
     }
-    y[idx] = TT::from_acc(acc);
+    y[idx] = TT::from_acc(activate(acc, s.act));
   }
 }
 
