@@ -4,7 +4,8 @@ images, export to ONNX, or profile.
     python infer.py [--profile] [--batch-sizes 1,8,64,256] [--export model.onnx] [--checkpoint PATH]
                     [--images FILE ...] [HYDRA OVERRIDES ...]
 
-Flags come first; everything after them is a Hydra override, as for train.py
+Flags come first; everything after them is a Hydra override, as for train.py. A mistake in the command, config or
+files prints one `error: ...` line; `--debug` (or HYDRA_FULL_ERROR=1) shows the traceback as well.
 (`python infer.py backend=custom amp=true channels_last=true`). Benchmark, latency and profile runs use
 `data=synthetic` (ImageNet-shaped: 224px, batch 256) unless a `data=` override says otherwise; on a machine without
 a GPU they take CPU-sized defaults (batch 16, 10 timed passes) unless told otherwise. The model is the folded
@@ -15,6 +16,7 @@ GPU allows (fused_epilogue=auto, cuda_graph=auto); the summary names what ran.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -74,8 +76,21 @@ def _cpu_defaults(args: argparse.Namespace, overrides: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    from mobilenet.config import compose, override_key, unnamed_keys
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--debug" in argv:  # full tracebacks for user errors too, as HYDRA_FULL_ERROR=1 gives
+        from mobilenet.errors import DEBUG_ENV
+
+        os.environ[DEBUG_ENV] = "1"
+        argv.remove("--debug")
+    args, overrides = parse_args(argv)
+    from mobilenet.errors import report_user_errors
+
+    with report_user_errors():
+        return _run(args, overrides)
+
+
+def _run(args: argparse.Namespace, overrides: list[str]) -> int:
+    from mobilenet.config import check_overrides, compose, override_key, unnamed_keys
     from mobilenet import inference
 
     measuring = not (args.checkpoint or args.images or args.export)
@@ -84,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides = ["data=synthetic", *overrides]
     if measuring:
         overrides = _cpu_defaults(args, overrides)
+    check_overrides(overrides)  # a bad override is one line, not Hydra's report
     cfg = compose(overrides)
     if args.export:
         inference.export_onnx(cfg, args.checkpoint, args.export)
@@ -96,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         # what is measured stay out.
         unnamed = unnamed_keys()
         named = [o for o in overrides if override_key(o) not in unnamed]
-        run_dir = Path(cfg.log_root) / "infer" / ("_".join(named) or "default") / time.strftime("%Y%m%d-%H%M%S")
+        # Named as train.py names its runs (conf/config.yaml's kv_sep and item_sep): no '=' or ',' to quote.
+        name = "+".join(o.replace("=", "-", 1) for o in named)
+        run_dir = Path(cfg.log_root) / "infer" / (name or "default") / time.strftime("%Y%m%d-%H%M%S")
         if args.steps_given:  # --steps sizes the traced window too
             cfg.profiler.active = args.steps
         inference.profile(cfg, run_dir, args.warmup, args.steps)

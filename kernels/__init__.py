@@ -16,10 +16,11 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["KernelUnavailable", "load", "build", "build_dir", "CSRC"]
+__all__ = ["KernelUnavailable", "load", "build", "build_dir", "kernel_layout", "CSRC"]
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ["depthwise_ops.cpp", "forward.cu", "dgrad.cu", "wgrad.cu", "generic.cu", "column.cu"]
+_SOURCES = ["depthwise_ops.cpp", "forward.cu", "dgrad.cu", "wgrad.cu", "generic.cu", "column.cu",
+            "batchnorm_ops.cpp", "batchnorm_relu.cu"]  # the fused BatchNorm+ReLU ops (mobilenet_bn)
 _EXT_NAME = "mobilenet_dw_kernels"
 _DEFAULT_ARCH = "9.0"  # H100/H200: the GPUs this project is tuned for
 
@@ -29,6 +30,18 @@ _loaded = False
 
 class KernelUnavailable(RuntimeError):
     """The custom depthwise kernels cannot be built or run here (no CUDA GPU, no nvcc, build failure)."""
+
+
+def kernel_layout(x: torch.Tensor) -> torch.memory_format:
+    """The layout the custom ops compute in and return: the two standard layouts as they are; any other strides (a
+    slice, a permutation) are copied once into the suggested layout. Mirrors layout_of() in the C++ op files."""
+    if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
+        return torch.channels_last
+    if x.is_contiguous():
+        return torch.contiguous_format
+    from torch._prims_common import suggest_memory_format
+
+    return suggest_memory_format(x)
 
 
 def _is_toolkit(home: str | Path | None) -> bool:

@@ -10,7 +10,7 @@ from typing import Sequence, Union
 import torch
 from torch import Tensor
 
-from . import load
+from . import kernel_layout, load
 
 load()
 
@@ -22,15 +22,7 @@ _bwd = torch.ops.mobilenet_dw.depthwise_bwd.default
 IntOrPair = Union[int, Sequence[int]]
 
 
-def _layout(x: Tensor) -> torch.memory_format:
-    """The layout the kernels compute in and return (mirrors layout_of() in depthwise_ops.cpp)."""
-    if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
-        return torch.channels_last
-    if x.is_contiguous():
-        return torch.contiguous_format
-    from torch._prims_common import suggest_memory_format
-
-    return suggest_memory_format(x)
+_layout = kernel_layout
 
 
 def _out_size(size, k, s, p, d):

@@ -1,7 +1,9 @@
 """Structured configs: the schema every Hydra config is checked against.
 
-The dataclasses are registered in Hydra's ConfigStore as `base_*` nodes; the YAML files under conf/ extend
-them. A misspelled key or a value of the wrong type is rejected by OmegaConf with the key's full name.
+The dataclasses are registered in Hydra's ConfigStore as root nodes named `_schema_<group>` (not inside the
+groups, so that they are neither offered nor accepted as a group's option); the YAML files under conf/<group>/ extend
+them. A misspelled key or a value of the wrong type is rejected by OmegaConf with the key's full name, and a key
+added with `+` that the schema lacks is refused by `check_schema_keys`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
+
+from .errors import ConfigError
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -63,6 +67,12 @@ class BackendConfig:
 
 
 @dataclass
+class NormConfig:
+    # Which BatchNorm + ReLU implementation (mobilenet/norm.py): torch | custom | apex.
+    name: str = "torch"
+
+
+@dataclass
 class ModelConfig:
     name: str = "mobilenet_v1"
     width_mult: float = 1.0
@@ -93,7 +103,8 @@ class DataConfig:
     # A dataset that ships with a dependency, written once as a JPEG ImageFolder into the cache: "digits".
     builtin: Optional[str] = None
     resolution: int = 224
-    num_classes: int = 1000
+    # None: the folder and DALI loaders count the class directories; data=synthetic needs a number.
+    num_classes: Optional[int] = None
     batch_size: int = 256
     workers: int = 8
     # Batches per epoch: required for synthetic, an optional cap for the others.
@@ -108,6 +119,9 @@ class DataConfig:
     std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
     # Skip (and count) corrupt images instead of stopping with an error that names the file.
     skip_corrupt: bool = False
+    # data=folder: check every file's image signature (and JPEG structure) before the first step, so that a corrupt
+    # file is named up front instead of stopping an epoch midway; the same check as data.dali.check_files.
+    check_files: bool = True
     dali: DaliConfig = field(default_factory=DaliConfig)
 
 
@@ -175,6 +189,7 @@ class ProfilerConfig:
 @dataclass
 class Config:
     backend: BackendConfig = field(default_factory=BackendConfig)
+    norm: NormConfig = field(default_factory=NormConfig)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -239,10 +254,90 @@ def register_configs() -> None:
         OmegaConf.register_new_resolver("run_name", _run_name)
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
-    cs.store(group="backend", name="base_backend", node=BackendConfig)
-    cs.store(group="data", name="base_data", node=DataConfig)
-    cs.store(group="model", name="base_model", node=ModelConfig)
-    cs.store(group="optim", name="base_optim", node=OptimConfig)
+    for group, node in SCHEMA_GROUPS.items():
+        cs.store(name=schema_node(group), node=node)
+
+
+# The schema of each config group. A group's YAML files start with `defaults: [/_schema_<group>@_here_]`.
+SCHEMA_GROUPS: dict[str, type] = {
+    "backend": BackendConfig,
+    "norm": NormConfig,
+    "data": DataConfig,
+    "model": ModelConfig,
+    "optim": OptimConfig,
+}
+
+
+def schema_node(group: str) -> str:
+    """The ConfigStore name of a group's schema: at the root, so that `group=...` never lists or selects it."""
+    return f"_schema_{group}"
+
+
+def check_schema_keys(cfg) -> None:
+    """Refuse keys the schema lacks (added with `+key=value`: nothing would read them), naming the closest key."""
+    unknown = _unknown_keys(cfg, OmegaConf.structured(Config), "")
+    if unknown:
+        key, suggestion = unknown[0]
+        hint = f"; did you mean {suggestion}={OmegaConf.select(cfg, key)}?" if suggestion else ""
+        raise ConfigError(f"+{key}: the config has no key {key!r}, so nothing would read it{hint}")
+
+
+def _unknown_keys(node, schema, prefix: str) -> list[tuple[str, str | None]]:
+    """[(dotted key, closest schema key or None)] for the keys of `node` that `schema` lacks."""
+    import difflib
+
+    from omegaconf import DictConfig
+
+    found = []
+    for key in node.keys():
+        dotted = f"{prefix}{key}"
+        if key not in schema:
+            close = difflib.get_close_matches(str(key), [str(k) for k in schema.keys()], n=1, cutoff=0.6)
+            found.append((dotted, f"{prefix}{close[0]}" if close else None))
+            continue
+        child, child_schema = node._get_node(key), schema._get_node(key)
+        if isinstance(child, DictConfig) and isinstance(child_schema, DictConfig) and not child._is_none():
+            found += _unknown_keys(child, child_schema, f"{dotted}.")
+    return found
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """Compose once, so that a bad override is a ConfigError of one line instead of Hydra's report, which for a
+    misspelled key suggests `+key=value` (accepted, then read by nothing)."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        compose(overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(composition_message(e)) from None
+
+
+def composition_message(e: Exception) -> str:
+    """One line for Hydra's composition errors: what was wrong, and the closest key or the choices."""
+    import difflib
+    import re
+
+    text = str(e) + (f"\n{e.__cause__}" if e.__cause__ is not None else "")
+    unknown = re.search(r"Could not override '([^']+)'", text)
+    if unknown:
+        key = unknown.group(1)
+        parent, _, leaf = key.rpartition(".")
+        schema = OmegaConf.structured(Config)
+        node = OmegaConf.select(schema, parent) if parent else schema
+        known = [str(k) for k in node.keys()] if OmegaConf.is_dict(node) else []
+        close = difflib.get_close_matches(leaf, known, n=1, cutoff=0.6)
+        hint = f"; did you mean {parent + '.' if parent else ''}{close[0]}?" if close else ""
+        return f"the config has no key {key!r}{hint} (python train.py --cfg job lists them)"
+    missing = re.search(r"Could not find '([^']+)'", text)
+    if missing:
+        options = re.findall(r"^\t(\S+)$", text.split("Config search path")[0], flags=re.M)
+        return f"no config {missing.group(1)!r}" + (f"; choose one of: {', '.join(options)}" if options else "")
+    lines = [line.strip() for line in text.splitlines() if line.strip()
+             and not line.strip().startswith(("full_key:", "object_type=", "reference_type=", "Set the environment"))]
+    if lines and lines[0].startswith("Error merging override "):  # then the reason, from OmegaConf
+        lines[0] = lines[0].removeprefix("Error merging override ")
+    return ": ".join(lines[:2]) or type(e).__name__
 
 
 def compose(overrides: list[str] | None = None, config_name: str = "config") -> Any:
@@ -252,4 +347,6 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra_compose(config_name=config_name, overrides=list(overrides or []))
+        cfg = hydra_compose(config_name=config_name, overrides=list(overrides or []))
+    check_schema_keys(cfg)
+    return cfg

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from . import streams
 from .config import enum_value
+from .errors import ConfigError
 
 MODES = ("auto", "true", "false")
 
@@ -33,7 +34,7 @@ def parse_mode(value) -> str:
     """The config value as one of MODES (Hydra hands `cuda_graph=true` over as a bool)."""
     mode = str(value).lower()
     if mode not in MODES:
-        raise ValueError(f"cuda_graph={value!r} is not a choice; choose one of: {', '.join(MODES)}")
+        raise ConfigError(f"cuda_graph={value!r} is not a choice; choose one of: {', '.join(MODES)}")
     return mode
 
 
@@ -183,7 +184,7 @@ def resolve_inference(cfg, device: torch.device, profiling: bool = False) -> tup
     if profiling:
         reasons.append("--profile traces eager passes, so that every kernel is attributed to the op that launched it")
     if mode == "true" and reasons:
-        raise ValueError("cuda_graph=true, but this inference run cannot be replayed: " + "; ".join(reasons)
+        raise ConfigError("cuda_graph=true, but this inference run cannot be replayed: " + "; ".join(reasons)
                          + ". Use cuda_graph=auto (replays where it can, and says so) or cuda_graph=false")
     if reasons:
         return False, "off (cuda_graph=auto: " + "; ".join(reasons) + ")"

@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import random
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,8 +21,10 @@ from . import cuda_graph, distributed, streams
 from .config import enum_value
 from .data import LoaderSpec, build_loaders
 from .depthwise import get_backend
+from .errors import ConfigError, MissingDependency, UserError, checking_user_input
 from .meter import StepMeter, Throughput
 from .model import build_model
+from .norm import convert_sync_batchnorm, get_norm
 from .reporting import TensorBoardLog, environment, print_summary
 
 log = logging.getLogger(__name__)
@@ -30,8 +33,12 @@ AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 CHECKPOINT_VERSION = 1
 
 
-class CheckpointError(RuntimeError):
-    pass
+class CheckpointError(UserError, RuntimeError):
+    """resume= names no checkpoint of this project, or one that does not fit the run's model."""
+
+
+# Config keys that decide the shapes of the model's weights: a checkpoint resumes only into the same values.
+WEIGHT_SHAPING_KEYS = ("model.name", "model.width_mult")
 
 
 def resolve_device(kind: Any) -> torch.device:
@@ -39,9 +46,9 @@ def resolve_device(kind: Any) -> torch.device:
     if kind == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if kind == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device=cuda, but no CUDA GPU is available (torch.cuda.is_available() is False); use device=auto or device=cpu")
+        raise ConfigError("device=cuda, but no CUDA GPU is available (torch.cuda.is_available() is False); use device=auto or device=cpu")
     if kind not in ("cuda", "cpu"):
-        raise ValueError(f"unknown device {kind!r}; choose one of: auto, cuda, cpu")
+        raise ConfigError(f"unknown device {kind!r}; choose one of: auto, cuda, cpu")
     return torch.device(kind)
 
 
@@ -62,6 +69,7 @@ def config_rows(cfg, device: torch.device, env: dict, backend: str | None = None
     """What a summary table says about the combination that ran (training and inference alike)."""
     return {
         "backend": backend or cfg.backend.name,
+        "norm": cfg.norm.name,
         "precision": precision_label(cfg),
         "memory format": layout_label(cfg),
         "compile": cfg.compile,
@@ -80,10 +88,26 @@ def run_dtype(cfg) -> torch.dtype:
 
 def validate(cfg, device: torch.device) -> None:
     """Reject combinations that cannot run as asked, before any work is done. Nothing is substituted."""
-    get_backend(cfg.backend.name).check(device)  # first: a GPU-only backend on a CPU is the root cause to report
+    with checking_user_input(ValueError):  # an unknown backend name
+        backend = get_backend(cfg.backend.name)
+    backend.check(device)  # first: a GPU-only backend on a CPU is the root cause to report
+    get_norm(cfg.norm.name).check(device)
     if cfg.amp and enum_value(cfg.amp_dtype) == "fp16" and device.type != "cuda":
-        raise ValueError("amp=true with amp_dtype=fp16 needs a CUDA GPU (CPU autocast runs bf16 only); "
-                         "use amp_dtype=bf16 on a CPU, or run on a GPU")
+        raise ConfigError("amp=true with amp_dtype=fp16 needs a CUDA GPU (CPU autocast runs bf16 only); "
+                          "use amp_dtype=bf16 on a CPU, or run on a GPU")
+    if cfg.amp and enum_value(cfg.amp_dtype) == "bf16" and device.type == "cpu":
+        warn_once("bf16_cpu", "amp=true amp_dtype=bf16 on a CPU: most CPUs have no fast bf16 arithmetic, and such a run "
+                  "can be tens of times slower than fp32 (amp=false); use it to check the code path, not for speed")
+
+
+_WARNED: set[str] = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    """Log a warning once per process: validate() runs for every Trainer a script builds."""
+    if key not in _WARNED:
+        _WARNED.add(key)
+        log.warning(message)
 
 
 def seed_everything(seed: int) -> None:
@@ -95,7 +119,8 @@ def seed_everything(seed: int) -> None:
 def build_for_run(cfg, device: torch.device, num_classes: int, model: nn.Module | None = None) -> nn.Module:
     """The configured MobileNetV1 (or a given peer model) on the run's device, in the run's memory format."""
     if model is None:
-        model = build_model(cfg.model.name, num_classes, cfg.model.width_mult, cfg.backend.name, cfg.model.dropout)
+        with checking_user_input(ValueError):  # an unknown model name or a width out of range
+            model = build_model(cfg.model.name, num_classes, cfg.model.width_mult, cfg.backend.name, cfg.model.dropout, norm=cfg.norm.name)
     model = model.to(device)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -141,14 +166,14 @@ def build_optimizer(cfg, model: nn.Module, global_batch: int) -> torch.optim.Opt
         try:
             from apex.optimizers import FusedLAMB, FusedSGD
         except ImportError as e:
-            raise ImportError(f"optim.impl=apex: {APEX_HINT} ({e})") from e
+            raise MissingDependency(f"optim.impl=apex: {APEX_HINT} ({e})") from e
         if name == "sgd":
             return FusedSGD(groups, lr=lr, momentum=o.momentum, nesterov=nesterov)
         if name == "lamb":
             return FusedLAMB(groups, lr=lr)
-        raise ValueError(f"optim.impl=apex offers optim=sgd (FusedSGD) and optim.name=lamb (FusedLAMB), not {name!r}")
+        raise ConfigError(f"optim.impl=apex offers optim=sgd (FusedSGD) and optim.name=lamb (FusedLAMB), not {name!r}")
     if impl not in ("foreach", "fused"):
-        raise ValueError(f"unknown optim.impl {impl!r}; choose one of: foreach, fused, apex")
+        raise ConfigError(f"unknown optim.impl {impl!r}; choose one of: foreach, fused, apex")
     kind = {impl: True}  # foreach=True or fused=True: never PyTorch's silent per-tensor loop
     if name == "sgd":
         opt = torch.optim.SGD(groups, lr=lr, momentum=o.momentum, nesterov=nesterov, **kind)
@@ -158,11 +183,11 @@ def build_optimizer(cfg, model: nn.Module, global_batch: int) -> torch.optim.Opt
         return opt
     if name == "rmsprop":
         if impl == "fused":
-            raise ValueError("torch has no fused RMSprop; use optim.impl=foreach with optim=rmsprop")
+            raise ConfigError("torch has no fused RMSprop; use optim.impl=foreach with optim=rmsprop")
         return torch.optim.RMSprop(groups, lr=lr, alpha=o.alpha, eps=o.eps, momentum=o.momentum, **kind)
     if name == "lamb":
-        raise ValueError("optim.name=lamb is apex's FusedLAMB: set optim.impl=apex")
-    raise ValueError(f"unknown optimizer {name!r}; choose one of: sgd, rmsprop, lamb (apex)")
+        raise ConfigError("optim.name=lamb is apex's FusedLAMB: set optim.impl=apex")
+    raise ConfigError(f"unknown optimizer {name!r}; choose one of: sgd, rmsprop, lamb (apex)")
 
 
 def warmup_cosine(total_steps: int, warmup_steps: int, min_ratio: float):
@@ -188,18 +213,54 @@ def save_checkpoint(path: Path, state: dict) -> None:
         raise
 
 
-def load_checkpoint(path: str) -> dict:
+CHECKPOINT_IN_RUN_DIR = Path("checkpoints") / "last.pt"
+
+
+def checkpoint_file(path: str, option: str = "resume=") -> Path:
+    """The checkpoint that resume=PATH means: the file itself, or a run directory's checkpoints/last.pt. `option`
+    names the setting the path came from in messages (infer.py passes "--checkpoint ")."""
     p = Path(path).expanduser()
+    if p.is_dir():
+        if (p / CHECKPOINT_IN_RUN_DIR).is_file():
+            return p / CHECKPOINT_IN_RUN_DIR
+        raise CheckpointError(f"{option}{path!r} is a directory without {CHECKPOINT_IN_RUN_DIR} (not a train.py run "
+                              "directory, or its run ended before the first epoch's checkpoint)")
     if not p.is_file():
-        raise CheckpointError(f"resume={path!r}: no such checkpoint file")
+        raise CheckpointError(f"{option}{path!r}: no such checkpoint file or run directory")
+    return p
+
+
+def load_checkpoint(path: str, option: str = "resume=") -> dict:
+    p = checkpoint_file(path, option)
     try:
         state = torch.load(p, map_location="cpu", weights_only=False)
     except Exception as e:
-        raise CheckpointError(f"resume={path!r} is not a readable checkpoint (corrupt or truncated?): {type(e).__name__}: {e}") from e
+        raise CheckpointError(f"{option}{path!r} is not a readable checkpoint (corrupt or truncated?): {type(e).__name__}: {e}") from e
     missing = {"version", "model", "optimizer", "scheduler", "epoch", "step"} - set(state if isinstance(state, dict) else {})
     if missing:
-        raise CheckpointError(f"resume={path!r} is not a checkpoint of this project: missing {sorted(missing)}")
+        raise CheckpointError(f"{option}{path!r} is not a checkpoint of this project: missing {sorted(missing)}")
     return state
+
+
+def _lookup(tree: dict, dotted: str):
+    for part in dotted.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return None
+        tree = tree[part]
+    return tree
+
+
+def config_mismatch(saved: dict | None, cfg, num_classes: int, saved_num_classes: int | None) -> str | None:
+    """Why a checkpoint's weights cannot fit this run's model (the first differing key, both values), or None."""
+    run = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) if OmegaConf.is_config(cfg) else dict(cfg)
+    for key in WEIGHT_SHAPING_KEYS:
+        theirs, ours = _lookup(saved or {}, key), _lookup(run, key)
+        if theirs is not None and ours is not None and theirs != ours:
+            return f"the checkpoint was trained with {key}={theirs}, this run has {key}={ours}; set {key}={theirs}"
+    if saved_num_classes is not None and saved_num_classes != num_classes:
+        return (f"the checkpoint has {saved_num_classes} classes, this run's data has {num_classes} "
+                f"(resume with the data it was trained on)")
+    return None
 
 
 class _LossReadback:
@@ -288,36 +349,40 @@ class Trainer:
         names it in summaries and hparams."""
         self.cfg = cfg
         self.run_dir = Path(run_dir)
-        self.queues_state = streams.apply_max_connections(cfg)  # before anything creates the CUDA context
+        with checking_user_input(ValueError):  # perf.max_connections out of range
+            self.queues_state = streams.apply_max_connections(cfg)  # before anything creates the CUDA context
         self.dist, self.device = distributed.init(resolve_device(cfg.device), cfg.dist.timeout_s)
         if self.device.type != "cuda":
             self.queues_state = f"none ({self.device.type})"
         validate(cfg, self.device)
         self.overrides = overrides
-        self.stream, self.stream_state = streams.resolve(cfg, self.device)
+        with checking_user_input(ValueError):  # a stream setting this device cannot take
+            self.stream, self.stream_state = streams.resolve(cfg, self.device)
         with streams.issued_on(self.stream):  # the model, optimizer state and batches live on the run's stream
             self._build(cfg, model, backend_label)
 
     def _build(self, cfg, model: nn.Module | None, backend_label: str | None) -> None:
-        use_graph, self.cuda_graph_state = cuda_graph.resolve(cfg, self.device, self.dist.enabled)
+        with checking_user_input(ValueError):  # cuda_graph=true where a run cannot be captured
+            use_graph, self.cuda_graph_state = cuda_graph.resolve(cfg, self.device, self.dist.enabled)
         if cfg.sync_bn and not self.dist.enabled:
-            raise ValueError("sync_bn=true needs a process group, and this run is a single process: "
+            raise ConfigError("sync_bn=true needs a process group, and this run is a single process: "
                              "launch with `torchrun --nproc_per_node=N train.py ... sync_bn=true`")
         if cfg.profile and self.dist.enabled:
-            raise ValueError("profile=true traces one process: run it without torchrun")
+            raise ConfigError("profile=true traces one process: run it without torchrun")
         seed_everything(cfg.seed)
         torch.backends.cudnn.benchmark = True
         self.amp_dtype = autocast_dtype(cfg)
         spec = LoaderSpec(self.device, run_dtype(cfg), cfg.channels_last, self.dist.rank, self.dist.world_size, seed=cfg.seed)
-        self.train_loader, self.val_loader = build_loaders(cfg.data, spec)
+        with checking_user_input(ValueError, FileNotFoundError, ImportError):  # the data config or the files
+            self.train_loader, self.val_loader = build_loaders(cfg.data, spec)
         self.steps_per_epoch = len(self.train_loader)
         if cfg.data.steps_per_epoch is not None:  # the folder loader's cap (DALI and synthetic size themselves)
             self.steps_per_epoch = min(self.steps_per_epoch, cfg.data.steps_per_epoch)
         if self.steps_per_epoch < 1:
-            raise ValueError("the training loader yields no full batch; lower data.batch_size")
+            raise ConfigError("the training loader yields no full batch; lower data.batch_size")
         self.model = build_for_run(cfg, self.device, self.train_loader.num_classes, model)
         if cfg.sync_bn:
-            self.model = nn.SyncBatchNorm.convert_sync_batchnorm(self.model)
+            self.model = convert_sync_batchnorm(self.model)  # keeps each fused norm_relu's ReLU
         self.backend_label = backend_label or cfg.backend.name
         # Figures measured outside fit() (e.g. inference img/s) to log as perf/<name> and hparam/<name>.
         self.extra_metrics: dict[str, float] = {}
@@ -342,8 +407,11 @@ class Trainer:
         self.global_step = 0
         if cfg.resume:
             self._restore(load_checkpoint(cfg.resume))
+        self.start_step = self.global_step
         if use_graph:  # after a resume: the restored learning rates become the captured step's device tensors
             self.graphed = cuda_graph.CapturedStep(self._step_math, self.optimizer, self.device)
+        if not cfg.profile:  # profile=true sizes its own windows
+            self._check_steps_to_time()
         self.env = environment(self.device)
         # Only rank 0 writes: one TensorBoard run and one checkpoint per training run.
         self.tb = TensorBoardLog(str(self.run_dir), enabled=self.dist.is_main)
@@ -367,10 +435,14 @@ class Trainer:
         }
 
     def _restore(self, state: dict) -> None:
+        why = config_mismatch(state.get("config"), self.cfg, self.train_loader.num_classes, state.get("num_classes"))
+        if why:
+            raise CheckpointError(f"resume={self.cfg.resume!r} does not fit this run's model: {why}")
         try:
             self.model.load_state_dict(state["model"])
-        except RuntimeError as e:
-            raise CheckpointError(f"resume={self.cfg.resume!r} does not fit this model (another width or num_classes?): {e}") from e
+        except RuntimeError as e:  # a checkpoint without a config, or a model changed in code: the first mismatch
+            first = next((line.strip() for line in str(e).splitlines()[1:] if line.strip()), str(e))
+            raise CheckpointError(f"resume={self.cfg.resume!r} does not fit this model: {first}") from e
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         # The optimizer restored the LR of the saved schedule; continue on this run's (epochs may have grown).
@@ -425,6 +497,23 @@ class Trainer:
         if self.graphed is None:
             return self.cfg.perf.warmup_steps
         return max(self.cfg.perf.warmup_steps, self.graphed.warmup_steps + 1)
+
+    def _check_steps_to_time(self) -> None:
+        """Refuse a run whose reported throughput could only be nan: the summary reports the last epoch, and the
+        first epoch of a run leaves its first _untimed_steps() steps untimed."""
+        cfg, remaining = self.cfg, self.cfg.epochs - self.epoch
+        if cfg.epochs < 1:
+            raise ConfigError(f"epochs={cfg.epochs}: a run needs at least one epoch")
+        if remaining < 1:
+            raise ConfigError(f"resume={cfg.resume!r} has already run {self.epoch} epoch(s) and this run asks for "
+                              f"epochs={cfg.epochs}: nothing left to train; raise epochs")
+        untimed = self._untimed_steps()
+        if remaining == 1 and self.steps_per_epoch <= untimed:
+            graph = " (and the CUDA graph's eager steps and capture)" if self.graphed is not None else ""
+            raise ConfigError(
+                f"only {self.steps_per_epoch} training step(s) would run, all of them warm-up (perf.warmup_steps="
+                f"{cfg.perf.warmup_steps}{graph}): no step would be timed and throughput would be nan; lower "
+                f"perf.warmup_steps below {self.steps_per_epoch}, or run more steps (data.steps_per_epoch, epochs)")
 
     def train_epoch(self, result: RunResult, max_steps: int | None = None) -> Throughput:
         cfg = self.cfg
@@ -483,6 +572,9 @@ class Trainer:
         result.train = baseline
         self.profiler = StepProfiler(self.run_dir, self.device, run_meta(cfg, self.env, "train"), pc,
                                      baseline_step_ms=baseline.step_ms_median)
+        if self.device.type == "cpu":  # Kineto's own stderr line cannot be silenced from Python; say what it means
+            log.info("a CPU-only trace: PyTorch's profiler (Kineto) may print 'ERROR: ... gpuGetDeviceCount failed' "
+                     "as it finishes; that is its probe for a GPU finding none, and the trace is complete")
         try:
             with self.profiler:
                 self.train_epoch(result, max_steps=self.profiler.total_steps)
@@ -596,6 +688,25 @@ class Trainer:
         metrics.update({f"hparam/{k}": v for k, v in self.extra_metrics.items()})
         self.tb.hparams(hparams, metrics)
         self.tb.close()
+
+
+# What a run directory holds before its first step: Hydra's config copy and log, an empty TensorBoard file.
+_SET_UP_ENTRIES = (".hydra", "*.log", "events.out.tfevents.*")
+
+
+def discard_run_dir(run_dir: str | os.PathLike) -> bool:
+    """Remove a run directory that holds only what set-up wrote (a run that died before its first step leaves no
+    trace); a directory holding anything else is kept. Returns whether it was removed."""
+    path = Path(run_dir)
+    if not path.is_dir():
+        return False
+    entries = list(path.iterdir())
+    if any(not any(e.match(pattern) for pattern in _SET_UP_ENTRIES) for e in entries):
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    with contextlib.suppress(OSError):  # the run name's directory, when this run was its only one
+        path.parent.rmdir()
+    return not path.exists()
 
 
 def _cycle(loader):

@@ -19,7 +19,9 @@ from torch import nn
 from . import cuda_graph, streams
 from .data import LoaderSpec, build_loaders
 from .data.folder import image_transforms
-from .engine import autocast_dtype, build_for_run, config_rows, evaluate, load_checkpoint, resolve_device, run_dtype, validate
+from .engine import (CheckpointError, autocast_dtype, build_for_run, config_rows, evaluate, load_checkpoint, resolve_device,
+                     run_dtype, validate)
+from .errors import ConfigError, DataNotFound
 from .inference_model import build_inference_model, onnx_export_form, resolve_epilogue
 from .meter import StepMeter, Throughput
 from .reporting import environment, print_summary
@@ -72,14 +74,18 @@ def _setup(cfg, checkpoint: str | None, num_classes: int | None = None, profilin
         queues = f"none ({device.type})"
     validate(cfg, device)
     torch.backends.cudnn.benchmark = True
-    state = load_checkpoint(checkpoint) if checkpoint else None
+    state = load_checkpoint(checkpoint, option="--checkpoint ") if checkpoint else None
     if state is not None:
         # The architecture comes from the checkpoint; the run settings (backend, amp, layout) from the command line.
         saved = state["config"]["model"]
         cfg.model.width_mult = saved["width_mult"]
         cfg.model.name = saved["name"]
         num_classes = state["num_classes"]
-    model = build_for_run(cfg, device, num_classes or cfg.data.num_classes)
+    num_classes = num_classes or cfg.data.num_classes
+    if num_classes is None:
+        raise ConfigError("data.num_classes is not set: without --checkpoint, infer.py builds an untrained model and "
+                          "needs it (data=synthetic sets 1000)")
+    model = build_for_run(cfg, device, num_classes)
     if state is not None:
         model.load_state_dict(state["model"])
     return _Setup(device, build_path(model, cfg, device, profiling), state, queues)
@@ -187,7 +193,8 @@ def evaluate_checkpoint(cfg, checkpoint: str) -> tuple[float, float]:
     spec = LoaderSpec(device, run_dtype(cfg), cfg.channels_last, seed=cfg.seed)
     _, val = build_loaders(cfg.data, spec)
     if val.num_classes != state["num_classes"]:
-        raise ValueError(f"the data has {val.num_classes} classes but the checkpoint was trained for {state['num_classes']}")
+        raise CheckpointError(f"the data has {val.num_classes} classes but the checkpoint {checkpoint} was trained for "
+                              f"{state['num_classes']}")
     with torch.inference_mode(), streams.issued_on(stream):
         top1, top5, n, tp = evaluate(path.forward, val, device, path.amp_dtype)
     rows = _path_rows(cfg, device, setup)
@@ -204,10 +211,10 @@ def classify_images(cfg, checkpoint: str | None, files: list[str]) -> list[list[
     from torchvision import transforms as T
 
     if checkpoint is None:
-        raise ValueError("--images needs --checkpoint PATH (an untrained model's classes mean nothing)")
+        raise ConfigError("--images needs --checkpoint PATH (an untrained model's classes mean nothing)")
     for f in files:
         if not Path(f).is_file():
-            raise FileNotFoundError(f"--images: no such file {f!r}")
+            raise DataNotFound(f"--images: no such file {f!r}")
     setup = _setup(cfg, checkpoint)
     device, path, state = setup.device, setup.path, setup.state
     classes = state.get("classes") or [str(i) for i in range(state["num_classes"])]
@@ -236,13 +243,13 @@ def export_onnx(cfg, checkpoint: str | None, out: str) -> Path:
     becomes a grouped Conv, so the file runs anywhere. The batch axis is dynamic; dtype and layout follow the run
     (fp32 unless amp=true). Returns the path written."""
     if not cfg.fold_bn:
-        raise ValueError("--export writes the folded inference model; fold_bn=false (the training graph with "
+        raise ConfigError("--export writes the folded inference model; fold_bn=false (the training graph with "
                          "BatchNorm) is not exported. Drop fold_bn=false")
     if cfg.compile:
-        raise ValueError("--export traces the model itself; compile=true does not apply to an export, drop it")
+        raise ConfigError("--export traces the model itself; compile=true does not apply to an export, drop it")
     dest = Path(out)
     if dest.suffix != ".onnx":
-        raise ValueError(f"--export {out}: the file name must end in .onnx")
+        raise ConfigError(f"--export {out}: the file name must end in .onnx")
     setup = _setup(cfg, checkpoint)
     model = onnx_export_form(setup.path.model)
     x = _input_batch(cfg, setup.device, batch_size=2)

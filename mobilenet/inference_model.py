@@ -9,10 +9,10 @@ Which kernel runs each convolution (`Epilogue`), and why:
 - depthwise, backend=custom: this project's kernel with bias and ReLU in its epilogue;
 - depthwise, backend=cudnn: cuDNN's fused convolution-bias-activation (torch.cudnn_convolution_relu);
 - depthwise, backend=torch: F.conv2d, then a separate ReLU (PyTorch has no fused depthwise conv + ReLU);
-- stem and 1x1 convolutions (the same for every backend, so backend comparisons stay fair): in channels_last a 1x1
-  convolution is a matrix product over pixels, run by cuBLASLt with its bias+ReLU epilogue
-  (torch._addmm_activation); the stem, and NCHW 1x1 layers, use cuDNN's fused convolution-bias-activation.
-  docs/inference.md has the measurements behind these choices.
+- stem and 1x1 convolutions (the same for every backend, so backend comparisons stay fair): cuDNN's fused
+  convolution-bias-activation. A channels_last 1x1 convolution is also a matrix product over pixels, which cuBLASLt
+  runs with its bias+ReLU epilogue (torch._addmm_activation, CUBLASLT_FUSED); cuDNN measured faster for the whole
+  model, and a separate ReLU far slower. docs/inference.md has the measurements behind these choices.
 With `fused_epilogue` off (or on a CPU, where none of these kernels exist), every convolution runs with its bias and
 then a separate ReLU, so the fused epilogue's gain can be measured on its own.
 """
@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .depthwise import DepthwiseConv2d, get_backend
+from .errors import ConfigError
 
 EPILOGUE_MODES = ("auto", "true", "false")
 
@@ -72,8 +73,9 @@ def _custom_depthwise(x: Tensor, w: Tensor, b: Tensor, stride, padding, groups: 
     return depthwise_conv2d(x, w, b, stride, padding)
 
 
-# PyTorch sends a matrix product to cuBLASLt (whose epilogue adds the bias and applies the ReLU) only while every
-# matrix dimension is below 65535 * 32; taller products are split into row blocks of this many rows.
+# Taller products are split into row blocks: PyTorch hands cuBLASLt (whose epilogue adds the bias and applies the
+# ReLU) only products below a size limit; with blocks of 2^20 rows the H200 profile shows cuBLASLt's bias-ReLU kernel
+# for every 1x1 layer.
 _LT_MAX_ROWS = 1 << 20
 
 
@@ -125,10 +127,10 @@ def depthwise_epilogue(backend: str, fused: bool) -> Epilogue:
     return CONV_THEN_RELU  # backend=torch: F.conv2d, PyTorch's own choice of kernel, has no fused form
 
 
-def dense_epilogue(kernel_size: int, channels_last: bool, fused: bool) -> Epilogue:
-    if not fused:
-        return CONV_THEN_RELU
-    return CUBLASLT_FUSED if kernel_size == 1 and channels_last else CUDNN_FUSED
+def dense_epilogue(fused: bool) -> Epilogue:
+    # H200, fp16 channels_last, batch 256, whole model replayed: cuDNN's fused 1x1 layers 128.7k img/s, cuBLASLt's
+    # epilogue 117.6k, a separate ReLU 57.3k; a separate ReLU after the stem 100.7k (docs/inference.md).
+    return CUDNN_FUSED if fused else CONV_THEN_RELU
 
 
 class FoldedConv(nn.Module):
@@ -191,18 +193,18 @@ def _conv_bn_relu_triples(model: nn.Module) -> list[tuple[nn.Module, _BatchNorm,
     while i < len(leaves):
         conv = leaves[i]
         if not isinstance(conv, (nn.Conv2d, DepthwiseConv2d)):
-            raise ValueError(f"fold_bn: expected a convolution at position {i} of the model's features, found "
+            raise ConfigError(f"fold_bn: expected a convolution at position {i} of the model's features, found "
                              f"{type(conv).__name__}; only MobileNetV1's conv -> BatchNorm -> ReLU layers can be folded")
         bn = leaves[i + 1] if i + 1 < len(leaves) else None
         if not isinstance(bn, _BatchNorm):
-            raise ValueError(f"fold_bn: the convolution at position {i} is not followed by a BatchNorm")
+            raise ConfigError(f"fold_bn: the convolution at position {i} is not followed by a BatchNorm")
         relu = bool(getattr(bn, "fused_relu", False))
         i += 2
         if not relu and i < len(leaves) and isinstance(leaves[i], nn.ReLU):
             relu = True
             i += 1
         if not relu:
-            raise ValueError(f"fold_bn: the BatchNorm at position {i - 1} is not followed by a ReLU")
+            raise ConfigError(f"fold_bn: the BatchNorm at position {i - 1} is not followed by a ReLU")
         triples.append((conv, bn, relu))
     return triples
 
@@ -210,10 +212,10 @@ def _conv_bn_relu_triples(model: nn.Module) -> list[tuple[nn.Module, _BatchNorm,
 def _conv_geometry(conv: nn.Module) -> tuple[tuple, tuple, int, Tensor | None]:
     if isinstance(conv, DepthwiseConv2d):
         if conv.dilation != (1, 1):
-            raise ValueError(f"fold_bn: dilated depthwise convolutions are not supported ({conv.dilation})")
+            raise ConfigError(f"fold_bn: dilated depthwise convolutions are not supported ({conv.dilation})")
         return conv.stride, conv.padding, conv.weight.shape[0], conv.bias
     if conv.dilation != (1, 1) or not isinstance(conv.padding, tuple):
-        raise ValueError(f"fold_bn: only undilated convolutions with numeric padding are supported ({conv})")
+        raise ConfigError(f"fold_bn: only undilated convolutions with numeric padding are supported ({conv})")
     return conv.stride, conv.padding, conv.groups, conv.bias
 
 
@@ -221,12 +223,12 @@ def resolve_epilogue(mode, device: torch.device) -> tuple[bool, str]:
     """(fuse or not, why) for `fused_epilogue=auto|true|false`; `true` where no fused kernel exists is an error."""
     value = str(mode).lower()
     if value not in EPILOGUE_MODES:
-        raise ValueError(f"fused_epilogue={mode!r} is not a choice; choose one of: {', '.join(EPILOGUE_MODES)}")
+        raise ConfigError(f"fused_epilogue={mode!r} is not a choice; choose one of: {', '.join(EPILOGUE_MODES)}")
     if value == "false":
         return False, "off (fused_epilogue=false)"
     if device.type != "cuda":
         if value == "true":
-            raise ValueError(f"fused_epilogue=true needs a CUDA GPU (the fused kernels are cuDNN's, cuBLASLt's and this "
+            raise ConfigError(f"fused_epilogue=true needs a CUDA GPU (the fused kernels are cuDNN's, cuBLASLt's and this "
                              f"project's), but the run's device is {device.type}; use fused_epilogue=auto or false")
         return False, f"off (fused_epilogue=auto: the run's device is {device.type}, which has no fused kernels here)"
     return True, f"on (fused_epilogue={value})"
@@ -241,7 +243,7 @@ def build_inference_model(model: nn.Module, dtype: torch.dtype, channels_last: b
     (scripts/bench_inference.py)."""
     kernels = kernels or {}
     if not hasattr(model, "features") or not hasattr(model, "classifier"):
-        raise ValueError(f"fold_bn: {type(model).__name__} is not this project's MobileNetV1; use fold_bn=false")
+        raise ConfigError(f"fold_bn: {type(model).__name__} is not this project's MobileNetV1; use fold_bn=false")
     device = model.classifier.weight.device
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     backend = getattr(model, "depthwise_backend", "torch")
@@ -256,7 +258,7 @@ def build_inference_model(model: nn.Module, dtype: torch.dtype, channels_last: b
         elif groups > 1:
             epilogue = depthwise_epilogue(backend, fused)
         else:
-            epilogue = dense_epilogue(w.shape[-1], channels_last, fused)
+            epilogue = dense_epilogue(fused)
         weight = w.to(device, dtype).contiguous(memory_format=fmt)
         convs.append(FoldedConv(weight, b.to(device, dtype), stride, padding, groups, epilogue, relu))
     fc = model.classifier

@@ -1,4 +1,6 @@
-"""MobileNetV1 (Howard et al. 2017, Table 1), with every depthwise layer built through the backend registry."""
+"""MobileNetV1 (Howard et al. 2017, Table 1), with every depthwise layer built through the backend registry and every
+BatchNorm + ReLU pair through the norm registry (one `norm_relu` module in place of [BatchNorm2d, ReLU]: the ReLU had
+no state, so state_dict keys are those of the older [conv, bn, relu] layout)."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import torch
 from torch import nn
 
 from .depthwise import DepthwiseConv2d
+from .norm import get_norm
 
 # (output channels, stride) of the 13 depthwise-separable blocks at width multiplier 1.0 (Table 1).
 BLOCKS: tuple[tuple[int, int], ...] = (
@@ -21,39 +24,42 @@ def _scaled(channels: int, width_mult: float) -> int:
 
 
 class ConvBNReLU(nn.Sequential):
-    def __init__(self, in_ch: int, out_ch: int, kernel_size: int, stride: int):
+    def __init__(self, in_ch: int, out_ch: int, kernel_size: int, stride: int, norm: str = "torch"):
         super().__init__(
             nn.Conv2d(in_ch, out_ch, kernel_size, stride, padding=kernel_size // 2, bias=False),
-            nn.BatchNorm2d(out_ch),
-            nn.ReLU(inplace=True),
+            get_norm(norm).norm_relu(out_ch),
         )
 
 
 class DepthwiseSeparable(nn.Sequential):
     """3x3 depthwise conv + BN + ReLU, then 1x1 pointwise conv + BN + ReLU."""
 
-    def __init__(self, in_ch: int, out_ch: int, stride: int, backend: str):
+    def __init__(self, in_ch: int, out_ch: int, stride: int, backend: str, norm: str = "torch"):
         super().__init__(
             DepthwiseConv2d(in_ch, 3, stride, padding=1, backend=backend),
-            nn.BatchNorm2d(in_ch),
-            nn.ReLU(inplace=True),
-            ConvBNReLU(in_ch, out_ch, 1, 1),
+            get_norm(norm).norm_relu(in_ch),
+            # The slot the separate ReLU had: keeps the pointwise block at index 3, so state_dict keys (and checkpoints)
+            # are those of the [dw, bn, relu, pointwise] layout.
+            nn.Identity(),
+            ConvBNReLU(in_ch, out_ch, 1, 1, norm),
         )
 
 
 class MobileNetV1(nn.Module):
-    def __init__(self, num_classes: int = 1000, width_mult: float = 1.0, depthwise: str = "torch", dropout: float = 0.0):
+    def __init__(self, num_classes: int = 1000, width_mult: float = 1.0, depthwise: str = "torch", dropout: float = 0.0,
+                 norm: str = "torch"):
         super().__init__()
         if not 0 < width_mult <= 4:
             raise ValueError(f"model.width_mult must be in (0, 4] (the paper uses 0.25, 0.5, 0.75, 1.0), got {width_mult}")
         if num_classes < 1:
             raise ValueError(f"num_classes must be >= 1, got {num_classes}")
         self.depthwise_backend = depthwise
-        layers: list[nn.Module] = [ConvBNReLU(3, _scaled(STEM_CHANNELS, width_mult), 3, 2)]
+        self.norm = get_norm(norm).name
+        layers: list[nn.Module] = [ConvBNReLU(3, _scaled(STEM_CHANNELS, width_mult), 3, 2, norm)]
         in_ch = _scaled(STEM_CHANNELS, width_mult)
         for out, stride in BLOCKS:
             out_ch = _scaled(out, width_mult)
-            layers.append(DepthwiseSeparable(in_ch, out_ch, stride, depthwise))
+            layers.append(DepthwiseSeparable(in_ch, out_ch, stride, depthwise, norm))
             in_ch = out_ch
         self.features = nn.Sequential(*layers)
         self.pool = nn.AdaptiveAvgPool2d(1)
@@ -79,10 +85,11 @@ class MobileNetV1(nn.Module):
         return self.classifier(self.dropout(x))
 
 
-def build_model(name: str, num_classes: int, width_mult: float, depthwise: str, dropout: float = 0.0) -> nn.Module:
+def build_model(name: str, num_classes: int, width_mult: float, depthwise: str, dropout: float = 0.0,
+                norm: str = "torch") -> nn.Module:
     if name != "mobilenet_v1":
         raise ValueError(f"unknown model {name!r}; choose one of: mobilenet_v1")
-    return MobileNetV1(num_classes=num_classes, width_mult=width_mult, depthwise=depthwise, dropout=dropout)
+    return MobileNetV1(num_classes=num_classes, width_mult=width_mult, depthwise=depthwise, dropout=dropout, norm=norm)
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -18,7 +18,7 @@ the host feeds the GPU (CUDA's default: 8). Streams beyond that share queues, an
 so a stream that shares a queue with the training stream waits behind the training kernels queued before its own
 work, although the two are independent. DALI's decoder uses about 15 streams. With 32 queues, DALI-fed training on
 the H200 went from 10.9-12.4k to 13.1-13.6k img/s eager, and captured (cuda_graph=true) from 9.6k to 13.8-14.1k,
-against 15.0k on synthetic data, which 32 queues left unchanged (docs/results/loader_h200.md, eighth session).
+against 15.0k on synthetic data, which 32 queues left unchanged (docs/results/loader_h200.md, 2026-11-30).
 `auto` gives data=dali runs 32 and leaves other runs at CUDA's default, unless the environment already sets the
 variable. It must be set before the process creates its CUDA context, so train.py and infer.py apply it before they
 touch the GPU.

@@ -8,7 +8,7 @@ Suites (every variant is built through mobilenet.inference.build_path, the code 
   epilogues -> forward replayed from a CUDA graph -> compiled and replayed;
 - dtypes: the fast path (folded, fused, replayed) in fp32, fp16 and bf16, channels_last, per backend;
 - kernels: the fast path (fp16) with one kind of layer on another kernel than inference_model picks: the 1x1 layers
-  on cuDNN's fused conv-bias-ReLU or a convolution and a separate ReLU, the stem with a separate ReLU (custom), the
+  on cuBLASLt's bias-ReLU epilogue or a convolution and a separate ReLU, the stem with a separate ReLU (custom), the
   depthwise layers on cuDNN's fused conv-bias-ReLU (cudnn); compare with the dtypes suite's fp16 rows;
 - peer: what a plain-PyTorch user builds: timm's mobilenetv1_100, conv+BN fused by torch.fx, .half(),
   channels_last, torch.compile (needs timm).
@@ -117,7 +117,7 @@ def build_variants(args) -> list[Variant]:
             out += [_project_variant("dtypes", "fast path", backend, d, ["cuda_graph=true"], args) for d in DTYPES]
     if "kernels" in args.suites:  # the alternatives behind inference_model's choice of kernel per layer kind
         replayed = ["cuda_graph=true"]
-        for kind, backend, epilogue in [("pointwise", "custom", im.CUDNN_FUSED), ("pointwise", "custom", im.CONV_THEN_RELU),
+        for kind, backend, epilogue in [("pointwise", "custom", im.CUBLASLT_FUSED), ("pointwise", "custom", im.CONV_THEN_RELU),
                                         ("stem", "custom", im.CONV_THEN_RELU), ("depthwise", "cudnn", im.CUDNN_FUSED)]:
             out.append(_project_variant("kernels", f"{kind}: {epilogue.label}", backend, "fp16", replayed, args,
                                         kernels={kind: epilogue}))

@@ -2,12 +2,13 @@
 
     python scripts/compare.py RUNS_DIR [RUNS_DIR ...] [--out DIR] [--name matrix] [--allow-mixed] [--allow-incomplete]
 
-Every directory under RUNS_DIR holding TensorBoard event files is a run (scripts/benchmark.py writes one per
-combination; train.py runs work too when they have the scalars). From each run it reads the hparams that the run
-logged (hparams plugin data: backend, amp, amp_dtype, channels_last, compile, cuda_graph, data, batch_size,
-resolution, gpu, torch, cudnn; runs older than the cuda_graph option show it blank) and the last value of the
-scalars perf/train_img_s and perf/infer_img_s (plus perf/compute_img_s, perf/step_ms and sys/max_mem_gb where
-present). Combinations that scripts/benchmark.py skipped or that failed (their
+Every directory under RUNS_DIR holding TensorBoard event files is a run: scripts/benchmark.py writes one per
+combination, and train.py one per run (a `train.py -m` grid is a runs directory too). From each run it reads the
+hparams that the run logged (hparams plugin data: backend, amp, amp_dtype, channels_last, compile, cuda_graph, data,
+batch_size, resolution, gpu, torch, cudnn; runs without the cuda_graph hparam show it blank) and the last value of
+the scalar perf/train_img_s, plus perf/infer_img_s, perf/compute_img_s, perf/step_ms and sys/max_mem_gb where present.
+train.py measures no inference throughput (scripts/benchmark.py does): its runs leave the inference columns blank,
+and the report says so. Combinations that scripts/benchmark.py skipped or that failed (their
 benchmark.json says so) are listed with their reason. Runs of one combination (scripts/benchmark.py --repeats N, or
 the same combination measured again) become one row: the median of each scalar, with the number of runs and the
 min-max of training and inference img/s; ratios and speed-ups are taken between those medians.
@@ -32,8 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as `pytho
 
 from mobilenet.reporting import read_tensorboard  # noqa: E402
 
-REQUIRED_SCALARS = {"train_img_s": "perf/train_img_s", "infer_img_s": "perf/infer_img_s"}
-OPTIONAL_SCALARS = {"compute_img_s": "perf/compute_img_s", "step_ms": "perf/step_ms", "max_mem_gb": "sys/max_mem_gb"}
+REQUIRED_SCALARS = {"train_img_s": "perf/train_img_s"}
+# Measured by scripts/benchmark.py only; a train.py run's inference columns stay blank.
+INFER_SCALARS = {"infer_img_s": "perf/infer_img_s"}
+OPTIONAL_SCALARS = {**INFER_SCALARS, "compute_img_s": "perf/compute_img_s", "step_ms": "perf/step_ms",
+                    "max_mem_gb": "sys/max_mem_gb"}
+SPREAD_METRICS = ("train_img_s", "infer_img_s")  # repeated runs show the min-max of these
 BACKEND_ORDER = ("torch", "cudnn", "custom", "timm")
 PRECISION_ORDER = ("fp32", "fp16", "bf16")
 LAYOUT_ORDER = ("NCHW", "channels_last")
@@ -138,7 +143,8 @@ def _row(name: str, tensorboard: tuple | None, record: dict | None) -> Row:
                    "train.py or scripts/benchmark.py, and finished?)", **(_settings(record) if record else {}))
     row = Row(name, **_settings(hparams))
     missing = [tag for tag in REQUIRED_SCALARS.values() if tag not in scalars]
-    invalid = [tag for tag in REQUIRED_SCALARS.values() if tag in scalars and not math.isfinite(scalars[tag])]
+    invalid = [tag for tag in (*REQUIRED_SCALARS.values(), *INFER_SCALARS.values())
+               if tag in scalars and not math.isfinite(scalars[tag])]
     if missing or invalid:
         row.status = "incomplete"
         row.reason = "; ".join(
@@ -170,6 +176,23 @@ def _facts(ok: list[Row]) -> dict[str, list[str]]:
     return {name: sorted({str(getattr(r, name)) for r in ok}) for name in ("batch_size", "resolution", "gpu", "torch", "cudnn")}
 
 
+def _ratio(a: Row, b: Row, metric: str) -> float:
+    """a's metric over b's; nan where either run lacks it (a train.py run has no inference img/s)."""
+    if metric not in a.metrics or metric not in b.metrics:
+        return math.nan
+    return a.metrics[metric] / b.metrics[metric]
+
+
+def inference_note(rows: list[Row]) -> list[str]:
+    """Why some rows have blank inference columns."""
+    lacking = [r.run for r in rows if r.status == "ok" and "infer_img_s" not in r.metrics]
+    if not lacking:
+        return []
+    shown = ", ".join(lacking[:3]) + (f" and {len(lacking) - 3} more" if len(lacking) > 3 else "")
+    return [f"{len(lacking)} run(s) have no perf/infer_img_s ({shown}): train.py runs measure training and "
+            "validation, not inference throughput (scripts/benchmark.py does), so their inference columns are blank"]
+
+
 def add_speedups(rows: list[Row]) -> list[str]:
     """Speed-up over the fp32 NCHW torch run (no compile) on the same data and with the same CUDA-graph setting;
     notes for the groups that lack that baseline."""
@@ -184,8 +207,8 @@ def add_speedups(rows: list[Row]) -> list[str]:
             continue
         for r in ok:
             if (r.data, r.cuda_graph) == (data, graph):
-                r.train_speedup = r.metrics["train_img_s"] / base.metrics["train_img_s"]
-                r.infer_speedup = r.metrics["infer_img_s"] / base.metrics["infer_img_s"]
+                r.train_speedup = _ratio(r, base, "train_img_s")
+                r.infer_speedup = _ratio(r, base, "infer_img_s")
     return notes
 
 
@@ -206,7 +229,8 @@ def combine_repeats(rows: list[Row]) -> tuple[list[Row], list[str]]:
     for group in combined:
         head = group[0]
         shared = set.intersection(*(set(g.metrics) for g in group))
-        head.spread = {k: (min(g.metrics[k] for g in group), max(g.metrics[k] for g in group)) for k in REQUIRED_SCALARS}
+        head.spread = {k: (min(g.metrics[k] for g in group), max(g.metrics[k] for g in group))
+                       for k in SPREAD_METRICS if k in shared}
         head.metrics = {k: statistics.median(g.metrics[k] for g in group) for k in head.metrics if k in shared}
         head.runs = len(group)
     notes = []
@@ -232,8 +256,7 @@ def custom_vs_cudnn(rows: list[Row]) -> list[dict]:
         custom = by_key.get(("custom",) + r.pair)
         if custom is not None:
             pairs.append({"row": r, "custom": custom,
-                          "train": custom.metrics["train_img_s"] / r.metrics["train_img_s"],
-                          "infer": custom.metrics["infer_img_s"] / r.metrics["infer_img_s"]})
+                          "train": _ratio(custom, r, "train_img_s"), "infer": _ratio(custom, r, "infer_img_s")})
     return pairs
 
 
@@ -243,8 +266,11 @@ def pairs_summary(pairs: list[dict]) -> str:
     parts = []
     behind = []
     for metric, label in (("train", "training"), ("infer", "inference")):
-        ahead = sum(1 for p in pairs if p[metric] >= 1.0)
-        parts.append(f"{label} in {ahead} of {len(pairs)} pairs")
+        measured = [p for p in pairs if not math.isnan(p[metric])]
+        if not measured:
+            continue
+        ahead = sum(1 for p in measured if p[metric] >= 1.0)
+        parts.append(f"{label} in {ahead} of {len(measured)} pairs")
         for p in pairs:
             if p[metric] < 1.0:
                 r = p["row"]
@@ -298,7 +324,7 @@ def markdown(rows: list[Row], notes: list[str]) -> str:
             m = r.metrics
             line = (f"| {r.backend} | {r.precision} | {r.layout} | {r.compile} | {_graph(r.cuda_graph)} | {r.data} "
                     f"| {_num(m['train_img_s'])} "
-                    f"| {_speed(r.train_speedup)} | {_num(m['infer_img_s'])} | {_speed(r.infer_speedup)} "
+                    f"| {_speed(r.train_speedup)} | {_num(m.get('infer_img_s'))} | {_speed(r.infer_speedup)} "
                     f"| {_num(m.get('compute_img_s'))} | {_num(m.get('step_ms'), 1)} | {_num(m.get('max_mem_gb'), 2)} |")
             if repeated:
                 line += f" {r.runs} | {_span(r, 'train_img_s')} | {_span(r, 'infer_img_s')} |"
@@ -314,8 +340,8 @@ def markdown(rows: list[Row], notes: list[str]) -> str:
             r, c = p["row"], p["custom"]
             lines.append(f"| {r.precision} | {r.layout} | {r.compile} | {_graph(r.cuda_graph)} | {r.data} "
                          f"| {_num(r.metrics['train_img_s'])} "
-                         f"| {_num(c.metrics['train_img_s'])} | {p['train']:.2f}x | {_num(r.metrics['infer_img_s'])} "
-                         f"| {_num(c.metrics['infer_img_s'])} | {p['infer']:.2f}x |")
+                         f"| {_num(c.metrics['train_img_s'])} | {_speed(p['train'])} | {_num(r.metrics.get('infer_img_s'))} "
+                         f"| {_num(c.metrics.get('infer_img_s'))} | {_speed(p['infer'])} |")
         lines += ["", pairs_summary(pairs)]
         lines.append("")
     if other:
@@ -329,7 +355,7 @@ def markdown(rows: list[Row], notes: list[str]) -> str:
     return "\n".join(lines)
 
 
-SPREAD_COLUMNS = [f"{m}_{end}" for m in REQUIRED_SCALARS for end in ("min", "max")]
+SPREAD_COLUMNS = [f"{m}_{end}" for m in SPREAD_METRICS for end in ("min", "max")]
 CSV_COLUMNS = ["run", "status", "reason", "backend", "precision", "layout", "compile", "cuda_graph", "data", "batch_size", "resolution",
                "gpu", "torch", "cudnn", *REQUIRED_SCALARS, *OPTIONAL_SCALARS, "train_speedup", "infer_speedup", "runs",
                *SPREAD_COLUMNS]
@@ -372,7 +398,7 @@ def write_plot(rows: list[Row], path: Path) -> None:
                 xs, ys, err = [], [], [[], []]
                 for g, group in enumerate(groups):
                     r = next((r for r in rows_here if r.backend == backend and (r.precision, r.layout) == group), None)
-                    if r is not None:
+                    if r is not None and metric in r.metrics:
                         xs.append(g + (b - (len(backends) - 1) / 2) * width)
                         ys.append(r.metrics[metric])
                         low, high = r.spread.get(metric, (ys[-1], ys[-1]))  # repeated runs: their min-max as a whisker
@@ -429,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings = mixed_settings(rows)
     mixed = [w for name, w in warnings.items() if name in ("batch_size", "resolution")]
     rows, repeat_notes = combine_repeats(rows)
-    notes = list(warnings.values()) + repeat_notes + add_speedups(rows)
+    notes = list(warnings.values()) + repeat_notes + add_speedups(rows) + inference_note(rows)
     out = args.out or args.runs_dirs[0]
     out.mkdir(parents=True, exist_ok=True)
     table = markdown(rows, notes)

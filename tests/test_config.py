@@ -19,6 +19,8 @@ README_EXAMPLES = [
     ["data=synthetic", "backend=custom", "amp=true", "channels_last=true"],
     ["experiment=benchmark", "compile=true", "device=cuda"],
     ["optim=rmsprop", "model.width_mult=0.5"],
+    ["model.width_mult=0.5", "epochs=3"],
+    ["data=dali", "data.root=/data/imagenet", "backend=custom", "amp=true", "channels_last=true"],
 ]
 
 
@@ -99,4 +101,4 @@ def test_infer_run_names_leave_out_the_same_keys_as_train(tmp_path):
     infer.main(["--profile", "--steps", "2", "--warmup", "1", "backend=torch", "device=cpu", "data.batch_size=2",
                 "data.resolution=32", "model.width_mult=0.25", f"log_root={root}"])
     names = [p.name for p in (root / "infer").iterdir()]
-    assert names == ["data=synthetic,backend=torch,data.batch_size=2,data.resolution=32,model.width_mult=0.25"], names
+    assert names == ["data-synthetic+backend-torch+data.batch_size-2+data.resolution-32+model.width_mult-0.25"], names

@@ -95,14 +95,17 @@ def test_batch_larger_than_the_dataset_is_rejected(small_copy):
 def test_corrupt_jpeg_is_named_or_skipped_and_counted(small_copy):
     victim = sorted((small_copy / "val" / "7").iterdir())[0]
     victim.write_bytes(victim.read_bytes()[:40])  # truncated JPEG
-    _, val = loaders(small_copy, "data.batch_size=4")
-    with pytest.raises(CorruptImageError, match=victim.name):
+    with pytest.raises(CorruptImageError, match=victim.name):  # found up front, before any batch
+        loaders(small_copy, "data.batch_size=4")
+    _, val = loaders(small_copy, "data.batch_size=4", "data.check_files=false")
+    with pytest.raises(CorruptImageError, match=victim.name):  # unchecked: found when it is decoded
         list(val)
     fake = small_copy / "val" / "3" / "fake.jpg"
     fake.write_text("this is text, not a JPEG")
-    _, val = loaders(small_copy, "data.batch_size=4")
-    with pytest.raises(CorruptImageError, match="fake.jpg"):
-        list(val)
+    with pytest.raises(CorruptImageError, match="fake.jpg.*1 more in val/"):
+        loaders(small_copy, "data.batch_size=4")
     _, val = loaders(small_copy, "data.batch_size=4", "data.skip_corrupt=true")
+    assert sum(len(y) for _, y in val) == 31 - 2  # left out up front
+    _, val = loaders(small_copy, "data.batch_size=4", "data.skip_corrupt=true", "data.check_files=false")
     n = sum(len(y) for _, y in val)
-    assert val.skipped == 2 and n == 31 - 2
+    assert val.skipped == 2 and n == 31 - 2  # skipped while decoding

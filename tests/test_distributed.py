@@ -93,7 +93,8 @@ def test_sync_bn_without_a_process_group_is_refused(run_dir):
 
 def test_optimizer_implementations(run_dir):
     for impl in ("foreach", "fused"):
-        t = Trainer(compose([*COMMON, f"optim.impl={impl}", "epochs=1", "data.steps_per_epoch=2", "evaluate=false"]), run_dir)
+        t = Trainer(compose([*COMMON, f"optim.impl={impl}", "epochs=1", "data.steps_per_epoch=2",
+                             "perf.warmup_steps=1", "evaluate=false"]), run_dir)
         assert t.optimizer.defaults[impl] is True
     with pytest.raises(ImportError, match="optim.impl=apex: NVIDIA apex is not installed"):
         Trainer(compose([*COMMON, "optim.impl=apex"]), run_dir)

@@ -121,6 +121,17 @@ def _infer(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+def test_infer_user_errors_are_one_line_naming_the_flag_without_a_traceback():
+    proc = _infer("--checkpoint", "/missing.pt")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: --checkpoint '/missing.pt': no such checkpoint file or run directory"
+    proc = _infer("fused_epilogue=true", "--steps", "1")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().startswith("error: fused_epilogue=true needs a CUDA GPU")
+    debug = _infer("--debug", "--checkpoint", "/missing.pt")
+    assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
 def test_latency_sweep_prints_one_row_per_batch_size():
     from mobilenet import inference
 

@@ -81,6 +81,6 @@ def test_a_failing_run_stops_with_its_output(tmp_path):
     # The custom CUDA kernels cannot run on a CPU: the first (1-process) run fails in its first seconds.
     proc = check_scaling(*TINY, "backend=custom", "--out", str(tmp_path / "x.md"), "--work-dir", str(tmp_path / "work"))
     assert proc.returncode == 2
-    assert "error: this run exited with status 1" in proc.stderr
+    assert "error: this run exited with status 2" in proc.stderr  # train.py's status for a user error
     assert "backend=custom" in proc.stderr and "last 60 lines of its output" in proc.stderr
     assert not (tmp_path / "x.md").exists()

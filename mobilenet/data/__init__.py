@@ -13,6 +13,8 @@ from typing import Callable, Iterator, Protocol
 
 import torch
 
+from ..errors import ConfigError
+
 
 class Loader(Protocol):
     batch_size: int  # per rank
@@ -42,6 +44,9 @@ class LoaderSpec:
         return torch.channels_last if self.channels_last else torch.contiguous_format
 
 
+# Loaders over an ImageFolder: they take data.num_classes from the class directories when it is unset.
+COUNTS_CLASSES = frozenset({"folder", "dali"})
+
 Builder = Callable[..., tuple[Loader, Loader]]
 _LOADERS: dict[str, Builder] = {}
 
@@ -67,12 +72,12 @@ def resolve_root(cfg) -> Path:
     """The ImageFolder root: data.root, or the cached JPEG copy of a built-in dataset."""
     if cfg.builtin is not None:
         if cfg.root is not None:
-            raise ValueError(f"set either data.root or data.builtin, not both (root={cfg.root!r}, builtin={cfg.builtin!r})")
+            raise ConfigError(f"set either data.root or data.builtin, not both (root={cfg.root!r}, builtin={cfg.builtin!r})")
         from .builtin import ensure_builtin
 
         return ensure_builtin(cfg.builtin)
     if cfg.root is None:
-        raise ValueError(f"data={cfg.name} needs data.root=DIR, an ImageFolder with DIR/train/<class>/*.jpg and DIR/val/<class>/*.jpg")
+        raise ConfigError(f"data={cfg.name} needs data.root=DIR, an ImageFolder with DIR/train/<class>/*.jpg and DIR/val/<class>/*.jpg")
     return Path(cfg.root).expanduser()
 
 
@@ -80,7 +85,12 @@ def build_loaders(cfg, spec: LoaderSpec) -> tuple[Loader, Loader]:
     """(train, val) loaders for the data config `cfg` (the `data` node)."""
     _import_all()
     if cfg.name not in _LOADERS:
-        raise ValueError(f"unknown data loader {cfg.name!r}; choose one of: {', '.join(sorted(_LOADERS))}")
+        raise ConfigError(f"unknown data loader {cfg.name!r}; choose one of: {', '.join(sorted(_LOADERS))}")
     if cfg.batch_size < 1:
-        raise ValueError(f"data.batch_size must be >= 1, got {cfg.batch_size}")
+        raise ConfigError(f"data.batch_size must be >= 1, got {cfg.batch_size}")
+    if cfg.num_classes is None and cfg.name not in COUNTS_CLASSES:
+        raise ConfigError(f"data={cfg.name} needs data.num_classes=N (only {', '.join(sorted(COUNTS_CLASSES))} "
+                          "count the class directories)")
+    if cfg.num_classes is not None and cfg.num_classes < 1:
+        raise ConfigError(f"data.num_classes must be >= 1, got {cfg.num_classes}")
     return _LOADERS[cfg.name](cfg, spec)

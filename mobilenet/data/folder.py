@@ -7,12 +7,14 @@ so channels_last costs no copy. Conversion to the run's dtype and normalisation 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
+from ..errors import DataError, DataNotFound, UserError
 from . import LoaderSpec, register_loader, resolve_root
 
 log = logging.getLogger(__name__)
@@ -21,8 +23,8 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".t
 LAYOUT = "ROOT/train/<class>/<image>.jpg and ROOT/val/<class>/<image>.jpg"
 
 
-class CorruptImageError(RuntimeError):
-    pass
+class CorruptImageError(UserError, RuntimeError):
+    """An image file that cannot be decoded; the message names it."""
 
 
 def scan_split(root: Path, split: str) -> tuple[list[tuple[str, int]], list[str]]:
@@ -33,14 +35,14 @@ def scan_split(root: Path, split: str) -> tuple[list[tuple[str, int]], list[str]
     from torchvision.datasets.folder import find_classes
 
     if not root.is_dir():
-        raise FileNotFoundError(f"data.root {str(root)!r} does not exist or is not a directory; expected {LAYOUT}")
+        raise DataNotFound(f"data.root {str(root)!r} does not exist or is not a directory; expected {LAYOUT}")
     split_dir = root / split
     if not split_dir.is_dir():
-        raise FileNotFoundError(f"data.root {str(root)!r} has no {split}/ directory; expected {LAYOUT}")
+        raise DataNotFound(f"data.root {str(root)!r} has no {split}/ directory; expected {LAYOUT}")
     try:
         classes, class_to_idx = find_classes(str(split_dir))
     except FileNotFoundError:
-        raise FileNotFoundError(f"{str(split_dir)!r} has no class directories; expected {LAYOUT}") from None
+        raise DataNotFound(f"{str(split_dir)!r} has no class directories; expected {LAYOUT}") from None
     samples: list[tuple[str, int]] = []
     not_images: list[str] = []
     for name in classes:
@@ -48,11 +50,11 @@ def scan_split(root: Path, split: str) -> tuple[list[tuple[str, int]], list[str]
         images = [p for p in files if p.suffix.lower() in IMAGE_EXTENSIONS]
         not_images += [str(p) for p in files if p.suffix.lower() not in IMAGE_EXTENSIONS]
         if not images:
-            raise FileNotFoundError(f"class directory {str(split_dir / name)!r} holds no images ({', '.join(IMAGE_EXTENSIONS)}); remove it or add images")
+            raise DataNotFound(f"class directory {str(split_dir / name)!r} holds no images ({', '.join(IMAGE_EXTENSIONS)}); remove it or add images")
         samples += [(str(p), class_to_idx[name]) for p in images]
     if not_images:
         shown = ", ".join(repr(p) for p in not_images[:3])
-        raise ValueError(f"{len(not_images)} non-image file(s) under {str(split_dir)!r}, e.g. {shown}; "
+        raise DataError(f"{len(not_images)} non-image file(s) under {str(split_dir)!r}, e.g. {shown}; "
                          f"move them out (allowed extensions: {', '.join(IMAGE_EXTENSIONS)})")
     return samples, classes
 
@@ -181,7 +183,7 @@ def image_transforms(cfg, train: bool):
 def check_batch_fits(num_train: int, cfg, world_size: int) -> None:
     per_rank = num_train // world_size
     if per_rank < cfg.batch_size:
-        raise ValueError(
+        raise DataError(
             f"data.batch_size={cfg.batch_size} is larger than the {per_rank} training images per rank "
             f"({num_train} images over {world_size} rank(s)); training drops the last partial batch, so no step would run. "
             f"Use data.batch_size<={per_rank}."
@@ -194,17 +196,58 @@ def scan_image_folder(cfg) -> tuple[Path, list[tuple[str, int]], list[tuple[str,
     train_samples, classes = scan_split(root, "train")
     val_samples, val_classes = scan_split(root, "val")
     if val_classes != classes:
-        raise ValueError(f"train/ and val/ under {str(root)!r} have different classes: "
+        raise DataError(f"train/ and val/ under {str(root)!r} have different classes: "
                          f"{sorted(set(classes) ^ set(val_classes))[:5]} appear in only one")
-    if len(classes) != cfg.num_classes:
-        raise ValueError(f"{str(root)!r} has {len(classes)} classes but data.num_classes={cfg.num_classes}; set data.num_classes={len(classes)}")
+    # data.num_classes unset: the class directories decide; set, it is a check that the folder is the one meant.
+    if cfg.num_classes is not None and len(classes) != cfg.num_classes:
+        raise DataError(f"{str(root)!r} has {len(classes)} classes but data.num_classes={cfg.num_classes}; "
+                        f"set data.num_classes={len(classes)}, or leave it unset to take the folder's count")
     return root, train_samples, val_samples, classes
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (a container's or taskset's limit, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def worker_count(requested: int) -> int:
+    """data.workers, capped at the CPUs there are: more decoding processes than CPUs only contend."""
+    cpus = available_cpus()
+    if requested > cpus:
+        log.info("data.workers=%d capped at the %d CPU(s) available to this process", requested, cpus)
+        return cpus
+    return requested
+
+
+def drop_undecodable(samples: list[tuple[str, int]], cfg, split: str) -> list[tuple[str, int]]:
+    """Check every file's image signature and JPEG structure before training, as data=dali does, so that a corrupt
+    file stops the run up front (naming it) instead of midway through an epoch; skipped with data.skip_corrupt."""
+    from .dali import find_corrupt
+
+    bad = find_corrupt([p for p, _ in samples], threads=min(32, available_cpus()))
+    if not bad:
+        return samples
+    if not cfg.skip_corrupt:
+        path, reason = bad[0]
+        reason = reason.replace("image DALI can decode", "image this loader can decode")  # the check is DALI's
+        more = f" ({len(bad) - 1} more in {split}/, e.g. {bad[1][0]!r})" if len(bad) > 1 else ""
+        raise CorruptImageError(f"cannot decode image {path!r}: {reason}{more}. Fix or remove it, or set data.skip_corrupt=true")
+    log.warning("data=folder %s: skipped %d corrupt image(s) (data.skip_corrupt=true), e.g. %s", split, len(bad), bad[0][0])
+    bad_paths = {p for p, _ in bad}
+    return [s for s in samples if s[0] not in bad_paths]
 
 
 @register_loader("folder")
 def build(cfg, spec: LoaderSpec):
     root, train_samples, val_samples, classes = scan_image_folder(cfg)
+    if cfg.check_files:
+        train_samples = drop_undecodable(train_samples, cfg, "train")
+        val_samples = drop_undecodable(val_samples, cfg, "val")
     check_batch_fits(len(train_samples), cfg, spec.world_size)
+    workers = worker_count(cfg.workers)
 
     train_ds = ImageFiles(train_samples, image_transforms(cfg, True), cfg.skip_corrupt)
     val_ds = ImageFiles(val_samples, image_transforms(cfg, False), cfg.skip_corrupt)
@@ -221,12 +264,12 @@ def build(cfg, spec: LoaderSpec):
     else:
         train_sampler, shuffle = None, True
     common = dict(
-        num_workers=cfg.workers,
+        num_workers=workers,
         pin_memory=spec.device.type == "cuda",
-        persistent_workers=cfg.workers > 0,
+        persistent_workers=workers > 0,
         collate_fn=_Collate(spec.channels_last),
     )
-    if cfg.workers > 0:
+    if workers > 0:
         common["prefetch_factor"] = 4
     train_dl = DataLoader(train_ds, cfg.batch_size, shuffle=shuffle, sampler=train_sampler, drop_last=True, generator=g, **common)
     val_dl = DataLoader(val_ds_rank, cfg.batch_size, shuffle=False, drop_last=False, **common)

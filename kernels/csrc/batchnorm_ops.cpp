@@ -1,0 +1,158 @@
+// Op schemas of the fused BatchNorm + ReLU (namespace mobilenet_bn) and their CUDA implementations: argument
+// checks, layout handling, allocation. The kernels live in batchnorm_relu.cu.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAException.h>
+#include <torch/library.h>
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <tuple>
+
+#include "batchnorm_relu.h"
+
+namespace mbn {
+namespace {
+
+DType to_dtype(c10::ScalarType t) {
+  switch (t) {
+    case c10::ScalarType::Float: return DType::F32;
+    case c10::ScalarType::Half: return DType::F16;
+    case c10::ScalarType::BFloat16: return DType::BF16;
+    default:
+      TORCH_CHECK(false, "batch_norm_relu: dtype ", t, " is not supported (float32, float16, bfloat16)");
+  }
+  return DType::F32;  // not reached
+}
+
+// The layout the kernels compute in and return: the rule of the depthwise op and of kernels/norm_ops.py's fakes.
+c10::MemoryFormat layout_of(const at::Tensor& x) {
+  if (x.is_contiguous(c10::MemoryFormat::ChannelsLast) && !x.is_contiguous()) return c10::MemoryFormat::ChannelsLast;
+  if (x.is_contiguous()) return c10::MemoryFormat::Contiguous;
+  return x.suggest_memory_format();
+}
+
+at::Tensor in_layout(const at::Tensor& t, c10::MemoryFormat fmt) { return t.is_contiguous(fmt) ? t : t.contiguous(fmt); }
+
+void check_input(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 4, "batch_norm_relu: input must be 4-D (N, C, H, W), got ", x.dim(), "-D");
+  TORCH_CHECK(x.is_cuda(), "batch_norm_relu: input must be a CUDA tensor, got one on ", x.device());
+  to_dtype(x.scalar_type());
+  TORCH_CHECK(x.size(1) >= 1 && x.size(0) * x.size(2) * x.size(3) >= 1,
+              "batch_norm_relu: input ", x.sizes(), " has no values per channel");
+  TORCH_CHECK(x.numel() < (int64_t(1) << 31), "batch_norm_relu: tensors of 2^31 or more elements are not supported");
+}
+
+// weight, bias, mean, invstd: fp32 per-channel vectors on x's device (fp32 whatever x's dtype, as cuDNN's BN).
+void check_channel_vector(const at::Tensor& v, const at::Tensor& x, const char* name) {
+  TORCH_CHECK(v.dim() == 1 && v.size(0) == x.size(1), "batch_norm_relu: ", name, " must have shape (", x.size(1),
+              ",), got ", v.sizes());
+  TORCH_CHECK(v.device() == x.device(), "batch_norm_relu: ", name, " is on ", v.device(), " but the input is on ",
+              x.device());
+  TORCH_CHECK(v.scalar_type() == at::kFloat, "batch_norm_relu: ", name, " must be float32 (statistics and affine "
+              "parameters stay fp32 for every input dtype), got ", v.scalar_type());
+}
+
+BnShape shape_of(const at::Tensor& x, c10::MemoryFormat fmt) {
+  BnShape s{};
+  s.N = static_cast<int>(x.size(0));
+  s.C = static_cast<int>(x.size(1));
+  s.HW = static_cast<int>(x.size(2) * x.size(3));
+  // With one pixel per image both layouts are the same memory, and the channel-vector kernels read it best.
+  s.nhwc = fmt == c10::MemoryFormat::ChannelsLast || s.HW == 1;
+  return s;
+}
+
+uintptr_t address(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()); }
+
+// SMs of the current device, read once per device (the attribute query does not synchronise, so capture is safe).
+int num_sms() {
+  static std::array<std::atomic<int>, 64> cache{};
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  if (device < 0 || device >= static_cast<int>(cache.size())) device = 0;
+  int value = cache[device].load(std::memory_order_relaxed);
+  if (value == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, cudaDevAttrMultiProcessorCount, device));
+    cache[device].store(value, std::memory_order_relaxed);
+  }
+  return value;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_fwd(const at::Tensor& x_in, const at::Tensor& weight,
+                                                                       const at::Tensor& bias, double eps) {
+  check_input(x_in);
+  check_channel_vector(weight, x_in, "weight");
+  check_channel_vector(bias, x_in, "bias");
+  TORCH_CHECK(eps >= 0, "batch_norm_relu: eps must be >= 0, got ", eps);
+  c10::cuda::CUDAGuard guard(x_in.device());
+  const c10::MemoryFormat fmt = layout_of(x_in);
+  const at::Tensor x = in_layout(x_in, fmt);
+  const at::Tensor w = weight.contiguous(), b = bias.contiguous();
+  const BnShape s = shape_of(x, fmt);
+  const DType dt = to_dtype(x.scalar_type());
+  at::Tensor y = at::empty(x.sizes(), x.options().memory_format(fmt));
+  const auto stat = x.options().dtype(at::kFloat);
+  at::Tensor mean = at::empty({s.C}, stat), invstd = at::empty({s.C}, stat), var = at::empty({s.C}, stat);
+  const BnPlan p = make_plan(s, dt, address(x) | address(y), num_sms());
+  at::Tensor workspace = at::empty({static_cast<int64_t>(workspace_floats(s, p))}, stat);
+  launch_forward(s, p, dt, x.const_data_ptr(), w.const_data_ptr<float>(), b.const_data_ptr<float>(),
+                 static_cast<float>(eps), y.mutable_data_ptr(), mean.mutable_data_ptr<float>(),
+                 invstd.mutable_data_ptr<float>(), var.mutable_data_ptr<float>(), workspace.mutable_data_ptr<float>(),
+                 c10::cuda::getCurrentCUDAStream());
+  return {y, mean, invstd, var};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_relu_bwd(const at::Tensor& grad_y_in, const at::Tensor& x_in,
+                                                           const at::Tensor& y_in, const at::Tensor& weight,
+                                                           const at::Tensor& mean, const at::Tensor& invstd) {
+  check_input(x_in);
+  TORCH_CHECK(grad_y_in.sizes() == x_in.sizes() && y_in.sizes() == x_in.sizes(),
+              "batch_norm_relu backward: grad_y ", grad_y_in.sizes(), " and y ", y_in.sizes(),
+              " must have the input's shape ", x_in.sizes());
+  TORCH_CHECK(grad_y_in.scalar_type() == x_in.scalar_type() && y_in.scalar_type() == x_in.scalar_type(),
+              "batch_norm_relu backward: grad_y (", grad_y_in.scalar_type(), ") and y (", y_in.scalar_type(),
+              ") must have the input's dtype ", x_in.scalar_type());
+  TORCH_CHECK(grad_y_in.device() == x_in.device() && y_in.device() == x_in.device(),
+              "batch_norm_relu backward: grad_y and y must be on the input's device ", x_in.device());
+  check_channel_vector(weight, x_in, "weight");
+  check_channel_vector(mean, x_in, "mean");
+  check_channel_vector(invstd, x_in, "invstd");
+  c10::cuda::CUDAGuard guard(x_in.device());
+  const c10::MemoryFormat fmt = layout_of(x_in);
+  const at::Tensor x = in_layout(x_in, fmt), y = in_layout(y_in, fmt), grad_y = in_layout(grad_y_in, fmt);
+  const at::Tensor w = weight.contiguous(), m = mean.contiguous(), is = invstd.contiguous();
+  const BnShape s = shape_of(x, fmt);
+  const DType dt = to_dtype(x.scalar_type());
+  at::Tensor grad_x = at::empty(x.sizes(), x.options().memory_format(fmt));
+  const auto stat = x.options().dtype(at::kFloat);
+  at::Tensor grad_weight = at::empty({s.C}, stat), grad_bias = at::empty({s.C}, stat);
+  const BnPlan p = make_plan(s, dt, address(x) | address(y) | address(grad_y) | address(grad_x), num_sms());
+  at::Tensor workspace = at::empty({static_cast<int64_t>(workspace_floats(s, p))}, stat);
+  launch_backward(s, p, dt, grad_y.const_data_ptr(), x.const_data_ptr(), y.const_data_ptr(),
+                  w.const_data_ptr<float>(), m.const_data_ptr<float>(), is.const_data_ptr<float>(),
+                  grad_x.mutable_data_ptr(), grad_weight.mutable_data_ptr<float>(),
+                  grad_bias.mutable_data_ptr<float>(), workspace.mutable_data_ptr<float>(),
+                  c10::cuda::getCurrentCUDAStream());
+  return {grad_x, grad_weight, grad_bias};
+}
+
+}  // namespace
+}  // namespace mbn
+
+// x: fp32/fp16/bf16; weight, bias and the returned statistics: fp32. Returns y = relu(batch_norm(x)) in x's dtype
+// and layout, the batch mean, invstd = 1 / sqrt(var + eps) and the biased variance var.
+TORCH_LIBRARY(mobilenet_bn, m) {
+  m.def("bn_relu_fwd(Tensor x, Tensor weight, Tensor bias, float eps) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "bn_relu_bwd(Tensor grad_y, Tensor x, Tensor y, Tensor weight, Tensor mean, Tensor invstd) "
+      "-> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(mobilenet_bn, CUDA, m) {
+  m.impl("bn_relu_fwd", &mbn::bn_relu_fwd);
+  m.impl("bn_relu_bwd", &mbn::bn_relu_bwd);
+}

@@ -1,0 +1,54 @@
+// Fused BatchNorm + ReLU in training mode: host-side launch plans and launchers (batchnorm_relu.cu).
+//
+// Both directions are two-stage, fixed-order reductions, so the results are bitwise repeatable:
+//   1. reduce:   every block sums its chunk of each channel into partial[chunk][2][C] (fp32);
+//   2. finalize: one warp per channel sums the chunks in fp64 in a fixed order and derives the per-channel
+//                constants (statistics, gradients of weight and bias, and the coefficients of step 3);
+//   3. apply:    an elementwise pass: y = relu(x * scale + shift), or the input gradient.
+// The forward statistics are sums of x - pivot (the channel's first element), so the variance of data with a
+// large mean does not cancel away in fp32.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "depthwise.h"  // mdw::DType
+
+namespace mbn {
+
+using mdw::DType;
+
+// x of logical shape (N, C, H, W) with HW = H * W, stored (N, H, W, C) when nhwc, else (N, C, H, W).
+struct BnShape {
+  int N, C, HW;
+  bool nhwc;
+};
+
+// How the reduce and apply kernels cover a tensor (identical for both, so the plan is computed once per call).
+struct BnPlan {
+  int vec;        // elements per thread access: 16 bytes where channels (NHWC) or plane length (NCHW) allow
+  int lanes;      // NHWC: threads along the channel vectors (blockDim.x); NCHW: threads per block
+  int rows;       // NHWC: rows (pixels) per block pass (blockDim.y); NCHW: 1
+  int groups;     // gridDim.x: NHWC channel groups of lanes * vec channels; NCHW: channels
+  int chunks;     // gridDim.y: chunks of rows (NHWC) or of per-channel vector units (NCHW)
+  int per_chunk;  // rows (NHWC) or units (NCHW) per chunk
+};
+
+// `address_bits`: the OR of every tensor pointer the kernels access, to choose an aligned vector width.
+BnPlan make_plan(const BnShape& s, DType dt, uintptr_t address_bits, int num_sms);
+
+// fp32 elements of workspace the forward and backward launchers need.
+size_t workspace_floats(const BnShape& s, const BnPlan& p);
+
+// y = relu(batch_norm(x)); mean, invstd (1 / sqrt(var + eps)) and biased var per channel, all fp32.
+void launch_forward(const BnShape& s, const BnPlan& p, DType dt, const void* x, const float* weight, const float* bias,
+                    float eps, void* y, float* mean, float* invstd, float* var, float* workspace, cudaStream_t stream);
+
+// The three gradients of y = relu(batch_norm(x)), the ReLU's backward (grad_y where y > 0) folded in.
+void launch_backward(const BnShape& s, const BnPlan& p, DType dt, const void* grad_y, const void* x, const void* y,
+                     const float* weight, const float* mean, const float* invstd, void* grad_x, float* grad_weight,
+                     float* grad_bias, float* workspace, cudaStream_t stream);
+
+}  // namespace mbn

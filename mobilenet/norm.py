@@ -1,0 +1,316 @@
+"""BatchNorm + ReLU implementations: the one place where a normalization layer picks its implementation.
+
+model.py builds every BatchNorm-then-ReLU pair as one `norm_relu(channels)` module looked up here by the name the
+user typed (`norm=torch|custom|apex`). A norm that cannot run here raises `NormUnavailable` and the run stops:
+nothing falls back to another implementation.
+
+Every module returned is an instance of an nn.BatchNorm2d subclass with nn.BatchNorm2d's parameters, buffers and
+state_dict keys, plus the class attribute `fused_relu = True` ("this module applies the ReLU itself"). That keeps
+checkpoints interchangeable across `norm` values and with the older [conv, BatchNorm2d, ReLU] layout (the ReLU had
+no state), and lets BatchNorm folding, param groups and SyncBatchNorm conversion find the layers by type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .depthwise import BackendUnavailable
+
+__all__ = [
+    "NormUnavailable", "NormImpl", "register_norm", "available_norms", "get_norm", "applies_relu",
+    "TorchBatchNormReLU", "CustomBatchNormReLU", "ApexBatchNormReLU", "SyncBatchNormReLU", "convert_sync_batchnorm",
+]
+
+APEX_INSTALL = (
+    "build NVIDIA apex from source with the groupbn extension, beside the project (never committed): "
+    "git clone https://github.com/NVIDIA/apex && cd apex && "
+    "pip install -v --no-build-isolation --no-cache-dir --config-settings '--build-option=--cpp_ext' "
+    "--config-settings '--build-option=--cuda_ext' --config-settings '--build-option=--bnp' ./ "
+    "(the flags are --cpp_ext --cuda_ext --bnp), or use norm=torch|custom"
+)
+
+
+class NormUnavailable(BackendUnavailable):
+    """The requested norm cannot run here (no CUDA, no kernels, apex missing, unsupported input).
+
+    A subclass of depthwise.BackendUnavailable, so callers that stop a run on an unavailable backend catch both."""
+
+
+@dataclass(frozen=True)
+class NormImpl:
+    name: str
+    description: str
+    # Raises NormUnavailable when this norm cannot run on `device`.
+    check: Callable[[torch.device], None]
+    # norm_relu(channels) -> a module computing ReLU(BatchNorm2d(x)); constructing it needs no GPU.
+    norm_relu: Callable[[int], nn.BatchNorm2d]
+
+
+_REGISTRY: dict[str, NormImpl] = {}
+
+
+def register_norm(impl: NormImpl) -> NormImpl:
+    if impl.name in _REGISTRY:
+        raise ValueError(f"norm {impl.name!r} is already registered")
+    _REGISTRY[impl.name] = impl
+    return impl
+
+
+def available_norms() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_norm(name: str) -> NormImpl:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown norm {name!r}; choose one of: {', '.join(available_norms())}") from None
+
+
+def applies_relu(module: nn.Module) -> bool:
+    """Whether `module` is a BatchNorm that applies the following ReLU itself (so no nn.ReLU follows it)."""
+    return bool(getattr(module, "fused_relu", False))
+
+
+def _require_cuda(name: str, device: torch.device) -> None:
+    if device.type != "cuda":
+        raise NormUnavailable(
+            f"norm={name} needs a CUDA GPU, but this run's device is {device.type!r}"
+            + ("" if torch.cuda.is_available() else " (torch.cuda.is_available() is False)")
+            + ". Use norm=torch on a CPU."
+        )
+
+
+def _check_batch_size(x: Tensor) -> None:
+    """nn.BatchNorm2d's own refusal of a single value per channel in training (its unbiased variance divides by 0)."""
+    if x.dim() != 4:
+        raise ValueError(f"expected a 4-D input (N, C, H, W), got {x.dim()}-D")
+    if x.shape[0] * x.shape[2] * x.shape[3] == 1:
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size {tuple(x.shape)}")
+
+
+def _exponential_average_factor(bn: nn.BatchNorm2d) -> float | Tensor:
+    """nn.BatchNorm2d's momentum for this training step, counting the step (num_batches_tracked += 1).
+
+    momentum=None (a cumulative average) gives 1 / num_batches_tracked as a tensor: nn.BatchNorm2d reads the count
+    back to the host for it, which a captured step cannot do."""
+    bn.num_batches_tracked.add_(1)
+    if bn.momentum is None:
+        return 1.0 / bn.num_batches_tracked.to(bn.running_mean.dtype)
+    return bn.momentum
+
+
+def _uses_batch_stats(bn: nn.BatchNorm2d) -> bool:
+    return bn.training or bn.running_mean is None
+
+
+# --- norm=torch: nn.BatchNorm2d then ReLU, PyTorch's own kernels (cuDNN on a GPU) -----------------------------
+
+
+class TorchBatchNormReLU(nn.BatchNorm2d):
+    """nn.BatchNorm2d followed by an in-place ReLU: the same kernels as [nn.BatchNorm2d, nn.ReLU(inplace=True)]."""
+
+    fused_relu = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        # In place is safe: batch_norm's backward needs its input, not its output.
+        return F.relu(super().forward(x), inplace=True)
+
+
+register_norm(
+    NormImpl(
+        name="torch",
+        description="nn.BatchNorm2d + ReLU: PyTorch's kernels (cuDNN batch norm on a GPU)",
+        check=lambda device: None,
+        norm_relu=TorchBatchNormReLU,
+    )
+)
+
+
+# --- norm=custom: the fused CUDA ops in kernels/ (kernels/norm_ops.py) ------------------------------------------
+
+
+class CustomBatchNormReLU(nn.BatchNorm2d):
+    """BatchNorm + ReLU with the project's fused CUDA ops in training; running-statistics scale-shift + ReLU in eval.
+
+    Training: one op computes the batch statistics (fp32) and y = relu(bn(x)) in x's dtype, another op the three
+    gradients with the ReLU's backward folded in. The running statistics are updated from the op's batch mean and
+    biased variance with nn.BatchNorm2d's arithmetic (momentum, unbiased variance, num_batches_tracked)."""
+
+    fused_relu = True
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
+                 track_running_stats: bool = True, device=None, dtype=None):
+        if not affine:
+            raise ValueError("norm=custom: the fused op needs affine=True (a weight and a bias)")
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not _uses_batch_stats(self):
+            # Eval: a per-channel scale-shift from the running statistics, as nn.BatchNorm2d computes it.
+            return F.relu(F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0,
+                                       self.eps), inplace=True)
+        if not x.is_cuda:
+            raise NormUnavailable(f"norm=custom: the fused BatchNorm+ReLU op needs a CUDA tensor, got one on {x.device}")
+        _check_batch_size(x)
+        from kernels.norm_ops import batch_norm_relu_train
+
+        y, mean, _invstd, var = batch_norm_relu_train(x, self.weight, self.bias, self.eps)
+        if self.training and self.track_running_stats:
+            self._update_running_stats(mean, var, x.numel() // x.shape[1])
+        return y
+
+    @torch.no_grad()
+    def _update_running_stats(self, mean: Tensor, var: Tensor, count: int) -> None:
+        factor = _exponential_average_factor(self)
+        unbiased = var * (count / (count - 1))
+        # running = momentum * batch + (1 - momentum) * running, the formula of PyTorch's batch-norm kernels.
+        self.running_mean.mul_(1 - factor).add_(mean * factor)
+        self.running_var.mul_(1 - factor).add_(unbiased * factor)
+
+
+def _custom_check(device: torch.device) -> None:
+    _require_cuda("custom", device)
+    try:
+        import kernels
+
+        kernels.load()
+        import kernels.norm_ops  # noqa: F401  (registers fake kernels, autograd and autocast)
+    except ImportError as e:
+        raise NormUnavailable(f"norm=custom: the custom CUDA kernels cannot be imported ({e})") from e
+    except RuntimeError as e:  # kernels.KernelUnavailable: no nvcc, build failure, ...
+        raise NormUnavailable(f"norm=custom: {e}") from e
+
+
+register_norm(
+    NormImpl(
+        name="custom",
+        description="this project's fused BatchNorm+ReLU CUDA ops (kernels/): forward and backward in training",
+        check=_custom_check,
+        norm_relu=CustomBatchNormReLU,
+    )
+)
+
+
+# --- norm=apex: NVIDIA apex's NHWC BatchNorm with fused ReLU (apex.contrib.groupbn) -------------------------------
+
+
+def _import_apex_nhwc():
+    try:
+        # apex/contrib/groupbn/__init__.py swallows its own ImportError (it prints a line) when apex was built
+        # without --bnp, so the name is then missing rather than the module.
+        from apex.contrib.groupbn import BatchNorm2d_NHWC
+    except ImportError as e:
+        raise NormUnavailable(f"norm=apex: apex.contrib.groupbn.BatchNorm2d_NHWC cannot be imported ({e}); "
+                              + APEX_INSTALL) from e
+    return BatchNorm2d_NHWC
+
+
+class ApexBatchNormReLU(nn.BatchNorm2d):
+    """apex.contrib.groupbn.BatchNorm2d_NHWC(fuse_relu=True) computing with this module's own parameters and buffers.
+
+    apex's module allocates CUDA tensors in its constructor, so it is made on the first forward pass and kept
+    outside the module tree (its parameters are this module's; its scratch tensors are no state of ours)."""
+
+    fused_relu = True
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1):
+        super().__init__(num_features, eps, momentum)
+        self.__dict__["_apex"] = None  # not a submodule: state_dict stays nn.BatchNorm2d's
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check_input(x)
+        impl = self._apex_module(x.device)
+        # Point apex's module at our current tensors: .to()/.cuda() and load_state_dict may have replaced buffers.
+        impl._parameters["weight"] = self.weight
+        impl._parameters["bias"] = self.bias
+        impl._buffers["running_mean"] = self.running_mean
+        impl._buffers["running_var"] = self.running_var
+        impl.momentum, impl.eps, impl.training = self.momentum, self.eps, self.training
+        if self.training:
+            self.num_batches_tracked.add_(1)  # apex does not count batches
+        # A channels_last (N, C, H, W) tensor viewed as (N, H, W, C) is contiguous: apex's layout, no copy.
+        y = impl(x.permute(0, 2, 3, 1))
+        return y.permute(0, 3, 1, 2)
+
+    def _check_input(self, x: Tensor) -> None:
+        if not x.is_cuda:
+            raise NormUnavailable(f"norm=apex needs CUDA tensors, got one on {x.device}")
+        if x.dim() != 4 or not x.is_contiguous(memory_format=torch.channels_last):
+            raise NormUnavailable("norm=apex: apex's BatchNorm2d_NHWC is NHWC only; run with channels_last=true")
+        if x.dtype != torch.float16:
+            raise NormUnavailable(f"norm=apex: apex's BatchNorm2d_NHWC computes in fp16 only, got {x.dtype}; "
+                                  "run with amp=true amp_dtype=fp16")
+        if self.momentum is None:
+            raise NormUnavailable("norm=apex: apex's BatchNorm2d_NHWC has no cumulative average (momentum=None)")
+
+    def _apex_module(self, device: torch.device) -> nn.Module:
+        impl = self.__dict__["_apex"]
+        if impl is None:
+            cls = _import_apex_nhwc()
+            with torch.cuda.device(device):
+                impl = cls(self.num_features, fuse_relu=True)
+            self.__dict__["_apex"] = impl
+        return impl
+
+
+def _apex_check(device: torch.device) -> None:
+    _import_apex_nhwc()  # first: without apex, how to install it is the message to give, on any machine
+    _require_cuda("apex", device)
+
+
+register_norm(
+    NormImpl(
+        name="apex",
+        description="NVIDIA apex's NHWC fp16 BatchNorm with fused ReLU (apex.contrib.groupbn.BatchNorm2d_NHWC)",
+        check=_apex_check,
+        norm_relu=ApexBatchNormReLU,
+    )
+)
+
+
+# --- sync_bn: statistics all-reduced across ranks ----------------------------------------------------------------
+
+
+class SyncBatchNormReLU(nn.SyncBatchNorm):
+    """nn.SyncBatchNorm followed by an in-place ReLU: what a norm=torch BatchNorm+ReLU becomes under sync_bn."""
+
+    fused_relu = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.relu(super().forward(x), inplace=True)
+
+
+def convert_sync_batchnorm(module: nn.Module, process_group=None) -> nn.Module:
+    """nn.SyncBatchNorm.convert_sync_batchnorm that keeps each fused ReLU.
+
+    torch's conversion turns every BatchNorm into a plain nn.SyncBatchNorm, which would silently drop the ReLU of a
+    norm_relu module. The fused norms (custom, apex) do not all-reduce their statistics, so they are refused."""
+    if isinstance(module, (CustomBatchNormReLU, ApexBatchNormReLU)):
+        name = "custom" if isinstance(module, CustomBatchNormReLU) else "apex"
+        raise NormUnavailable(f"sync_bn=true with norm={name}: its kernels do not all-reduce the batch statistics "
+                              "across ranks yet; use norm=torch with sync_bn=true")
+    if applies_relu(module) and isinstance(module, nn.modules.batchnorm._BatchNorm):
+        converted = SyncBatchNormReLU(module.num_features, module.eps, module.momentum, module.affine,
+                                      module.track_running_stats, process_group)
+        with torch.no_grad():
+            if module.affine:
+                converted.weight = module.weight
+                converted.bias = module.bias
+            converted.running_mean = module.running_mean
+            converted.running_var = module.running_var
+            converted.num_batches_tracked = module.num_batches_tracked
+        converted.train(module.training)
+        for name, child in module.named_children():
+            converted.add_module(name, convert_sync_batchnorm(child, process_group))
+        return converted
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        return nn.SyncBatchNorm.convert_sync_batchnorm(module, process_group)
+    for name, child in module.named_children():
+        module.add_module(name, convert_sync_batchnorm(child, process_group))
+    return module
