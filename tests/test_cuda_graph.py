@@ -124,13 +124,15 @@ def deterministic_cudnn():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend, amp", [("cudnn", "amp=true"), ("custom", "amp=true"), ("custom", "amp=false"),
-                                          ("cudnn", "amp=false")])
-def test_a_replayed_step_does_what_an_eager_step_does_from_the_same_state(tmp_path, deterministic_cudnn, backend, amp):
+@pytest.mark.parametrize("backend, amp, norm", [("cudnn", "amp=true", "torch"), ("custom", "amp=true", "torch"),
+                                                ("custom", "amp=false", "torch"), ("cudnn", "amp=false", "torch"),
+                                                ("custom", "amp=true", "custom"), ("custom", "amp=false", "custom")])
+def test_a_replayed_step_does_what_an_eager_step_does_from_the_same_state(tmp_path, deterministic_cudnn, backend, amp,
+                                                                         norm):
     """Step by step, not run against run: this training is chaotic (on the CPU a 1e-6 nudge of the initial weights
     grows to 0.3 in the stem's weights within 12 fp32 steps, docs/results/cuda_graph_h200.md), so two whole runs
     differ by far more than any one step does."""
-    common = [*GPU_RUN, f"backend={backend}", amp, "channels_last=true"]
+    common = [*GPU_RUN, f"backend={backend}", f"norm={norm}", amp, "channels_last=true"]
     graphed = Trainer(compose([*common, "cuda_graph=true"]), tmp_path / "graph")
     eager = Trainer(compose([*common, "cuda_graph=false"]), tmp_path / "eager")
     torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = False, True  # Trainer() turns benchmark on
