@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The training ladder and the fused-norm comparison, each row one `python train.py` process on synthetic data
+# (batch 256, 224px, 150 steps of one epoch, img/s as train.py reports it: images over time after its warm-up).
+#
+#   bash scripts/train_ladder.sh [ROUNDS]     # ROUNDS (default 2) alternating rounds of the norm comparison
+#
+# Ladder: fp32 NCHW -> AMP fp16 -> channels_last -> custom depthwise -> custom BatchNorm+ReLU -> captured step,
+# each step adding one switch to the one before (the first five eager, cuda_graph=false). Then the comparison the
+# fused-norm issue asks for, alternating processes: backend=custom norm=custom against backend=cudnn norm=torch
+# (default capture), ROUNDS times; then the bf16 and fp32 channels_last rows of norm=custom.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROUNDS=${1:-2}
+COMMON="data=synthetic epochs=1 data.steps_per_epoch=150 evaluate=false save_checkpoints=false progress=false"
+
+run() {  # label, overrides...
+  local label=$1
+  shift
+  local img_s
+  img_s=$(python train.py $COMMON "$@" 2>&1 | sed -n 's/.*train img\/s (total) *│ *\([0-9,.]*\).*/\1/p' | head -1)
+  printf '| %s | `%s` | %s |\n' "$label" "$*" "${img_s:-failed}"
+}
+
+echo "| step | overrides | train img/s |"
+echo "|---|---|--:|"
+run "fp32 NCHW" backend=torch amp=false channels_last=false cuda_graph=false
+run "AMP fp16" backend=torch amp=true channels_last=false cuda_graph=false
+run "channels_last" backend=torch amp=true channels_last=true cuda_graph=false
+run "custom depthwise" backend=custom amp=true channels_last=true cuda_graph=false
+run "custom BatchNorm+ReLU" backend=custom norm=custom amp=true channels_last=true cuda_graph=false
+run "captured step" backend=custom norm=custom amp=true channels_last=true cuda_graph=true
+for r in $(seq "$ROUNDS"); do
+  run "round $r: custom + norm=custom" backend=custom norm=custom amp=true channels_last=true
+  run "round $r: cudnn + norm=torch" backend=cudnn norm=torch amp=true channels_last=true
+done
+run "custom + norm=custom, bf16" backend=custom norm=custom amp=true amp_dtype=bf16 channels_last=true
+run "custom + norm=custom, fp32" backend=custom norm=custom amp=false channels_last=true
