@@ -5,7 +5,7 @@ kernels.KernelUnavailable where the kernels cannot run.
   bn_relu_fwd(x, weight, bias, eps) -> (y, mean, invstd, var)
       y = relu((x - mean) * invstd * weight + bias) in x's dtype and layout; batch statistics per channel in fp32
       (var biased, invstd = 1 / sqrt(var + eps)). x fp32/fp16/bf16; weight and bias fp32.
-  bn_relu_bwd(grad_y, x, weight, bias, mean, invstd) -> (grad_x, grad_weight, grad_bias)
+  bn_relu_bwd(grad_y, x, y, weight, mean, invstd) -> (grad_x, grad_weight, grad_bias)
       the ReLU's backward folded in (grad_y where y > 0); grad_x in x's dtype and layout, the others fp32.
 """
 
@@ -38,25 +38,24 @@ def _fwd_fake(x, weight, bias, eps):
 
 
 @torch.library.register_fake("mobilenet_bn::bn_relu_bwd")
-def _bwd_fake(grad_y, x, weight, bias, mean, invstd):
+def _bwd_fake(grad_y, x, y, weight, mean, invstd):
     c = x.shape[1]
     grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=_layout(x))
     return grad_x, x.new_empty(c, dtype=torch.float32), x.new_empty(c, dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, _eps = inputs
-    _y, mean, invstd, var = output
-    # Not y: the backward recomputes the ReLU mask from x (one tensor less to read, and to keep alive).
-    ctx.save_for_backward(x, weight, bias, mean, invstd)
+    x, weight, _bias, _eps = inputs
+    y, mean, invstd, var = output
+    ctx.save_for_backward(x, y, weight, mean, invstd)
     ctx.mark_non_differentiable(mean, invstd, var)
 
 
 def _backward(ctx, grad_y, _grad_mean, _grad_invstd, _grad_var):
-    x, weight, bias, mean, invstd = ctx.saved_tensors
+    x, y, weight, mean, invstd = ctx.saved_tensors
     if grad_y is None or not any(ctx.needs_input_grad[:3]):
         return None, None, None, None
-    grad_x, grad_weight, grad_bias = _bwd(grad_y.to(x.dtype), x, weight, bias, mean, invstd)
+    grad_x, grad_weight, grad_bias = _bwd(grad_y.to(x.dtype), x, y, weight, mean, invstd)
     return (grad_x if ctx.needs_input_grad[0] else None, grad_weight if ctx.needs_input_grad[1] else None,
             grad_bias if ctx.needs_input_grad[2] else None, None)
 
@@ -89,8 +88,8 @@ def _fwd_autocast_args(x, weight, bias, eps):
     return x, _f32(weight), _f32(bias), eps
 
 
-def _bwd_autocast_args(grad_y, x, weight, bias, mean, invstd):
-    return grad_y.to(x.dtype), x, _f32(weight), _f32(bias), _f32(mean), _f32(invstd)
+def _bwd_autocast_args(grad_y, x, y, weight, mean, invstd):
+    return grad_y.to(x.dtype), x, y, _f32(weight), _f32(mean), _f32(invstd)
 
 
 _lib = torch.library.Library("mobilenet_bn", "FRAGMENT")

@@ -107,32 +107,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_fwd(const at:
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_relu_bwd(const at::Tensor& grad_y_in, const at::Tensor& x_in,
-                                                           const at::Tensor& weight, const at::Tensor& bias,
+                                                           const at::Tensor& y_in, const at::Tensor& weight,
                                                            const at::Tensor& mean, const at::Tensor& invstd) {
   check_input(x_in);
-  TORCH_CHECK(grad_y_in.sizes() == x_in.sizes(), "batch_norm_relu backward: grad_y ", grad_y_in.sizes(),
+  TORCH_CHECK(grad_y_in.sizes() == x_in.sizes() && y_in.sizes() == x_in.sizes(),
+              "batch_norm_relu backward: grad_y ", grad_y_in.sizes(), " and y ", y_in.sizes(),
               " must have the input's shape ", x_in.sizes());
-  TORCH_CHECK(grad_y_in.scalar_type() == x_in.scalar_type(), "batch_norm_relu backward: grad_y (",
-              grad_y_in.scalar_type(), ") must have the input's dtype ", x_in.scalar_type());
-  TORCH_CHECK(grad_y_in.device() == x_in.device(), "batch_norm_relu backward: grad_y must be on the input's device ",
-              x_in.device());
+  TORCH_CHECK(grad_y_in.scalar_type() == x_in.scalar_type() && y_in.scalar_type() == x_in.scalar_type(),
+              "batch_norm_relu backward: grad_y (", grad_y_in.scalar_type(), ") and y (", y_in.scalar_type(),
+              ") must have the input's dtype ", x_in.scalar_type());
+  TORCH_CHECK(grad_y_in.device() == x_in.device() && y_in.device() == x_in.device(),
+              "batch_norm_relu backward: grad_y and y must be on the input's device ", x_in.device());
   check_channel_vector(weight, x_in, "weight");
-  check_channel_vector(bias, x_in, "bias");
   check_channel_vector(mean, x_in, "mean");
   check_channel_vector(invstd, x_in, "invstd");
   c10::cuda::CUDAGuard guard(x_in.device());
   const c10::MemoryFormat fmt = layout_of(x_in);
-  const at::Tensor x = in_layout(x_in, fmt), grad_y = in_layout(grad_y_in, fmt);
-  const at::Tensor w = weight.contiguous(), b = bias.contiguous(), m = mean.contiguous(), is = invstd.contiguous();
+  const at::Tensor x = in_layout(x_in, fmt), y = in_layout(y_in, fmt), grad_y = in_layout(grad_y_in, fmt);
+  const at::Tensor w = weight.contiguous(), m = mean.contiguous(), is = invstd.contiguous();
   const BnShape s = shape_of(x, fmt);
   const DType dt = to_dtype(x.scalar_type());
   at::Tensor grad_x = at::empty(x.sizes(), x.options().memory_format(fmt));
   const auto stat = x.options().dtype(at::kFloat);
   at::Tensor grad_weight = at::empty({s.C}, stat), grad_bias = at::empty({s.C}, stat);
-  const BnPlan p = make_plan(s, dt, address(x) | address(grad_y) | address(grad_x), num_sms());
+  const BnPlan p = make_plan(s, dt, address(x) | address(y) | address(grad_y) | address(grad_x), num_sms());
   at::Tensor workspace = at::empty({static_cast<int64_t>(workspace_floats(s, p))}, stat);
-  launch_backward(s, p, dt, grad_y.const_data_ptr(), x.const_data_ptr(), w.const_data_ptr<float>(),
-                  b.const_data_ptr<float>(), m.const_data_ptr<float>(), is.const_data_ptr<float>(),
+  launch_backward(s, p, dt, grad_y.const_data_ptr(), x.const_data_ptr(), y.const_data_ptr(),
+                  w.const_data_ptr<float>(), m.const_data_ptr<float>(), is.const_data_ptr<float>(),
                   grad_x.mutable_data_ptr(), grad_weight.mutable_data_ptr<float>(),
                   grad_bias.mutable_data_ptr<float>(), workspace.mutable_data_ptr<float>(),
                   c10::cuda::getCurrentCUDAStream());
@@ -147,7 +148,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_relu_bwd(const at::Tensor& gra
 TORCH_LIBRARY(mobilenet_bn, m) {
   m.def("bn_relu_fwd(Tensor x, Tensor weight, Tensor bias, float eps) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
-      "bn_relu_bwd(Tensor grad_y, Tensor x, Tensor weight, Tensor bias, Tensor mean, Tensor invstd) "
+      "bn_relu_bwd(Tensor grad_y, Tensor x, Tensor y, Tensor weight, Tensor mean, Tensor invstd) "
       "-> (Tensor, Tensor, Tensor)");
 }
 

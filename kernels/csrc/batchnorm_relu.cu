@@ -67,47 +67,31 @@ __device__ __forceinline__ float relu(float v) { return v < 0.f ? 0.f : v; }
 
 // --- per-element operations of the reduce passes: sums a (first) and b (second) per channel ----------------------
 
-// The forward's affine map y = relu(x * scale + shift), from the fp32 statistics. The backward recomputes it with
-// the same correctly rounded operations, so that the ReLU mask it derives from x is the forward's, bit for bit.
-__device__ __forceinline__ void affine(float weight, float bias, float mean, float invstd, float& scale, float& shift) {
-  scale = __fmul_rn(weight, invstd);
-  shift = __fmaf_rn(-mean, scale, bias);
-}
-
-// Whether y = relu(x * scale + shift), stored in TT, is > 0: the ReLU's backward mask, recomputed from x (the
-// rounding to TT is part of it: a positive value that underflows to zero let no gradient through in the forward's y).
-template <class TT>
-__device__ __forceinline__ bool relu_passes(float x, float scale, float shift) {
-  return TT::to_acc(TT::from_acc(__fmaf_rn(x, scale, shift))) > 0.f;
-}
-
 // Forward statistics: a += x - pivot, b += (x - pivot)^2.
 template <class TT>
 struct StatsOp {
   using S = typename TT::S;
-  static constexpr int K = 1;        // per-channel constants: the pivot
-  static constexpr int kUnroll = 8;  // one tensor read: more loads in flight to reach the memory bandwidth
   const S* x;
   int pivot_stride;  // elements between channel c's first element and channel c + 1's (1 NHWC, HW NCHW)
   template <int V>
   struct Loaded {
     Pack<S, V> x;
   };
-  __device__ __forceinline__ void channel_constants(int c, float (&k)[K]) const {
-    k[0] = TT::to_acc(x[static_cast<size_t>(c) * pivot_stride]);
+  __device__ __forceinline__ float channel_constant(int c) const {
+    return TT::to_acc(x[static_cast<size_t>(c) * pivot_stride]);
   }
   template <int V>
   __device__ __forceinline__ void load(size_t off, Loaded<V>& l) const {
     l.x = load_pack<TT, V>(x + off);
   }
   template <int V>
-  __device__ __forceinline__ void accumulate(const Loaded<V>& l, const float (&k)[K][V], float (&a)[V],
+  __device__ __forceinline__ void accumulate(const Loaded<V>& l, const float (&k)[V], float (&a)[V],
                                              float (&b)[V]) const {
     float xv[V];
     to_f32<TT, V>(l.x, xv);
 #pragma unroll
     for (int i = 0; i < V; ++i) {
-      const float d = xv[i] - k[0][i];
+      const float d = xv[i] - k[i];
       a[i] += d;
       b[i] = fmaf(d, d, b[i]);
     }
@@ -115,39 +99,36 @@ struct StatsOp {
 };
 
 // Backward sums with the ReLU's backward folded in: g = grad_y where y > 0 else 0; a += g, b += g * (x - mean).
-// The mask comes from x (relu_passes), so y is not read: two tensors instead of three.
 template <class TT>
 struct GradSumsOp {
   using S = typename TT::S;
-  static constexpr int K = 3;  // mean, scale, shift
-  static constexpr int kUnroll = 4;
   const S* grad_y;
   const S* x;
-  const float* consts[K];
+  const S* y;
+  const float* mean;
   template <int V>
   struct Loaded {
-    Pack<S, V> g, x;
+    Pack<S, V> g, x, y;
   };
-  __device__ __forceinline__ void channel_constants(int c, float (&k)[K]) const {
-#pragma unroll
-    for (int j = 0; j < K; ++j) k[j] = consts[j][c];
-  }
+  __device__ __forceinline__ float channel_constant(int c) const { return mean[c]; }
   template <int V>
   __device__ __forceinline__ void load(size_t off, Loaded<V>& l) const {
     l.g = load_pack<TT, V>(grad_y + off);
     l.x = load_pack<TT, V>(x + off);
+    l.y = load_pack<TT, V>(y + off);
   }
   template <int V>
-  __device__ __forceinline__ void accumulate(const Loaded<V>& l, const float (&k)[K][V], float (&a)[V],
+  __device__ __forceinline__ void accumulate(const Loaded<V>& l, const float (&k)[V], float (&a)[V],
                                              float (&b)[V]) const {
-    float gv[V], xv[V];
+    float gv[V], xv[V], yv[V];
     to_f32<TT, V>(l.g, gv);
     to_f32<TT, V>(l.x, xv);
+    to_f32<TT, V>(l.y, yv);
 #pragma unroll
     for (int i = 0; i < V; ++i) {
-      const float g = relu_passes<TT>(xv[i], k[1][i], k[2][i]) ? gv[i] : 0.f;
+      const float g = yv[i] > 0.f ? gv[i] : 0.f;
       a[i] += g;
-      b[i] = fmaf(g, xv[i] - k[0][i], b[i]);
+      b[i] = fmaf(g, xv[i] - k[i], b[i]);
     }
   }
 };
@@ -159,7 +140,6 @@ template <class TT>
 struct NormalizeOp {
   using S = typename TT::S;
   static constexpr int K = 2;
-  static constexpr int kUnroll = 4;
   const S* x;
   S* y;
   const float* consts[K];  // scale, shift
@@ -176,39 +156,40 @@ struct NormalizeOp {
     float v[V];
     to_f32<TT, V>(l.x, v);
 #pragma unroll
-    for (int i = 0; i < V; ++i) v[i] = relu(__fmaf_rn(v[i], k[0][i], k[1][i]));
+    for (int i = 0; i < V; ++i) v[i] = relu(fmaf(v[i], k[0][i], k[1][i]));
     store_pack<TT, V>(y + off, v);
   }
 };
 
-// grad_x = c_g * g + c_x * (x - mean) + c_0, with g = grad_y where y > 0 else 0 (finalize_backward's coefficients;
-// the mask from x, as in GradSumsOp).
+// grad_x = c_g * g + c_x * (x - mean) + c_0, with g = grad_y where y > 0 else 0 (finalize_backward's coefficients).
 template <class TT>
 struct InputGradOp {
   using S = typename TT::S;
-  static constexpr int K = 6;
-  static constexpr int kUnroll = 4;
+  static constexpr int K = 4;
   const S* grad_y;
   const S* x;
+  const S* y;
   S* grad_x;
-  const float* consts[K];  // mean, c_g, c_x, c_0, scale, shift
+  const float* consts[K];  // mean, c_g, c_x, c_0
   template <int V>
   struct Loaded {
-    Pack<S, V> g, x;
+    Pack<S, V> g, x, y;
   };
   template <int V>
   __device__ __forceinline__ void load(size_t off, Loaded<V>& l) const {
     l.g = load_pack<TT, V>(grad_y + off);
     l.x = load_pack<TT, V>(x + off);
+    l.y = load_pack<TT, V>(y + off);
   }
   template <int V>
   __device__ __forceinline__ void apply(size_t off, const Loaded<V>& l, const float (&k)[K][V]) const {
-    float gv[V], xv[V], out[V];
+    float gv[V], xv[V], yv[V], out[V];
     to_f32<TT, V>(l.g, gv);
     to_f32<TT, V>(l.x, xv);
+    to_f32<TT, V>(l.y, yv);
 #pragma unroll
     for (int i = 0; i < V; ++i) {
-      const float g = relu_passes<TT>(xv[i], k[4][i], k[5][i]) ? gv[i] : 0.f;
+      const float g = yv[i] > 0.f ? gv[i] : 0.f;
       out[i] = fmaf(k[1][i], g, fmaf(k[2][i], xv[i] - k[0][i], k[3][i]));
     }
     store_pack<TT, V>(grad_x + off, out);
@@ -233,26 +214,22 @@ __global__ void __launch_bounds__(kThreads) reduce_nhwc(Op op, int M, int C, int
   __shared__ float sums[2][kThreads * kMaxVec];
   const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * V;
   const bool active = c0 < C;
-  constexpr int U = Op::kUnroll;
-  float k[Op::K][V], a[V], b[V];
+  float k[V], a[V], b[V];
 #pragma unroll
   for (int i = 0; i < V; ++i) {
-    float ki[Op::K] = {};
-    if (active) op.channel_constants(c0 + i, ki);
-#pragma unroll
-    for (int j = 0; j < Op::K; ++j) k[j][i] = ki[j];
+    k[i] = active ? op.channel_constant(c0 + i) : 0.f;
     a[i] = b[i] = 0.f;
   }
   if (active) {
     const RowRange rr = chunk_range(M, rows_per_chunk);
     const int step = blockDim.y;
     int r = rr.begin + threadIdx.y;
-    for (; r + (U - 1) * step < rr.end; r += U * step) {
-      typename Op::template Loaded<V> l[U];
+    for (; r + (kUnroll - 1) * step < rr.end; r += kUnroll * step) {
+      typename Op::template Loaded<V> l[kUnroll];
 #pragma unroll
-      for (int u = 0; u < U; ++u) op.load(static_cast<size_t>(r + u * step) * C + c0, l[u]);
+      for (int u = 0; u < kUnroll; ++u) op.load(static_cast<size_t>(r + u * step) * C + c0, l[u]);
 #pragma unroll
-      for (int u = 0; u < U; ++u) op.accumulate(l[u], k, a, b);
+      for (int u = 0; u < kUnroll; ++u) op.accumulate(l[u], k, a, b);
     }
     for (; r < rr.end; r += step) {
       typename Op::template Loaded<V> l;
@@ -302,13 +279,12 @@ __global__ void __launch_bounds__(kThreads) apply_nhwc(Op op, int M, int C, int 
   const RowRange rr = chunk_range(M, rows_per_chunk);
   const int step = blockDim.y;
   int r = rr.begin + threadIdx.y;
-  constexpr int U = Op::kUnroll;
-  for (; r + (U - 1) * step < rr.end; r += U * step) {
-    typename Op::template Loaded<V> l[U];
+  for (; r + (kUnroll - 1) * step < rr.end; r += kUnroll * step) {
+    typename Op::template Loaded<V> l[kUnroll];
 #pragma unroll
-    for (int u = 0; u < U; ++u) op.load(static_cast<size_t>(r + u * step) * C + c0, l[u]);
+    for (int u = 0; u < kUnroll; ++u) op.load(static_cast<size_t>(r + u * step) * C + c0, l[u]);
 #pragma unroll
-    for (int u = 0; u < U; ++u) op.apply(static_cast<size_t>(r + u * step) * C + c0, l[u], k);
+    for (int u = 0; u < kUnroll; ++u) op.apply(static_cast<size_t>(r + u * step) * C + c0, l[u], k);
   }
   for (; r < rr.end; r += step) {
     typename Op::template Loaded<V> l;
@@ -354,25 +330,22 @@ template <int V, class Op>
 __global__ void __launch_bounds__(kThreads) reduce_nchw(Op op, int C, int plane_vecs, FastDiv div, int units,
                                                         int units_per_chunk, float* partial) {
   const int c = blockIdx.x;
-  constexpr int U = Op::kUnroll;
-  float kc[Op::K];
-  op.channel_constants(c, kc);
-  float k[Op::K][V], a[V], b[V];
+  const float kc = op.channel_constant(c);
+  float k[V], a[V], b[V];
 #pragma unroll
   for (int i = 0; i < V; ++i) {
-#pragma unroll
-    for (int j = 0; j < Op::K; ++j) k[j][i] = kc[j];
+    k[i] = kc;
     a[i] = b[i] = 0.f;
   }
   const RowRange ur = chunk_range(units, units_per_chunk);
   const int step = blockDim.x;
   int u = ur.begin + threadIdx.x;
-  for (; u + (U - 1) * step < ur.end; u += U * step) {
-    typename Op::template Loaded<V> l[U];
+  for (; u + (kUnroll - 1) * step < ur.end; u += kUnroll * step) {
+    typename Op::template Loaded<V> l[kUnroll];
 #pragma unroll
-    for (int j = 0; j < U; ++j) op.load(nchw_offset<V>(u + j * step, c, C, plane_vecs, div), l[j]);
+    for (int j = 0; j < kUnroll; ++j) op.load(nchw_offset<V>(u + j * step, c, C, plane_vecs, div), l[j]);
 #pragma unroll
-    for (int j = 0; j < U; ++j) op.accumulate(l[j], k, a, b);
+    for (int j = 0; j < kUnroll; ++j) op.accumulate(l[j], k, a, b);
   }
   for (; u < ur.end; u += step) {
     typename Op::template Loaded<V> l;
@@ -407,17 +380,16 @@ __global__ void __launch_bounds__(kThreads) apply_nchw(Op op, int C, int plane_v
   const RowRange ur = chunk_range(units, units_per_chunk);
   const int step = blockDim.x;
   int u = ur.begin + threadIdx.x;
-  constexpr int U = Op::kUnroll;
-  for (; u + (U - 1) * step < ur.end; u += U * step) {
-    typename Op::template Loaded<V> l[U];
-    size_t off[U];
+  for (; u + (kUnroll - 1) * step < ur.end; u += kUnroll * step) {
+    typename Op::template Loaded<V> l[kUnroll];
+    size_t off[kUnroll];
 #pragma unroll
-    for (int j = 0; j < U; ++j) {
+    for (int j = 0; j < kUnroll; ++j) {
       off[j] = nchw_offset<V>(u + j * step, c, C, plane_vecs, div);
       op.load(off[j], l[j]);
     }
 #pragma unroll
-    for (int j = 0; j < U; ++j) op.apply(off[j], l[j], k);
+    for (int j = 0; j < kUnroll; ++j) op.apply(off[j], l[j], k);
   }
   for (; u < ur.end; u += step) {
     typename Op::template Loaded<V> l;
@@ -463,18 +435,12 @@ __global__ void __launch_bounds__(kFinalizeWarps * 32)
   const double v = fmax(s.b / count - shifted_mean * shifted_mean, 0.0);
   const double m = static_cast<double>(TT::to_acc(x[static_cast<size_t>(c) * pivot_stride])) + shifted_mean;
   const double is = 1.0 / sqrt(v + static_cast<double>(eps));
-  const float mf = static_cast<float>(m), isf = static_cast<float>(is);
-  mean[c] = mf;
-  invstd[c] = isf;
+  const double sc = static_cast<double>(weight[c]) * is;
+  mean[c] = static_cast<float>(m);
+  invstd[c] = static_cast<float>(is);
   var[c] = static_cast<float>(v);
-  affine(weight[c], bias[c], mf, isf, scale[c], shift[c]);
-}
-
-// The forward's scale and shift again, from the saved statistics (for the backward's ReLU mask).
-__global__ void __launch_bounds__(256) recompute_affine(int C, const float* weight, const float* bias, const float* mean,
-                                                        const float* invstd, float* scale, float* shift) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c < C) affine(weight[c], bias[c], mean[c], invstd[c], scale[c], shift[c]);
+  scale[c] = static_cast<float>(sc);
+  shift[c] = static_cast<float>(static_cast<double>(bias[c]) - m * sc);
 }
 
 // grad_bias = sum(g), grad_weight = sum(g * xhat), and the input gradient's coefficients:
@@ -497,19 +463,15 @@ __global__ void __launch_bounds__(kFinalizeWarps * 32)
 
 // --- host side ----------------------------------------------------------------------------------------------------
 
-constexpr int kWorkspaceConstants = 5;  // per-channel constants of the passes, [C] each
-
 struct Workspace {
   float* partial;  // [chunks][2][C]
-  float* k[kWorkspaceConstants];
+  float* k0;       // per-channel constants of the apply pass, [C] each
+  float* k1;
+  float* k2;
 };
-
 Workspace split_workspace(float* ws, const BnShape& s, const BnPlan& p) {
-  Workspace w{};
-  w.partial = ws;
-  float* next = ws + static_cast<size_t>(p.chunks) * 2 * s.C;
-  for (int j = 0; j < kWorkspaceConstants; ++j, next += s.C) w.k[j] = next;
-  return w;
+  const size_t part = static_cast<size_t>(p.chunks) * 2 * s.C;
+  return {ws, ws + part, ws + part + s.C, ws + part + 2 * static_cast<size_t>(s.C)};
 }
 
 template <int V, class Op>
@@ -551,30 +513,26 @@ void forward_typed(const BnShape& s, const BnPlan& p, const void* x_, const floa
   launch_reduce<V>(s, p, StatsOp<TT>{x, pivot_stride}, ws.partial, stream);
   finalize_stats<TT><<<finalize_blocks(s.C), kFinalizeWarps * 32, 0, stream>>>(
       ws.partial, p.chunks, s.C, static_cast<double>(s.N) * s.HW, x, pivot_stride, weight, bias, eps, mean, invstd,
-      var, ws.k[0], ws.k[1]);
+      var, ws.k0, ws.k1);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  launch_apply<V>(s, p, NormalizeOp<TT>{x, static_cast<S*>(y_), {ws.k[0], ws.k[1]}}, stream);
+  launch_apply<V>(s, p, NormalizeOp<TT>{x, static_cast<S*>(y_), {ws.k0, ws.k1}}, stream);
 }
 
 template <class TT, int V>
-void backward_typed(const BnShape& s, const BnPlan& p, const void* grad_y_, const void* x_, const float* weight,
-                    const float* bias, const float* mean, const float* invstd, void* grad_x, float* grad_weight,
+void backward_typed(const BnShape& s, const BnPlan& p, const void* grad_y_, const void* x_, const void* y_,
+                    const float* weight, const float* mean, const float* invstd, void* grad_x, float* grad_weight,
                     float* grad_bias, float* workspace, cudaStream_t stream) {
   using S = typename TT::S;
   const S* grad_y = static_cast<const S*>(grad_y_);
   const S* x = static_cast<const S*>(x_);
+  const S* y = static_cast<const S*>(y_);
   const Workspace ws = split_workspace(workspace, s, p);
-  float* scale = ws.k[3];
-  float* shift = ws.k[4];
-  recompute_affine<<<ceil_div(s.C, 256), 256, 0, stream>>>(s.C, weight, bias, mean, invstd, scale, shift);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  launch_reduce<V>(s, p, GradSumsOp<TT>{grad_y, x, {mean, scale, shift}}, ws.partial, stream);
+  launch_reduce<V>(s, p, GradSumsOp<TT>{grad_y, x, y, mean}, ws.partial, stream);
   finalize_backward<<<finalize_blocks(s.C), kFinalizeWarps * 32, 0, stream>>>(
-      ws.partial, p.chunks, s.C, static_cast<double>(s.N) * s.HW, weight, invstd, grad_weight, grad_bias, ws.k[0],
-      ws.k[1], ws.k[2]);
+      ws.partial, p.chunks, s.C, static_cast<double>(s.N) * s.HW, weight, invstd, grad_weight, grad_bias, ws.k0,
+      ws.k1, ws.k2);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const InputGradOp<TT> op{grad_y, x, static_cast<S*>(grad_x), {mean, ws.k[0], ws.k[1], ws.k[2], scale, shift}};
-  launch_apply<V>(s, p, op, stream);
+  launch_apply<V>(s, p, InputGradOp<TT>{grad_y, x, y, static_cast<S*>(grad_x), {mean, ws.k0, ws.k1, ws.k2}}, stream);
 }
 
 // The typed launchers as class templates, so that one dispatch serves both directions.
@@ -648,7 +606,7 @@ BnPlan make_plan(const BnShape& s, DType dt, uintptr_t address_bits, int num_sms
 }
 
 size_t workspace_floats(const BnShape& s, const BnPlan& p) {
-  return (static_cast<size_t>(p.chunks) * 2 + kWorkspaceConstants) * s.C;
+  return (static_cast<size_t>(p.chunks) * 2 + 3) * s.C;
 }
 
 void launch_forward(const BnShape& s, const BnPlan& p, DType dt, const void* x, const float* weight, const float* bias,
@@ -657,10 +615,10 @@ void launch_forward(const BnShape& s, const BnPlan& p, DType dt, const void* x, 
   dispatch<ForwardLaunch>(dt, p.vec, s, p, x, weight, bias, eps, y, mean, invstd, var, workspace, stream);
 }
 
-void launch_backward(const BnShape& s, const BnPlan& p, DType dt, const void* grad_y, const void* x, const float* weight,
-                     const float* bias, const float* mean, const float* invstd, void* grad_x, float* grad_weight,
+void launch_backward(const BnShape& s, const BnPlan& p, DType dt, const void* grad_y, const void* x, const void* y,
+                     const float* weight, const float* mean, const float* invstd, void* grad_x, float* grad_weight,
                      float* grad_bias, float* workspace, cudaStream_t stream) {
-  dispatch<BackwardLaunch>(dt, p.vec, s, p, grad_y, x, weight, bias, mean, invstd, grad_x, grad_weight, grad_bias,
+  dispatch<BackwardLaunch>(dt, p.vec, s, p, grad_y, x, y, weight, mean, invstd, grad_x, grad_weight, grad_bias,
                            workspace, stream);
 }
 

@@ -5,7 +5,6 @@
 //   2. finalize: one warp per channel sums the chunks in fp64 in a fixed order and derives the per-channel
 //                constants (statistics, gradients of weight and bias, and the coefficients of step 3);
 //   3. apply:    an elementwise pass: y = relu(x * scale + shift), or the input gradient.
-// The backward reads grad_y and x only: the ReLU's mask is y > 0, recomputed from x.
 // The forward statistics are sums of x - pivot (the channel's first element), so the variance of data with a
 // large mean does not cancel away in fp32.
 #pragma once
@@ -47,10 +46,9 @@ size_t workspace_floats(const BnShape& s, const BnPlan& p);
 void launch_forward(const BnShape& s, const BnPlan& p, DType dt, const void* x, const float* weight, const float* bias,
                     float eps, void* y, float* mean, float* invstd, float* var, float* workspace, cudaStream_t stream);
 
-// The three gradients of y = relu(batch_norm(x)), the ReLU's backward (grad_y where y > 0) folded in. The mask is
-// recomputed from x, weight, bias and the saved statistics exactly as the forward computed y, so y is not read.
-void launch_backward(const BnShape& s, const BnPlan& p, DType dt, const void* grad_y, const void* x, const float* weight,
-                     const float* bias, const float* mean, const float* invstd, void* grad_x, float* grad_weight,
+// The three gradients of y = relu(batch_norm(x)), the ReLU's backward (grad_y where y > 0) folded in.
+void launch_backward(const BnShape& s, const BnPlan& p, DType dt, const void* grad_y, const void* x, const void* y,
+                     const float* weight, const float* mean, const float* invstd, void* grad_x, float* grad_weight,
                      float* grad_bias, float* workspace, cudaStream_t stream);
 
 }  // namespace mbn
