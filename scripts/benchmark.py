@@ -378,14 +378,24 @@ def print_table(records: list[dict], out: Path) -> None:
 
 
 def run_project(cfg, run_dir: Path, spec: dict, model=None, backend_label: str | None = None) -> dict:
-    """One row: inference measured on the run's model first, then training through the project's one loop."""
+    """One row: inference measured on the run's model first, then training through the project's one loop.
+
+    The project's model is measured on infer.py's path (fold_bn, fused epilogues, and replay and compile as the row
+    sets them); a peer model, which cannot be folded, on its training graph in eval mode."""
     from mobilenet import streams
     from mobilenet.engine import Trainer
-    from mobilenet.inference import measure
+    from mobilenet.inference import build_path, measure
 
     trainer = Trainer(cfg, run_dir=run_dir, overrides=spec["name"], model=model, backend_label=backend_label)
     with streams.issued_on(trainer.stream):  # the same stream as the row's training (perf.stream)
-        infer = measure(trainer.forward, trainer.model, cfg, trainer.device, spec["infer_warmup"], spec["infer_steps"])
+        if model is None:
+            path = build_path(trainer.model, cfg, trainer.device)
+            infer = measure(path.forward, path.model, cfg, trainer.device, spec["infer_warmup"], spec["infer_steps"],
+                            amp_dtype=path.amp_dtype)
+            trainer.model.train()
+        else:
+            infer = measure(trainer.forward, trainer.model, cfg, trainer.device, spec["infer_warmup"],
+                            spec["infer_steps"])
     trainer.extra_metrics = {"infer_img_s": infer.img_s, "infer_step_ms": infer.step_ms}
     result = trainer.fit()
     return {"train_img_s": result.train.img_s, "infer_img_s": infer.img_s}

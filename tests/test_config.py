@@ -9,7 +9,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from mobilenet.config import CONF_DIR, compose
 
-GROUPS = ["backend", "data", "model", "optim", "experiment"]
+GROUPS = ["backend", "norm", "data", "model", "optim", "experiment"]
+README = Path(__file__).resolve().parent.parent / "README.md"
 
 README_EXAMPLES = [
     [],
@@ -102,3 +103,37 @@ def test_infer_run_names_leave_out_the_same_keys_as_train(tmp_path):
                 "data.resolution=32", "model.width_mult=0.25", f"log_root={root}"])
     names = [p.name for p in (root / "infer").iterdir()]
     assert names == ["data-synthetic+backend-torch+data.batch_size-2+data.resolution-32+model.width_mult-0.25"], names
+
+
+def readme_commands() -> list[list[str]]:
+    """The Hydra overrides of every `python train.py` / `python infer.py` line in the README's code blocks: flags
+    (and the values they take) dropped, `-m` grids reduced to their first combination."""
+    import re
+    import shlex
+
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S):
+        for line in block.splitlines():
+            words = shlex.split(line.split("#", 1)[0])
+            for script in ("train.py", "infer.py"):
+                if script in words:
+                    args = words[words.index(script) + 1:]
+                    overrides, skip = [], False
+                    for a in args:
+                        if skip:
+                            skip = False
+                        elif a.startswith("-"):
+                            skip = a in ("--checkpoint", "--images", "--export", "--batch-sizes", "--steps", "--warmup")
+                        elif "=" in a:
+                            key, value = a.split("=", 1)
+                            overrides.append(f"{key}={value.split(',')[0]}")
+                    commands.append(overrides)
+    return commands
+
+
+def test_the_readme_shows_commands_and_every_one_composes():
+    commands = readme_commands()
+    assert len(commands) >= 10
+    for overrides in commands:
+        compose(overrides)
+
