@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from . import cuda_graph, streams
 from .data import LoaderSpec, build_loaders
@@ -108,8 +109,11 @@ def measure(forward, model: torch.nn.Module, cfg, device: torch.device, warmup: 
     was_training = model.training
     model.eval()
     meter = StepMeter(device, warmup)
+    # On a CPU a pass at ImageNet size takes seconds: show progress there (GPU passes take milliseconds).
+    passes = tqdm(range(warmup + steps), desc="inference passes", unit="pass", disable=device.type == "cuda",
+                  leave=False)
     with torch.inference_mode():
-        for _ in range(warmup + steps):
+        for _ in passes:
             meter.data_start()
             meter.compute_start()
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):

@@ -132,6 +132,14 @@ def test_infer_user_errors_are_one_line_naming_the_flag_without_a_traceback():
     assert debug.returncode != 0 and "Traceback" in debug.stderr
 
 
+def test_profile_traces_as_many_steps_as_steps_asks(tmp_path):
+    proc = _infer("--profile", "--steps", "3", "--warmup", "1", "data.resolution=32", "model.width_mult=0.25",
+                  "data.batch_size=2", f"log_root={tmp_path}")
+    assert proc.returncode == 0, proc.stderr
+    assert "| profiled steps | 3 |" in proc.stdout
+    assert "overhead" in proc.stdout
+
+
 def test_latency_sweep_prints_one_row_per_batch_size():
     from mobilenet import inference
 
