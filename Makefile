@@ -1,6 +1,6 @@
 # `make train` and `make test` each do all the set-up on a fresh machine: a virtual environment in .venv with
 # the project installed (editable), then the job. `make train` installs only what training needs; `make test`
-# adds the test extras (pytest, matplotlib, psutil and DALI, about 6.5 GB more).
+# adds the test extras (pytest, matplotlib, psutil, DALI, onnx, onnxscript and onnxruntime: several GB more).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
