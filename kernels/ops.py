@@ -5,12 +5,11 @@ kernels.KernelUnavailable where the kernels cannot run.
 
 from __future__ import annotations
 
-from typing import Sequence, Union
-
 import torch
 from torch import Tensor
 
 from . import kernel_layout, load
+from .conv_arith import IntOrPair, conv_out_size, to_pair
 
 load()
 
@@ -19,14 +18,7 @@ __all__ = ["depthwise_conv2d"]
 _fwd = torch.ops.mobilenet_dw.depthwise_fwd.default
 _bwd = torch.ops.mobilenet_dw.depthwise_bwd.default
 
-IntOrPair = Union[int, Sequence[int]]
-
-
 _layout = kernel_layout
-
-
-def _out_size(size, k, s, p, d):
-    return (size + 2 * p - d * (k - 1) - 1) // s + 1
 
 
 # The forward epilogue's activations, by the name users pass, as the op's `activation` argument.
@@ -37,8 +29,8 @@ ACTIVATIONS = {None: 0, "relu": 1, "relu6": 2}
 def _fwd_fake(x, w, bias, stride, padding, dilation, activation=0):
     n, c, h, wd = x.shape
     kh, kw = w.shape[-2:]
-    oh = _out_size(h, kh, stride[0], padding[0], dilation[0])
-    ow = _out_size(wd, kw, stride[1], padding[1], dilation[1])
+    oh = conv_out_size(h, kh, stride[0], padding[0], dilation[0])
+    ow = conv_out_size(wd, kw, stride[1], padding[1], dilation[1])
     return torch.empty((n, c, oh, ow), dtype=x.dtype, device=x.device, memory_format=_layout(x))
 
 
@@ -102,17 +94,6 @@ _register_autocast("mobilenet_dw::depthwise_fwd")
 _register_autocast("mobilenet_dw::depthwise_bwd")
 
 
-def _pair(v: IntOrPair, name: str) -> tuple[int, int]:
-    if isinstance(v, int):
-        return (v, v)
-    v = tuple(int(i) for i in v)
-    if len(v) == 1:
-        return (v[0], v[0])
-    if len(v) != 2:
-        raise ValueError(f"depthwise_conv2d: {name} must be an int or a pair, got {v}")
-    return v
-
-
 def depthwise_conv2d(
     x: Tensor,
     weight: Tensor,
@@ -134,8 +115,8 @@ def depthwise_conv2d(
         raise ValueError(f"depthwise_conv2d: weight must have shape (C, 1, kh, kw), got {tuple(weight.shape)}")
     if not x.is_cuda:
         raise ValueError(f"depthwise_conv2d: the custom kernels need CUDA tensors, got input on {x.device}")
-    stride = _pair(stride, "stride")
-    dilation = _pair(dilation, "dilation")
+    stride = to_pair(stride, "depthwise_conv2d: stride")
+    dilation = to_pair(dilation, "depthwise_conv2d: dilation")
     kh, kw = weight.shape[-2:]
     if isinstance(padding, str):
         if padding == "valid":
@@ -150,7 +131,7 @@ def depthwise_conv2d(
         else:
             raise ValueError(f"depthwise_conv2d: invalid padding string {padding!r}, should be 'same' or 'valid'")
     else:
-        padding = _pair(padding, "padding")
+        padding = to_pair(padding, "depthwise_conv2d: padding")
     _check_supported(x, weight, bias, stride, padding, dilation)
     return _fwd(x, weight, bias, list(stride), list(padding), list(dilation), ACTIVATIONS[activation])
 
@@ -194,7 +175,7 @@ def _check_supported(x, weight, bias, stride, padding, dilation) -> None:
     if c > 65535:
         raise ValueError(f"depthwise_conv2d: {c} channels is not supported (at most 65535)")
     for size, k, st, p, d in zip(x.shape[2:], weight.shape[-2:], stride, padding, dilation):
-        if _out_size(size, k, st, p, d) < 1:
+        if conv_out_size(size, k, st, p, d) < 1:
             raise ValueError(f"depthwise_conv2d: input {tuple(x.shape[2:])} is smaller than the dilated kernel "
                              f"{tuple(weight.shape[-2:])} after padding {tuple(padding)}")
     if x.numel() >= 2**31:

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kernels.conv_arith import conv_out_size, to_pair
+
 Pair = tuple[int, int]
 
 
@@ -105,10 +107,6 @@ def _memory_format(x: Tensor) -> torch.memory_format:
     return torch.channels_last if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous() else torch.contiguous_format
 
 
-def _conv_out_size(size: int, k: int, s: int, p: int, d: int) -> int:
-    return (size + 2 * p - d * (k - 1) - 1) // s + 1
-
-
 def _cudnn_flags() -> tuple[bool, bool, bool]:
     b = torch.backends.cudnn
     return b.benchmark, b.deterministic, b.allow_tf32
@@ -123,8 +121,8 @@ def _cudnn_fwd(x: Tensor, weight: Tensor, stride: list[int], padding: list[int],
 def _(x, weight, stride, padding, dilation):
     n, c, h, w = x.shape
     kh, kw = weight.shape[-2:]
-    oh = _conv_out_size(h, kh, stride[0], padding[0], dilation[0])
-    ow = _conv_out_size(w, kw, stride[1], padding[1], dilation[1])
+    oh = conv_out_size(h, kh, stride[0], padding[0], dilation[0])
+    ow = conv_out_size(w, kw, stride[1], padding[1], dilation[1])
     return x.new_empty((n, c, oh, ow)).contiguous(memory_format=_memory_format(x))
 
 
@@ -274,10 +272,6 @@ register_backend(
 # --- the layer --------------------------------------------------------------------------------------------------
 
 
-def _pair(v: int | Pair) -> Pair:
-    return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
-
-
 class DepthwiseConv2d(nn.Module):
     """A depthwise convolution (groups = channels, depth multiplier 1) computed by the named backend."""
 
@@ -285,11 +279,11 @@ class DepthwiseConv2d(nn.Module):
                  dilation: int | Pair = 1, bias: bool = False, backend: str = "torch"):
         super().__init__()
         self.backend = get_backend(backend)
-        self.kernel_size = _pair(kernel_size)
-        self.stride = _pair(stride)
-        self.dilation = _pair(dilation)
+        self.kernel_size = to_pair(kernel_size, "DepthwiseConv2d: kernel_size")
+        self.stride = to_pair(stride, "DepthwiseConv2d: stride")
+        self.dilation = to_pair(dilation, "DepthwiseConv2d: dilation")
         # Default padding keeps the spatial size at stride 1 ("same" for odd kernels).
-        self.padding = _pair(padding) if padding is not None else tuple(d * (k - 1) // 2 for k, d in zip(self.kernel_size, self.dilation))
+        self.padding = to_pair(padding, "DepthwiseConv2d: padding") if padding is not None else tuple(d * (k - 1) // 2 for k, d in zip(self.kernel_size, self.dilation))
         self.weight = nn.Parameter(torch.empty(channels, 1, *self.kernel_size))
         self.bias = nn.Parameter(torch.empty(channels)) if bias else None
         self.reset_parameters()

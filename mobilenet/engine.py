@@ -213,6 +213,23 @@ def save_checkpoint(path: Path, state: dict) -> None:
         raise
 
 
+def restore_rng_states(saved: dict) -> None:
+    """Put back the RNG states a checkpoint saved, so that dropout draws the masks the uninterrupted run would.
+    The CUDA states go back only onto as many GPUs as saved them; otherwise the run goes on, with a warning, from
+    this process's CUDA seeds."""
+    torch.set_rng_state(saved["torch"])
+    if not torch.cuda.is_available():
+        return  # a CPU run draws from the CPU generator alone
+    cuda_states = saved.get("cuda")
+    if cuda_states is not None and len(cuda_states) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda_states)
+        return
+    saved_on = "a machine without CUDA" if cuda_states is None else f"{len(cuda_states)} GPU(s)"
+    log.warning("the checkpoint's CUDA RNG states were saved on %s and this machine has %d GPU(s): they are not "
+                "restored, so GPU random draws (dropout) differ from an uninterrupted run",
+                saved_on, torch.cuda.device_count())
+
+
 CHECKPOINT_IN_RUN_DIR = Path("checkpoints") / "last.pt"
 
 
@@ -453,7 +470,7 @@ class Trainer:
             self.scaler.load_state_dict(state["scaler"])
         self.epoch = int(state["epoch"])
         self.global_step = int(state["step"])
-        torch.set_rng_state(state["rng"]["torch"])
+        restore_rng_states(state["rng"])
         log.info("resumed from %s at epoch %d, step %d", self.cfg.resume, self.epoch, self.global_step)
 
     @property

@@ -42,6 +42,70 @@ def test_resume_continues_with_the_same_step_and_lr(tmp_path):
     assert [lr for _, lr in result.lrs] == pytest.approx([lr for _, lr in straight.lrs[10:]])
 
 
+def _stop_before_epoch(trainer: Trainer, epoch: int) -> None:
+    """Make `trainer` stop as Ctrl-C would once `epoch` epochs are done: same schedule as the full run, checkpoint
+    of the last complete epoch left behind."""
+    run_epoch = trainer.train_epoch
+
+    def train_epoch(result, max_steps=None):
+        if trainer.epoch == epoch:
+            raise KeyboardInterrupt
+        return run_epoch(result, max_steps)
+
+    trainer.train_epoch = train_epoch
+
+
+def _resumed_and_straight_states(tmp_path, overrides: list[str]) -> tuple[dict, dict]:
+    """(model state after 3 epochs straight, model state after 2 epochs, a stop and a resume for the third)."""
+    common = [*overrides, "data.steps_per_epoch=5", "evaluate=false", "model.dropout=0.2", "epochs=3"]
+    cfg = compose(common)
+    straight = Trainer(cfg, tmp_path / "straight")
+    straight.fit()
+    interrupted = Trainer(cfg, tmp_path / "interrupted")
+    _stop_before_epoch(interrupted, 2)
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.fit()
+    resumed = Trainer(compose([*common, f"resume={interrupted.checkpoint_path}"]), tmp_path / "resumed")
+    resumed.fit()
+    assert resumed.global_step == straight.global_step == 15
+    return straight.model.state_dict(), resumed.model.state_dict()
+
+
+def _assert_bitwise_equal(expected: dict, actual: dict) -> None:
+    differ = [name for name, value in expected.items() if not torch.equal(value, actual[name])]
+    assert not differ, f"{len(differ)} tensors differ, first: {differ[:3]}"
+
+
+# data.workers=0: the crops are drawn from the main process's RNG, which the checkpoint holds. Persistent loader
+# workers keep RNG streams of their own that no checkpoint saves.
+EXACT_RESUME = ["model.width_mult=0.25", "progress=false", "perf.warmup_steps=2", "perf.log_every=5", "data.workers=0"]
+
+
+def test_a_resumed_run_takes_the_same_steps_as_the_uninterrupted_run_bitwise(tmp_path):
+    _assert_bitwise_equal(*_resumed_and_straight_states(tmp_path, [*EXACT_RESUME, "device=cpu"]))
+
+
+@pytest.mark.gpu
+def test_a_resumed_gpu_run_with_deterministic_cudnn_takes_the_same_steps_bitwise(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    # Eager steps: a captured step would restart its warm-up and capture after the resume.
+    _assert_bitwise_equal(*_resumed_and_straight_states(tmp_path, [*EXACT_RESUME, "device=cuda", "cuda_graph=false"]))
+
+
+@pytest.mark.parametrize("saved_cuda, restored", [([torch.zeros(8)] * 2, True), ([torch.zeros(8)], False), (None, False)])
+def test_cuda_rng_states_are_restored_only_onto_as_many_gpus_as_saved_them(monkeypatch, caplog, saved_cuda, restored):
+    from mobilenet.engine import restore_rng_states
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", calls.append)
+    restore_rng_states({"torch": torch.get_rng_state(), "cuda": saved_cuda})
+    assert bool(calls) == restored
+    assert ("not restored" in caplog.text) == (not restored)
+
+
 def test_resume_missing_or_corrupt_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(CheckpointError, match="no such checkpoint file"):
         load_checkpoint(str(tmp_path / "nope.pt"))

@@ -404,3 +404,14 @@ def test_diagnose_cli(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "GPU time by category" in out and "profiler overhead" in out
     assert (tmp_path / "r.md").read_text() in out
+
+
+def test_a_registered_finding_function_reaches_the_report_and_its_markdown(monkeypatch):
+    from mobilenet import profiling
+    from mobilenet.profiling import findings
+
+    monkeypatch.setattr(findings, "FINDINGS", list(findings.FINDINGS))
+    findings.finding()(lambda r: profiling.Finding("every step launches", f"{r.kernels_per_step:.0f} kernels per step"))
+    r = analyse_trace(_synthetic_gpu_trace())
+    assert r.findings[-1].title == "every step launches"
+    assert "- **every step launches**: 7 kernels per step." in r.markdown()

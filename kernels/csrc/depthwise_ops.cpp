@@ -38,6 +38,7 @@ c10::MemoryFormat layout_of(const at::Tensor& x) {
   return x.suggest_memory_format();
 }
 
+// The Python twin is conv_out_size() in kernels/conv_arith.py.
 int64_t out_size(int64_t in, int64_t k, int64_t s, int64_t p, int64_t d) { return (in + 2 * p - d * (k - 1) - 1) / s + 1; }
 
 ConvShape check_and_shape(const at::Tensor& x, const at::Tensor& w, at::IntArrayRef stride, at::IntArrayRef padding,

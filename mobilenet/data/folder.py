@@ -125,6 +125,10 @@ class DeviceLoader:
     def set_epoch(self, epoch: int) -> None:
         if isinstance(self.loader.sampler, DistributedSampler):
             self.loader.sampler.set_epoch(epoch)
+        elif self.loader.generator is not None:
+            # Each epoch's shuffle depends on (seed, epoch) alone, as DistributedSampler's does: a run resumed at
+            # epoch e reads the batches the uninterrupted run read.
+            self.loader.generator.manual_seed(self.spec.seed + epoch)
 
     def _to_device(self, images, labels):
         images = images.to(self.spec.device, non_blocking=True)

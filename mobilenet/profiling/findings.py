@@ -1,0 +1,252 @@
+"""Findings: each states a measured fact of a Report and, where one applies, what to change.
+
+A finding is one function from a Report to a Finding (or None where it does not apply), registered with
+@finding; the report lists them in registration order. Adding one means writing the function and its test."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ..streams import CUDA_DEFAULT_CONNECTIONS  # the hardware work queues when nothing sets CUDA_DEVICE_MAX_CONNECTIONS
+from .classify import SLOW_LAUNCH_US
+from .report import Finding, Report
+from .window import median
+
+FindingRule = Callable[[Report], "Finding | None"]
+FINDINGS: list[tuple[FindingRule, bool]] = []  # (rule, needs GPU rows), in report order
+
+
+def finding(needs_gpu: bool = True) -> Callable[[FindingRule], FindingRule]:
+    def register(rule: FindingRule) -> FindingRule:
+        FINDINGS.append((rule, needs_gpu))
+        return rule
+
+    return register
+
+
+def add_findings(r: Report) -> None:
+    for rule, needs_gpu in FINDINGS:
+        if needs_gpu and not r.gpu:
+            continue
+        found = rule(r)
+        if found is not None:
+            r.findings.append(found)
+
+
+def _channels_last(env: dict) -> bool | None:
+    fmt = next((env[k] for k in ("memory_format", "memory format") if k in env), None)
+    if fmt is not None:
+        return "last" in str(fmt).lower() or "nhwc" in str(fmt).lower()
+    cl: Any = env.get("channels_last")
+    return None if cl is None else bool(cl) and str(cl).lower() not in ("false", "0")
+
+
+@finding(needs_gpu=False)
+def first_call_effects(r: Report) -> Finding | None:
+    slow_first = r.first_step_ratio is not None and r.first_step_ratio > 1.5
+    if not (slow_first or r.first_step_extra_kernels > 0 or r.slow_launches):
+        return None
+    parts = []
+    if r.first_step_ratio is not None:
+        parts.append(f"the first profiled step took {r.step_ms[0]:.2f} ms, {r.first_step_ratio:.1f}x the later steps' median "
+                     f"({median(r.step_ms[1:]):.2f} ms)")
+    if r.first_step_extra_kernels > 0:
+        parts.append(f"it ran {r.first_step_extra_kernels:.0f} more kernels than a later step (cuDNN autotune tries candidates)")
+    if r.slow_launches:
+        n = sum(x["count"] for x in r.slow_launches)
+        top = r.slow_launches[0]
+        parts.append(f"{n} launch calls took over {SLOW_LAUNCH_US / 1000:.0f} ms (longest {top['max_ms']:.1f} ms, {top['call']} "
+                     f"from {top['op']}: lazy module loading happens inside the first launch of a kernel)")
+    return Finding("first-call effects in the window", "; ".join(parts),
+                   "the figures below are not steady state: raise profiler.skip_first / profiler.warmup, or analyse "
+                   "without the first step (scripts/diagnose.py TRACE --skip-steps 1); per-op 'CUDA time' of such "
+                   "steps (and of any asynchronous run) is no measure of a kernel", "warn")
+
+
+@finding(needs_gpu=False)
+def profiler_overhead(r: Report) -> Finding | None:
+    if r.profiler_overhead_pct is None:
+        return None
+    detail = (f"profiled steps: median {r.step_ms_median:.2f} ms vs {r.baseline_step_ms:.2f} ms without the profiler "
+              f"({r.profiler_overhead_pct:+.1f}%)")
+    hint = ("the profiler inflates host-side times: the step time reported is the unprofiled one; in the profiled "
+            "steps trust the GPU rows and the ratios more than the absolute times and the GPU-idle share"
+            if r.profiler_overhead_pct > 10 else "")
+    return Finding("profiler overhead", detail, hint, "warn" if r.profiler_overhead_pct > 10 else "info")
+
+
+@finding(needs_gpu=False)
+def no_gpu(r: Report) -> Finding | None:
+    if r.gpu:
+        return None
+    if str(r.env.get("device", "")).startswith("cuda"):
+        return Finding("no GPU rows", "the run was on CUDA but the trace has no kernel rows: CUPTI was unavailable or "
+                       "CUDA activity was not traced, so only CPU ops were profiled", "check that CUPTI loads", "warn")
+    return Finding("no GPU", "this trace has no GPU activity (a CPU run): only CPU ops were profiled")
+
+
+@finding()
+def launch_bound(r: Report) -> Finding | None:
+    if not r.launch_bound:
+        return None
+    return Finding("launch-bound",
+                   f"{r.short_kernels_per_step:.0f} of {r.kernels_per_step:.0f} kernels per step ({r.short_kernel_pct:.0f}%) are "
+                   f"shorter than their launch (median kernel {r.median_kernel_us:.1f} us, median launch {r.median_launch_us:.1f} us)",
+                   "launch-bound: try torch.compile / CUDA graphs / a larger batch", "warn")
+
+
+@finding()
+def gpu_waits_for_host(r: Report) -> Finding | None:
+    if r.idle_host_pct < 20:
+        return None
+    parts = []
+    if r.idle_host_sync_pct >= 1:
+        parts.append(f"{r.idle_host_sync_pct:.0f}% while the host sat in blocking calls")
+    if r.idle_host_data_pct >= 1:
+        parts.append(f"{r.idle_host_data_pct:.0f}% while the host was loading data")
+    return Finding("GPU waits for the host",
+                   f"the GPU is idle {r.idle_host_pct:.0f}% of the window with nothing queued"
+                   + (f" ({'; '.join(parts)})" if parts else ""),
+                   "the host is the bottleneck: remove syncs, feed data faster, or cut launches (torch.compile / CUDA graphs)"
+                   + (f"; part of this is the profiler's own host overhead ({r.profiler_overhead_pct:+.0f}% step time)"
+                      if r.profiler_overhead_pct is not None and r.profiler_overhead_pct > 10 else ""),
+                   "warn")
+
+
+@finding()
+def depthwise_implementation(r: Report) -> Finding | None:
+    if not r.depthwise_implementation:
+        return None
+    dw = r.categories["depthwise"]
+    mix = ", ".join(f"{impl} {pct:.0f}%" for impl, pct in r.depthwise_impls.items())
+    backend = r.env.get("backend")
+    detail = f"depthwise kernels are {dw.pct:.1f}% of GPU time ({dw.ms_per_step:.3f} ms/step), run by: {mix}"
+    expected = {"cudnn": "cuDNN", "custom": "custom (kernels/)"}.get(str(backend))
+    if expected and r.depthwise_implementation != expected:
+        return Finding("depthwise implementation", detail,
+                       f"backend={backend} was requested but {r.depthwise_implementation} kernels did most of the depthwise work", "warn")
+    return Finding("depthwise implementation", detail, "", "info")
+
+
+@finding()
+def layout_transposes(r: Report) -> Finding | None:
+    tr = r.categories["transpose"]
+    if tr.count_per_step <= 0:
+        return None
+    where = ", ".join(f"{t['op']} in {t['phase']}" for t in r.transposes[:3])
+    if _channels_last(r.env):
+        hint = f"the model is channels_last, yet these ops transpose: check the layout of what reaches them ({where})"
+    else:
+        hint = f"channels_last=true would remove the {tr.ms_per_step:.3f} ms of transposes per step"
+    return Finding("layout transposes",
+                   f"{tr.count_per_step:.0f} transpose kernels per step, {tr.ms_per_step:.3f} ms ({tr.pct:.1f}% of GPU time), "
+                   f"launched by {where}", hint, "warn" if tr.pct >= 2 else "info")
+
+
+@finding()
+def dtype_casts(r: Report) -> Finding | None:
+    ca = r.categories["cast"]
+    if ca.count_per_step <= 0:
+        return None
+    where = ", ".join(f"{c['op']} in {c['phase']}" for c in r.casts[:3])
+    return Finding("dtype casts",
+                   f"{ca.count_per_step:.0f} cast kernels per step, {ca.ms_per_step:.3f} ms ({ca.pct:.1f}% of GPU time), launched by {where}",
+                   "autocast re-casts weights every step: torch.compile fuses the casts into neighbouring kernels; "
+                   "cast the input batch once in the loader", "warn" if ca.pct >= 5 else "info")
+
+
+@finding()
+def pageable_host_copies(r: Report) -> Finding | None:
+    pageable = [m for m in r.memcpys if m["pageable"]]
+    if not pageable:
+        return None
+    desc = "; ".join(f"{m['kind']}: {m['count_per_step']:.0f}/step, {m['MB_per_step']:.1f} MB, {m['ms_per_step']:.3f} ms (from {m['ops']})"
+                     for m in pageable)
+    return Finding("pageable host copies", desc,
+                   "this copy is pageable: pin it (pin_memory=True in the DataLoader) and copy with non_blocking=True", "warn")
+
+
+@finding()
+def copies_dominate(r: Report) -> Finding | None:
+    mc = r.categories["memcpy"]
+    if mc.pct < 10:
+        return None
+    return Finding("copies dominate",
+                   f"copies are {mc.pct:.0f}% of GPU time ({mc.ms_per_step:.3f} ms/step) against {100 - mc.pct:.0f}% compute",
+                   "keep the data on the GPU between steps, or overlap the copy with compute (pinned memory, a side stream)",
+                   "warn")
+
+
+def _sync_hints(syncs: list[dict]) -> str:
+    hints = []
+    for s in syncs[:3]:
+        if "_local_scalar_dense" in s["op"] and s["phase"] == "optimizer":
+            hints.append("GradScaler.step() reads found_inf back every step (fp16 loss scaling; bf16 needs no scaler)")
+        elif "copy_" in s["op"] or "pageable" in s["call"]:
+            hints.append(f"the copy in {s['phase']} touches pageable memory: pin it and pass non_blocking=True")
+    hints.append("each sync stalls the host until the GPU drains: read values back less often (e.g. the loss every N steps)")
+    return "; ".join(dict.fromkeys(hints))
+
+
+@finding()
+def blocking_synchronisations(r: Report) -> Finding | None:
+    if r.syncs_per_step <= 0:
+        return None
+    where = ", ".join(f"{s['call']} from {s['op']} in {s['phase']}" for s in r.syncs[:3])
+    return Finding("blocking synchronisations",
+                   f"{r.syncs_per_step:.0f} per step ({sum(s['ms_per_step'] for s in r.syncs):.3f} ms of host time): {where}",
+                   _sync_hints(r.syncs), "warn" if r.syncs_per_step >= 1 else "info")
+
+
+@finding()
+def cuda_calls_from_other_threads(r: Report) -> Finding | None:
+    if r.other_thread_cuda_calls_per_step < 50:
+        return None
+    return Finding("CUDA calls from other threads",
+                   f"other threads of the process (a data loader's workers, e.g. DALI's decoders) made "
+                   f"{r.other_thread_cuda_calls_per_step:.0f} CUDA API calls per step, "
+                   f"{r.other_thread_syncs_per_step:.0f} of them blocking; those syncs stall only their own thread, "
+                   f"but every call shares the CUDA context with the step's launches (median launch "
+                   f"{r.median_launch_us:.1f} us here)",
+                   "if the step is host-bound, compare the launch times with a run on synthetic data: contention "
+                   "for the context slows the step's own launches; fewer loader threads or batched loader work help")
+
+
+@finding()
+def streams_share_work_queues(r: Report) -> Finding | None:
+    queues = r.work_queues if r.work_queues is not None else CUDA_DEFAULT_CONNECTIONS
+    if r.streams_with_work <= queues:
+        return None
+    known = "" if r.work_queues is not None else " (CUDA's default; the trace does not record the setting)"
+    return Finding("streams share hardware work queues",
+                   f"{r.streams_with_work} CUDA streams ran work in these steps, but the process had {queues} "
+                   f"hardware work queues{known}: streams beyond that share queues, and the work in one queue "
+                   "runs in order, so independent streams wait behind each other (a loader's copies and kernels "
+                   "behind the training kernels queued before them)",
+                   "give the process 32 queues: perf.max_connections=32 (auto does it for data=dali), or "
+                   "CUDA_DEVICE_MAX_CONNECTIONS=32 in the environment before the process starts",
+                   "warn")
+
+
+@finding()
+def device_syncs_from_other_threads(r: Report) -> Finding | None:
+    if r.other_thread_device_syncs_per_step < 0.5:
+        return None
+    return Finding("device-wide syncs from other threads",
+                   f"{r.other_thread_device_syncs_per_step:.1f} per step on threads other than the step's (median "
+                   f"{r.other_thread_device_sync_ms_median:.2f} ms each): each waits for all work queued on the GPU, "
+                   "the step's included, so whatever that thread does next waits for the training to drain",
+                   "DALI takes each batch's buffer back only after such a sync (its DLTensorGraveyard); it stalls "
+                   "DALI's buffer recycling, not the step, as long as the step does not wait for data (see the "
+                   "data wait)",
+                   "warn")
+
+
+@finding()
+def host_runs_ahead(r: Report) -> Finding | None:
+    if not (r.gpu_span_ms_per_step and r.gpu_span_ms_per_step > 1.2 * r.host_step_ms_median):
+        return None
+    return Finding("host runs ahead",
+                   f"the GPU work a step launches spans {r.gpu_span_ms_per_step:.2f} ms, the host step "
+                   f"{r.host_step_ms_median:.2f} ms: GPU-bound; host-side step times (and per-op CPU times) understate "
+                   f"the true step time, {r.step_ms_median:.2f} ms from one step's completion to the next")
