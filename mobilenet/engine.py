@@ -734,7 +734,7 @@ def _cycle(loader):
 def run_meta(cfg, env: dict, mode: str) -> dict[str, Any]:
     """The facts of a run that reports and traces carry."""
     return {
-        **env, "mode": mode, "backend": cfg.backend.name,
+        **env, "mode": mode, "backend": cfg.backend.name, "norm": cfg.norm.name, "fold_bn": cfg.fold_bn,
         "precision": precision_label(cfg),
         "memory_format": layout_label(cfg),
         "batch_size": cfg.data.batch_size, "resolution": cfg.data.resolution, "compile": cfg.compile,

@@ -415,3 +415,15 @@ def test_a_registered_finding_function_reaches_the_report_and_its_markdown(monke
     r = analyse_trace(_synthetic_gpu_trace())
     assert r.findings[-1].title == "every step launches"
     assert "- **every step launches**: 7 kernels per step." in r.markdown()
+
+
+def test_batchnorm_and_relu_kernels_are_a_category_with_a_finding():
+    from mobilenet.profiling import analyse_trace, load_trace
+
+    report = analyse_trace(load_trace(FIXTURES / "amp_fp16_cl.json.gz"))
+    norm = report.categories["norm"]
+    assert norm.count_per_step > 0 and 20 < norm.pct < 80  # cuDNN's BatchNorm and PyTorch's ReLU, both directions
+    assert abs(sum(c.pct for c in report.categories.values()) - 100) < 0.1  # still a partition
+    found = [f for f in report.findings if f.title == "BatchNorm + ReLU"]
+    assert found and f"{norm.pct:.1f}% of GPU time" in found[0].detail
+

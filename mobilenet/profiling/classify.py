@@ -44,11 +44,17 @@ SYNC_CALLS = re.compile(r"^(cudaStreamSynchronize|cudaDeviceSynchronize|cudaEven
 DEVICE_SYNC_CALLS = frozenset({"cudaDeviceSynchronize", "cuCtxSynchronize"})
 SLOW_LAUNCH_US = 1000.0
 
-CATEGORIES = ("depthwise", "transpose", "cast", "memcpy", "other")
+CATEGORIES = ("depthwise", "norm", "transpose", "cast", "memcpy", "other")
 CATEGORY_TITLES = {
-    "depthwise": "depthwise convolution", "transpose": "layout transposes", "cast": "dtype casts",
-    "memcpy": "host<->device / device copies", "other": "everything else",
+    "depthwise": "depthwise convolution", "norm": "BatchNorm + ReLU", "transpose": "layout transposes",
+    "cast": "dtype casts", "memcpy": "host<->device / device copies", "other": "everything else",
 }
+# BatchNorm and ReLU, forward and backward, whichever implementation (norm=torch|custom|apex) ran them: the share the
+# fused norm exists to shrink. Kernels are recognised by the op that launched them (cuDNN's, PyTorch's, this
+# project's mobilenet_bn:: ops, apex's bnp), which kernel names alone do not say reliably.
+NORM_OPS = re.compile(r"batch_norm|BatchNorm|NativeBatchNorm|mobilenet_bn::|bn_relu|aten::relu|ReluBackward|"
+                      r"threshold_backward|ThresholdBackward|bnp\.|groupbn", re.I)
+NORM_KERNELS = re.compile(r"^mbn::|batch_?norm|bn_fw|bn_bw|nhwc_batch_norm", re.I)
 
 
 def short_kernel_name(name: str, width: int = 110) -> str:
@@ -128,4 +134,6 @@ def category_of(row: Event, ops: list[Event]) -> str:
         category = _copy_kind(ops) or "other"
     if category == "other" and (DEPTHWISE_KERNEL_NAMES.search(row.name) or any(_is_depthwise_conv(op) for op in ops)):
         category = "depthwise"
+    if category == "other" and (NORM_KERNELS.search(row.name) or any(NORM_OPS.search(op.name) for op in ops)):
+        category = "norm"
     return category

@@ -129,6 +129,25 @@ def depthwise_implementation(r: Report) -> Finding | None:
 
 
 @finding()
+def batchnorm_relu_share(r: Report) -> Finding | None:
+    norm = r.categories.get("norm")
+    if norm is None or norm.count_per_step <= 0:
+        return None
+    detail = (f"BatchNorm and ReLU kernels (forward and backward) are {norm.pct:.1f}% of GPU time "
+              f"({norm.ms_per_step:.3f} ms/step)")
+    if r.env.get("mode") == "infer":
+        folded = str(r.env.get("fold_bn", "")).lower() == "true"
+        hint = ("the BatchNorms are folded; what is left are separate ReLUs: backend=custom computes the depthwise ReLU "
+                "in its epilogue" if folded else "fold_bn=true (infer.py's default) folds every BatchNorm into its "
+                "convolution and fuses the ReLU")
+    elif str(r.env.get("norm", "torch")) == "torch":
+        hint = "norm=custom fuses BatchNorm and ReLU into one pass each way (docs/results/train_norm_h200.md)"
+    else:
+        hint = ""
+    return Finding("BatchNorm + ReLU", detail, hint, "info")
+
+
+@finding()
 def layout_transposes(r: Report) -> Finding | None:
     tr = r.categories["transpose"]
     if tr.count_per_step <= 0:
