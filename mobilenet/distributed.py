@@ -13,6 +13,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .meter import Throughput
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -75,3 +77,17 @@ def max_over_ranks(value: float, device: torch.device, info: DistInfo) -> float:
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def throughput_over_ranks(tp: Throughput, device: torch.device, info: DistInfo) -> Throughput:
+    """Images summed over ranks over the slowest rank's time: the run's img/s, not one GPU's."""
+    if not info.enabled:
+        return tp
+    images, = sum_over_ranks([tp.images], device, info)
+
+    def slowest(value: float) -> float:
+        return max_over_ranks(value, device, info)
+
+    return Throughput(images=int(images), steps=tp.steps, seconds=slowest(tp.seconds),
+                      compute_seconds=slowest(tp.compute_seconds), data_wait_seconds=slowest(tp.data_wait_seconds),
+                      step_ms_median=slowest(tp.step_ms_median))

@@ -1,0 +1,1 @@
+"""Tools over benchmark runs: compare (the throughput matrix's table, CSV and chart)."""

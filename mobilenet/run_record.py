@@ -1,0 +1,147 @@
+"""What a run was and what it measured, described once: the summary table, the TensorBoard hparams and scalars,
+and the metadata that profiles and reports carry all read from here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import streams
+from .config import enum_value
+from .distributed import DistInfo
+from .meter import Throughput
+
+
+def precision_label(cfg) -> str:
+    return f"amp {enum_value(cfg.amp_dtype)}" if cfg.amp else "fp32"
+
+
+def layout_label(cfg) -> str:
+    return "channels_last" if cfg.channels_last else "NCHW"
+
+
+def config_rows(cfg, device: torch.device, env: dict, backend: str | None = None) -> dict[str, Any]:
+    """What a summary table says about the combination that ran (training and inference alike)."""
+    return {
+        "backend": backend or cfg.backend.name,
+        "norm": cfg.norm.name,
+        "precision": precision_label(cfg),
+        "memory format": layout_label(cfg),
+        "compile": cfg.compile,
+        "data": cfg.data.name + (f" ({cfg.data.builtin})" if cfg.data.builtin else ""),
+        "batch size": cfg.data.batch_size,
+        "resolution": cfg.data.resolution,
+        "device": env.get("gpu") if device.type == "cuda" else "cpu",
+        "torch / CUDA / cuDNN": f"{env['torch']} / {env['cuda']} / {env['cudnn']}",
+    }
+
+
+def run_meta(cfg, env: dict, mode: str) -> dict[str, Any]:
+    """The facts of a run that reports and traces carry."""
+    return {
+        **env, "mode": mode, "backend": cfg.backend.name, "norm": cfg.norm.name, "fold_bn": cfg.fold_bn,
+        "precision": precision_label(cfg),
+        "memory_format": layout_label(cfg),
+        "batch_size": cfg.data.batch_size, "resolution": cfg.data.resolution, "compile": cfg.compile,
+        "data": cfg.data.name,
+        # the profiler's "streams share hardware work queues" finding compares it with the streams in the trace
+        **({"cuda_work_queues": streams.connections_in_force()} if env.get("gpu", "none") != "none" else {}),
+    }
+
+
+@dataclass
+class RunResult:
+    train: Throughput | None = None
+    val_top1: float = float("nan")
+    val_top5: float = float("nan")
+    val_img_s: float = float("nan")
+    val_images: int = 0
+    epochs_done: int = 0
+    global_step: int = 0
+    losses: list[tuple[int, float]] = field(default_factory=list)
+    lrs: list[tuple[int, float]] = field(default_factory=list)
+    run_dir: str = ""
+
+
+@dataclass(frozen=True)
+class TrainingRun:
+    """The settings a training run ran with, as it resolved them."""
+    cfg: Any
+    device: torch.device
+    env: dict
+    dist: DistInfo
+    backend_label: str
+    cuda_graph_state: str
+    stream_state: str
+    queues_state: str
+    captured: bool  # whether the training step runs as a CUDA graph
+    stream: torch.cuda.Stream | None
+
+    def scaling(self, tp: Throughput) -> tuple[float | None, float | None]:
+        """(img/s per rank when data-parallel, efficiency against perf.single_gpu_img_s when given), else None."""
+        per_rank = tp.img_s / self.dist.world_size if self.dist.enabled else None
+        single = self.cfg.perf.single_gpu_img_s
+        efficiency = tp.img_s / (self.dist.world_size * single) if single else None
+        return per_rank, efficiency
+
+    def epoch_scalars(self, tp: Throughput) -> dict[str, float]:
+        """The TensorBoard scalars logged after each epoch."""
+        scalars = {
+            "perf/train_img_s": tp.img_s,
+            "perf/compute_img_s": tp.compute_img_s,
+            "perf/step_ms": tp.step_ms,
+            "perf/data_wait_ms": tp.data_wait_ms,
+        }
+        per_rank, efficiency = self.scaling(tp)
+        if per_rank is not None:
+            scalars["perf/train_img_s_per_gpu"] = per_rank
+        if efficiency is not None:
+            scalars["perf/scaling_efficiency"] = efficiency
+        if self.device.type == "cuda":
+            scalars["sys/max_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        return scalars
+
+    def summary_rows(self, result: RunResult) -> dict[str, Any]:
+        """The run's summary table: the combination, how it ran, and what it measured."""
+        rows = config_rows(self.cfg, self.device, self.env, self.backend_label)
+        rows["CUDA graph"] = self.cuda_graph_state
+        rows["CUDA stream"] = self.stream_state
+        rows["CUDA work queues"] = self.queues_state
+        if self.dist.enabled:
+            rows["ranks"] = self.dist.world_size
+        if result.train is not None:
+            rows.update(self._throughput_rows(result.train))
+        if self.cfg.evaluate:
+            rows.update({"val top-1 %": result.val_top1, "val top-5 %": result.val_top5, "val images": result.val_images,
+                         "val img/s": result.val_img_s})
+        return rows
+
+    def _throughput_rows(self, tp: Throughput) -> dict[str, Any]:
+        rows: dict[str, Any] = {}
+        per_rank, efficiency = self.scaling(tp)
+        if per_rank is not None:
+            rows["train img/s per rank (GPU)"] = per_rank
+        if efficiency is not None:
+            rows["scaling efficiency"] = efficiency
+        rows.update({
+            "train img/s (total)": tp.img_s,
+            "train img/s (compute)": tp.compute_img_s,
+            "step ms": tp.step_ms,
+            "data wait ms/step": tp.data_wait_ms,
+            "timed steps": tp.steps,
+        })
+        return rows
+
+    def hparams(self) -> dict[str, Any]:
+        """The TensorBoard hparams: what scripts/compare.py groups and labels runs by."""
+        cfg = self.cfg
+        return {
+            "backend": self.backend_label, "amp": cfg.amp, "amp_dtype": enum_value(cfg.amp_dtype), "channels_last": cfg.channels_last,
+            "data": cfg.data.name, "batch_size": cfg.data.batch_size, "resolution": cfg.data.resolution, "compile": cfg.compile,
+            "cuda_graph": self.captured, **streams.hparams(self.stream, self.device),
+            "max_connections": streams.connections_in_force() if self.device.type == "cuda" else 0,
+            "gpu": self.env.get("gpu", "none"), "torch": self.env["torch"],
+            "cudnn": self.env["cudnn"], "world_size": self.dist.world_size,
+        }
