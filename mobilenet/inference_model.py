@@ -49,12 +49,14 @@ def fold_batchnorm(weight: Tensor, bias: Tensor | None, bn: _BatchNorm) -> tuple
 # --- the kernels a folded convolution can run ------------------------------------------------------------------
 
 
-def _conv_then_relu(x: Tensor, w: Tensor, b: Tensor, stride, padding, groups: int) -> Tensor:
-    return torch.relu_(F.conv2d(x, w, b, stride, padding, 1, groups))
-
-
 def _conv(x: Tensor, w: Tensor, b: Tensor, stride, padding, groups: int) -> Tensor:
     return F.conv2d(x, w, b, stride, padding, 1, groups)
+
+
+def _cudnn_depthwise(x: Tensor, w: Tensor, b: Tensor, stride, padding, groups: int) -> Tensor:
+    # backend=cudnn's own call: cuDNN in every dtype and layout, where F.conv2d would pick PyTorch's native kernel
+    # for some NCHW cases.
+    return get_backend("cudnn").conv2d(x, w, b, stride, padding, (1, 1))
 
 
 def _cudnn_conv_bias_relu(x: Tensor, w: Tensor, b: Tensor, stride, padding, groups: int) -> Tensor:
@@ -113,7 +115,7 @@ CUDNN_FUSED = Epilogue("cuDNN conv-bias-ReLU", _cudnn_conv_bias_relu, fused=True
 CUBLASLT_FUSED = Epilogue("cuBLASLt GEMM + bias-ReLU epilogue", _cublaslt_pointwise_bias_relu, fused=True)
 CUSTOM_FUSED = Epilogue("custom kernel, bias-ReLU epilogue", _custom_depthwise_bias_relu, fused=True)
 CUSTOM_THEN_RELU = Epilogue("custom kernel + separate ReLU", _custom_depthwise, fused=False)
-CUDNN_THEN_RELU = Epilogue("cuDNN conv + separate ReLU", _conv, fused=False)
+CUDNN_THEN_RELU = Epilogue("cuDNN conv + separate ReLU", _cudnn_depthwise, fused=False)
 
 
 def depthwise_epilogue(backend: str, fused: bool) -> Epilogue:
