@@ -34,7 +34,7 @@ class KernelUnavailable(RuntimeError):
 
 def kernel_layout(x: torch.Tensor) -> torch.memory_format:
     """The layout the custom ops compute in and return: the two standard layouts as they are; any other strides (a
-    slice, a permutation) are copied once into the suggested layout. Mirrors layout_of() in the C++ op files."""
+    slice, a permutation) are copied once into the suggested layout. Mirrors layout_of() in csrc/op_layout.h."""
     if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
         return torch.channels_last
     if x.is_contiguous():

@@ -13,6 +13,7 @@
 #include <tuple>
 
 #include "batchnorm_relu.h"
+#include "op_layout.h"
 
 namespace mbn {
 namespace {
@@ -28,14 +29,8 @@ DType to_dtype(c10::ScalarType t) {
   return DType::F32;  // not reached
 }
 
-// The layout the kernels compute in and return: the rule of the depthwise op and of kernels/norm_ops.py's fakes.
-c10::MemoryFormat layout_of(const at::Tensor& x) {
-  if (x.is_contiguous(c10::MemoryFormat::ChannelsLast) && !x.is_contiguous()) return c10::MemoryFormat::ChannelsLast;
-  if (x.is_contiguous()) return c10::MemoryFormat::Contiguous;
-  return x.suggest_memory_format();
-}
-
-at::Tensor in_layout(const at::Tensor& t, c10::MemoryFormat fmt) { return t.is_contiguous(fmt) ? t : t.contiguous(fmt); }
+using mdw::in_layout;
+using mdw::layout_of;
 
 void check_input(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 4, "batch_norm_relu: input must be 4-D (N, C, H, W), got ", x.dim(), "-D");

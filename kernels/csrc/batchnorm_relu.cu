@@ -19,6 +19,7 @@ using mdw::BF16T;
 using mdw::F16T;
 using mdw::F32T;
 using mdw::Pack;
+using mdw::store_vec;
 using mdw::widen;
 
 constexpr int kThreads = 256;
@@ -42,19 +43,6 @@ FastDiv make_fast_div(uint32_t d) {
   f.mul = static_cast<uint32_t>(((uint64_t(1) << 32) * ((uint64_t(1) << l) - d)) / d + 1);
   f.shift = l;
   return f;
-}
-
-template <class TT, int V>
-__device__ __forceinline__ void to_f32(const Pack<typename TT::S, V>& pk, float (&out)[V]) {
-  widen<TT, V>(pk, out);
-}
-
-template <class TT, int V>
-__device__ __forceinline__ void store_pack(typename TT::S* p, const float (&v)[V]) {
-  Pack<typename TT::S, V> pk;
-#pragma unroll
-  for (int i = 0; i < V; ++i) pk.v[i] = TT::from_acc(v[i]);
-  *reinterpret_cast<Pack<typename TT::S, V>*>(p) = pk;
 }
 
 template <class TT, int V>
@@ -88,7 +76,7 @@ struct StatsOp {
   __device__ __forceinline__ void accumulate(const Loaded<V>& l, const float (&k)[V], float (&a)[V],
                                              float (&b)[V]) const {
     float xv[V];
-    to_f32<TT, V>(l.x, xv);
+    widen<TT, V>(l.x, xv);
 #pragma unroll
     for (int i = 0; i < V; ++i) {
       const float d = xv[i] - k[i];
@@ -121,9 +109,9 @@ struct GradSumsOp {
   __device__ __forceinline__ void accumulate(const Loaded<V>& l, const float (&k)[V], float (&a)[V],
                                              float (&b)[V]) const {
     float gv[V], xv[V], yv[V];
-    to_f32<TT, V>(l.g, gv);
-    to_f32<TT, V>(l.x, xv);
-    to_f32<TT, V>(l.y, yv);
+    widen<TT, V>(l.g, gv);
+    widen<TT, V>(l.x, xv);
+    widen<TT, V>(l.y, yv);
 #pragma unroll
     for (int i = 0; i < V; ++i) {
       const float g = yv[i] > 0.f ? gv[i] : 0.f;
@@ -154,10 +142,10 @@ struct NormalizeOp {
   template <int V>
   __device__ __forceinline__ void apply(size_t off, const Loaded<V>& l, const float (&k)[K][V]) const {
     float v[V];
-    to_f32<TT, V>(l.x, v);
+    widen<TT, V>(l.x, v);
 #pragma unroll
     for (int i = 0; i < V; ++i) v[i] = relu(fmaf(v[i], k[0][i], k[1][i]));
-    store_pack<TT, V>(y + off, v);
+    store_vec<TT, V>(y + off, v);
   }
 };
 
@@ -184,15 +172,15 @@ struct InputGradOp {
   template <int V>
   __device__ __forceinline__ void apply(size_t off, const Loaded<V>& l, const float (&k)[K][V]) const {
     float gv[V], xv[V], yv[V], out[V];
-    to_f32<TT, V>(l.g, gv);
-    to_f32<TT, V>(l.x, xv);
-    to_f32<TT, V>(l.y, yv);
+    widen<TT, V>(l.g, gv);
+    widen<TT, V>(l.x, xv);
+    widen<TT, V>(l.y, yv);
 #pragma unroll
     for (int i = 0; i < V; ++i) {
       const float g = yv[i] > 0.f ? gv[i] : 0.f;
       out[i] = fmaf(k[1][i], g, fmaf(k[2][i], xv[i] - k[0][i], k[3][i]));
     }
-    store_pack<TT, V>(grad_x + off, out);
+    store_vec<TT, V>(grad_x + off, out);
   }
 };
 

@@ -12,6 +12,7 @@
 #include <tuple>
 
 #include "depthwise.h"
+#include "op_layout.h"
 
 namespace mdw {
 namespace {
@@ -27,15 +28,6 @@ DType to_dtype(c10::ScalarType t) {
                   " is not supported (float32, float16, bfloat16, float64)");
   }
   return DType::F32;  // not reached
-}
-
-// The layout the kernels compute in, and the output's. The two standard layouts are used as they
-// are; a tensor that is neither (a slice, a permutation) is copied once into its suggested layout.
-// Same rule as kernels/ops.py's fake implementation.
-c10::MemoryFormat layout_of(const at::Tensor& x) {
-  if (x.is_contiguous(c10::MemoryFormat::ChannelsLast) && !x.is_contiguous()) return c10::MemoryFormat::ChannelsLast;
-  if (x.is_contiguous()) return c10::MemoryFormat::Contiguous;
-  return x.suggest_memory_format();
 }
 
 // The Python twin is conv_out_size() in kernels/conv_arith.py.
@@ -94,10 +86,6 @@ ConvShape check_and_shape(const at::Tensor& x, const at::Tensor& w, at::IntArray
   s.DW = static_cast<int>(dilation[1]);
   s.channels_last = fmt == c10::MemoryFormat::ChannelsLast;
   return s;
-}
-
-at::Tensor in_layout(const at::Tensor& t, c10::MemoryFormat fmt) {
-  return t.is_contiguous(fmt) ? t : t.contiguous(fmt);
 }
 
 at::Tensor depthwise_fwd(const at::Tensor& x_in, const at::Tensor& w_in, const std::optional<at::Tensor>& bias,
