@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kernels.conv_arith import conv_out_size, to_pair
+from .registry import Registry
 
 Pair = tuple[int, int]
 
@@ -34,27 +35,19 @@ class DepthwiseBackend:
     conv2d: Callable[[Tensor, Tensor, Tensor | None, Pair, Pair, Pair], Tensor]
 
 
-_REGISTRY: dict[str, DepthwiseBackend] = {}
+_REGISTRY: Registry[DepthwiseBackend] = Registry("depthwise backend")
 
 
 def register_backend(backend: DepthwiseBackend) -> DepthwiseBackend:
-    if backend.name in _REGISTRY:
-        raise ValueError(f"depthwise backend {backend.name!r} is already registered")
-    _REGISTRY[backend.name] = backend
-    return backend
+    return _REGISTRY.register(backend.name, backend)
 
 
 def available_backends() -> list[str]:
-    return sorted(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def get_backend(name: str) -> DepthwiseBackend:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown depthwise backend {name!r}; choose one of: {', '.join(available_backends())}"
-        ) from None
+    return _REGISTRY.get(name)
 
 
 def _require_cuda(name: str, device: torch.device) -> None:

@@ -29,6 +29,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from .depthwise import DepthwiseConv2d, get_backend
 from .errors import ConfigError
+from .norm import applies_relu
 
 EPILOGUE_MODES = ("auto", "true", "false")
 
@@ -200,7 +201,7 @@ def _conv_bn_relu_triples(model: nn.Module) -> list[tuple[nn.Module, _BatchNorm,
         bn = leaves[i + 1] if i + 1 < len(leaves) else None
         if not isinstance(bn, _BatchNorm):
             raise ConfigError(f"fold_bn: the convolution at position {i} is not followed by a BatchNorm")
-        relu = bool(getattr(bn, "fused_relu", False))
+        relu = applies_relu(bn)
         i += 2
         if not relu and i < len(leaves) and isinstance(leaves[i], nn.ReLU):
             relu = True

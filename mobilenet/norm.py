@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .depthwise import BackendUnavailable
+from .registry import Registry
 
 __all__ = [
     "NormUnavailable", "NormImpl", "register_norm", "available_norms", "get_norm", "applies_relu",
@@ -51,25 +52,19 @@ class NormImpl:
     norm_relu: Callable[[int], nn.BatchNorm2d]
 
 
-_REGISTRY: dict[str, NormImpl] = {}
+_REGISTRY: Registry[NormImpl] = Registry("norm")
 
 
 def register_norm(impl: NormImpl) -> NormImpl:
-    if impl.name in _REGISTRY:
-        raise ValueError(f"norm {impl.name!r} is already registered")
-    _REGISTRY[impl.name] = impl
-    return impl
+    return _REGISTRY.register(impl.name, impl)
 
 
 def available_norms() -> list[str]:
-    return sorted(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def get_norm(name: str) -> NormImpl:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown norm {name!r}; choose one of: {', '.join(available_norms())}") from None
+    return _REGISTRY.get(name)
 
 
 def applies_relu(module: nn.Module) -> bool:
