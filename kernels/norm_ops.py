@@ -5,7 +5,7 @@ kernels.KernelUnavailable where the kernels cannot run.
   bn_relu_fwd(x, weight, bias, eps) -> (y, mean, invstd, var)
       y = relu((x - mean) * invstd * weight + bias) in x's dtype and layout; batch statistics per channel in fp32
       (var biased, invstd = 1 / sqrt(var + eps)). x fp32/fp16/bf16; weight and bias fp32.
-  bn_relu_bwd(grad_y, x, y, weight, mean, invstd) -> (grad_x, grad_weight, grad_bias)
+  bn_relu_bwd(grad_y, x, weight, bias, mean, invstd) -> (grad_x, grad_weight, grad_bias)
       the ReLU's backward folded in (grad_y where y > 0); grad_x in x's dtype and layout, the others fp32.
 """
 
@@ -18,10 +18,11 @@ from . import kernel_layout, load
 
 load()
 
-__all__ = ["batch_norm_relu_train"]
+__all__ = ["batch_norm_relu_train", "update_running_stats"]
 
 _fwd = torch.ops.mobilenet_bn.bn_relu_fwd.default
 _bwd = torch.ops.mobilenet_bn.bn_relu_bwd.default
+_update = torch.ops.mobilenet_bn.bn_update_running_stats.default
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -38,24 +39,30 @@ def _fwd_fake(x, weight, bias, eps):
 
 
 @torch.library.register_fake("mobilenet_bn::bn_relu_bwd")
-def _bwd_fake(grad_y, x, y, weight, mean, invstd):
+def _bwd_fake(grad_y, x, weight, bias, mean, invstd):
     c = x.shape[1]
     grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=_layout(x))
     return grad_x, x.new_empty(c, dtype=torch.float32), x.new_empty(c, dtype=torch.float32)
 
 
+@torch.library.register_fake("mobilenet_bn::bn_update_running_stats")
+def _update_fake(running_mean, running_var, num_batches_tracked, mean, var, momentum, count):
+    return None
+
+
 def _setup_context(ctx, inputs, output):
-    x, weight, _bias, _eps = inputs
-    y, mean, invstd, var = output
-    ctx.save_for_backward(x, y, weight, mean, invstd)
+    x, weight, bias, _eps = inputs
+    _y, mean, invstd, var = output
+    # Not y: the backward recomputes the ReLU mask from x (one tensor less to read, and to keep alive).
+    ctx.save_for_backward(x, weight, bias, mean, invstd)
     ctx.mark_non_differentiable(mean, invstd, var)
 
 
 def _backward(ctx, grad_y, _grad_mean, _grad_invstd, _grad_var):
-    x, y, weight, mean, invstd = ctx.saved_tensors
+    x, weight, bias, mean, invstd = ctx.saved_tensors
     if grad_y is None or not any(ctx.needs_input_grad[:3]):
         return None, None, None, None
-    grad_x, grad_weight, grad_bias = _bwd(grad_y.to(x.dtype), x, y, weight, mean, invstd)
+    grad_x, grad_weight, grad_bias = _bwd(grad_y.to(x.dtype), x, weight, bias, mean, invstd)
     return (grad_x if ctx.needs_input_grad[0] else None, grad_weight if ctx.needs_input_grad[1] else None,
             grad_bias if ctx.needs_input_grad[2] else None, None)
 
@@ -88,8 +95,8 @@ def _fwd_autocast_args(x, weight, bias, eps):
     return x, _f32(weight), _f32(bias), eps
 
 
-def _bwd_autocast_args(grad_y, x, y, weight, mean, invstd):
-    return grad_y.to(x.dtype), x, y, _f32(weight), _f32(mean), _f32(invstd)
+def _bwd_autocast_args(grad_y, x, weight, bias, mean, invstd):
+    return grad_y.to(x.dtype), x, _f32(weight), _f32(bias), _f32(mean), _f32(invstd)
 
 
 _lib = torch.library.Library("mobilenet_bn", "FRAGMENT")
@@ -123,3 +130,15 @@ def batch_norm_relu_train(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 
     Differentiable in x, weight and bias (weight and bias are used in fp32, cast if they are not)."""
     _check_supported(x, weight, bias)
     return _fwd(x, _f32(weight), _f32(bias), float(eps))
+
+
+def update_running_stats(running_mean: Tensor, running_var: Tensor, num_batches_tracked: Tensor, mean: Tensor,
+                         var: Tensor, momentum: float | None, count: int) -> None:
+    """nn.BatchNorm2d's running-statistics update, in place and in one kernel: num_batches_tracked += 1, then
+    running = (1 - f) * running + f * batch with the unbiased variance var * count / (count - 1), where f = momentum,
+    or 1 / num_batches_tracked for momentum=None. mean and var: this batch's mean and biased variance (fp32, as
+    batch_norm_relu_train returns them) over `count` values per channel."""
+    if count < 2:
+        raise ValueError(f"update_running_stats: the unbiased variance needs more than 1 value per channel, got {count}")
+    _update(running_mean, running_var, num_batches_tracked, mean, var, -1.0 if momentum is None else float(momentum),
+            int(count))

@@ -89,17 +89,6 @@ def _check_batch_size(x: Tensor) -> None:
         raise ValueError(f"Expected more than 1 value per channel when training, got input size {tuple(x.shape)}")
 
 
-def _exponential_average_factor(bn: nn.BatchNorm2d) -> float | Tensor:
-    """nn.BatchNorm2d's momentum for this training step, counting the step (num_batches_tracked += 1).
-
-    momentum=None (a cumulative average) gives 1 / num_batches_tracked as a tensor: nn.BatchNorm2d reads the count
-    back to the host for it, which a captured step cannot do."""
-    bn.num_batches_tracked.add_(1)
-    if bn.momentum is None:
-        return 1.0 / bn.num_batches_tracked.to(bn.running_mean.dtype)
-    return bn.momentum
-
-
 def _uses_batch_stats(bn: nn.BatchNorm2d) -> bool:
     return bn.training or bn.running_mean is None
 
@@ -134,8 +123,9 @@ class CustomBatchNormReLU(nn.BatchNorm2d):
     """BatchNorm + ReLU with the project's fused CUDA ops in training; running-statistics scale-shift + ReLU in eval.
 
     Training: one op computes the batch statistics (fp32) and y = relu(bn(x)) in x's dtype, another op the three
-    gradients with the ReLU's backward folded in. The running statistics are updated from the op's batch mean and
-    biased variance with nn.BatchNorm2d's arithmetic (momentum, unbiased variance, num_batches_tracked)."""
+    gradients with the ReLU's backward folded in. A third op updates the running statistics from the batch mean and
+    biased variance with nn.BatchNorm2d's arithmetic (momentum, unbiased variance, num_batches_tracked), on the GPU
+    and without reading anything back, so the step can be captured."""
 
     fused_relu = True
 
@@ -162,11 +152,10 @@ class CustomBatchNormReLU(nn.BatchNorm2d):
 
     @torch.no_grad()
     def _update_running_stats(self, mean: Tensor, var: Tensor, count: int) -> None:
-        factor = _exponential_average_factor(self)
-        unbiased = var * (count / (count - 1))
-        # running = momentum * batch + (1 - momentum) * running, the formula of PyTorch's batch-norm kernels.
-        self.running_mean.mul_(1 - factor).add_(mean * factor)
-        self.running_var.mul_(1 - factor).add_(unbiased * factor)
+        from kernels.norm_ops import update_running_stats
+
+        update_running_stats(self.running_mean, self.running_var, self.num_batches_tracked, mean, var, self.momentum,
+                             count)
 
 
 def _custom_check(device: torch.device) -> None:

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from mobilenet.bench.timing import device_copy_bandwidth, time_case  # noqa: E402
 from mobilenet.depthwise import get_backend  # noqa: E402
 from mobilenet.reporting import environment, gpu_slug  # noqa: E402
 
@@ -52,25 +53,6 @@ def conv_fn(backend: str):
     return get_backend(backend).conv2d
 
 
-def device_copy_bandwidth() -> float:
-    """Bytes/s of a large device-to-device copy, counting bytes read plus bytes written."""
-    n = 1 << 30
-    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    times = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    del src, dst
-    return 2 * n / statistics.median(times)
-
-
 def layer_bytes(n, c, h, stride, elem, mode):
     oh = (h + 2 - 3) // stride + 1
     x = n * c * h * h * elem
@@ -79,46 +61,6 @@ def layer_bytes(n, c, h, stride, elem, mode):
     fwd = x + y + w
     # backward: read grad_out and x, write grad_input (and the tiny weight gradient)
     return fwd if mode == "fwd" else fwd + y + x + x + w
-
-
-def time_case(step, n_sets: int, repeats: int) -> tuple[float, str]:
-    """Median ms of one step, from graph replays of n_sets steps (one per input set)."""
-    # Warm-up (JIT, cuDNN plans and autotuning, allocator) on the stream that then captures: autograd's
-    # AccumulateGrad nodes remember the stream they were made on, and a backward captured against nodes of the
-    # default stream fails.
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(max(3, n_sets)):
-            step(i % n_sets)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for i in range(n_sets):
-                step(i)
-        run, how = graph.replay, "graph"
-    except Exception as e:  # noqa: BLE001 - report and time eagerly instead
-        print(f"    graph capture failed ({type(e).__name__}: {str(e)[:100]}); timing eagerly", flush=True)
-        torch.cuda.synchronize()
-
-        def run():
-            for i in range(n_sets):
-                step(i)
-
-        how = "eager"
-    run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / n_sets)
-    return statistics.median(times), how
 
 
 def bench_layer(backends, dtype, fmt, n, c, h, stride, modes, repeats, check, warm=False):

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cstdint>
 #include <tuple>
+#include <utility>
 
 #include "batchnorm_relu.h"
 #include "op_layout.h"
@@ -92,7 +93,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_fwd(const at:
   at::Tensor y = at::empty(x.sizes(), x.options().memory_format(fmt));
   const auto stat = x.options().dtype(at::kFloat);
   at::Tensor mean = at::empty({s.C}, stat), invstd = at::empty({s.C}, stat), var = at::empty({s.C}, stat);
-  const BnPlan p = make_plan(s, dt, address(x) | address(y), num_sms());
+  const BnPlan p = make_plan(s, dt, address(x) | address(y), num_sms(), BnPass::kForward);
   at::Tensor workspace = at::empty({static_cast<int64_t>(workspace_floats(s, p))}, stat);
   launch_forward(s, p, dt, x.const_data_ptr(), w.const_data_ptr<float>(), b.const_data_ptr<float>(),
                  static_cast<float>(eps), y.mutable_data_ptr(), mean.mutable_data_ptr<float>(),
@@ -102,37 +103,62 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_fwd(const at:
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_relu_bwd(const at::Tensor& grad_y_in, const at::Tensor& x_in,
-                                                           const at::Tensor& y_in, const at::Tensor& weight,
+                                                           const at::Tensor& weight, const at::Tensor& bias,
                                                            const at::Tensor& mean, const at::Tensor& invstd) {
   check_input(x_in);
-  TORCH_CHECK(grad_y_in.sizes() == x_in.sizes() && y_in.sizes() == x_in.sizes(),
-              "batch_norm_relu backward: grad_y ", grad_y_in.sizes(), " and y ", y_in.sizes(),
+  TORCH_CHECK(grad_y_in.sizes() == x_in.sizes(), "batch_norm_relu backward: grad_y ", grad_y_in.sizes(),
               " must have the input's shape ", x_in.sizes());
-  TORCH_CHECK(grad_y_in.scalar_type() == x_in.scalar_type() && y_in.scalar_type() == x_in.scalar_type(),
-              "batch_norm_relu backward: grad_y (", grad_y_in.scalar_type(), ") and y (", y_in.scalar_type(),
-              ") must have the input's dtype ", x_in.scalar_type());
-  TORCH_CHECK(grad_y_in.device() == x_in.device() && y_in.device() == x_in.device(),
-              "batch_norm_relu backward: grad_y and y must be on the input's device ", x_in.device());
+  TORCH_CHECK(grad_y_in.scalar_type() == x_in.scalar_type(), "batch_norm_relu backward: grad_y (",
+              grad_y_in.scalar_type(), ") must have the input's dtype ", x_in.scalar_type());
+  TORCH_CHECK(grad_y_in.device() == x_in.device(), "batch_norm_relu backward: grad_y must be on the input's device ",
+              x_in.device());
   check_channel_vector(weight, x_in, "weight");
+  check_channel_vector(bias, x_in, "bias");
   check_channel_vector(mean, x_in, "mean");
   check_channel_vector(invstd, x_in, "invstd");
   c10::cuda::CUDAGuard guard(x_in.device());
   const c10::MemoryFormat fmt = layout_of(x_in);
-  const at::Tensor x = in_layout(x_in, fmt), y = in_layout(y_in, fmt), grad_y = in_layout(grad_y_in, fmt);
-  const at::Tensor w = weight.contiguous(), m = mean.contiguous(), is = invstd.contiguous();
+  const at::Tensor x = in_layout(x_in, fmt), grad_y = in_layout(grad_y_in, fmt);
+  const at::Tensor w = weight.contiguous(), b = bias.contiguous(), m = mean.contiguous(), is = invstd.contiguous();
   const BnShape s = shape_of(x, fmt);
   const DType dt = to_dtype(x.scalar_type());
   at::Tensor grad_x = at::empty(x.sizes(), x.options().memory_format(fmt));
   const auto stat = x.options().dtype(at::kFloat);
   at::Tensor grad_weight = at::empty({s.C}, stat), grad_bias = at::empty({s.C}, stat);
-  const BnPlan p = make_plan(s, dt, address(x) | address(y) | address(grad_y) | address(grad_x), num_sms());
+  const BnPlan p = make_plan(s, dt, address(x) | address(grad_y) | address(grad_x), num_sms(), BnPass::kBackward);
   at::Tensor workspace = at::empty({static_cast<int64_t>(workspace_floats(s, p))}, stat);
-  launch_backward(s, p, dt, grad_y.const_data_ptr(), x.const_data_ptr(), y.const_data_ptr(),
-                  w.const_data_ptr<float>(), m.const_data_ptr<float>(), is.const_data_ptr<float>(),
+  launch_backward(s, p, dt, grad_y.const_data_ptr(), x.const_data_ptr(), w.const_data_ptr<float>(),
+                  b.const_data_ptr<float>(), m.const_data_ptr<float>(), is.const_data_ptr<float>(),
                   grad_x.mutable_data_ptr(), grad_weight.mutable_data_ptr<float>(),
                   grad_bias.mutable_data_ptr<float>(), workspace.mutable_data_ptr<float>(),
                   c10::cuda::getCurrentCUDAStream());
   return {grad_x, grad_weight, grad_bias};
+}
+
+
+void bn_update_running_stats(at::Tensor& running_mean, at::Tensor& running_var, at::Tensor& num_batches_tracked,
+                             const at::Tensor& mean, const at::Tensor& var, double momentum, int64_t count) {
+  TORCH_CHECK(mean.is_cuda() && mean.dim() == 1, "batch_norm_relu running statistics: mean must be a 1-D CUDA tensor");
+  const std::pair<const at::Tensor*, const char*> vectors[] = {
+      {&running_mean, "running_mean"}, {&running_var, "running_var"}, {&mean, "mean"}, {&var, "var"}};
+  for (const auto& [t, name] : vectors) {
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == mean.size(0) && t->scalar_type() == at::kFloat &&
+                    t->device() == mean.device() && t->is_contiguous(),
+                "batch_norm_relu running statistics: ", name, " must be a contiguous float32 (", mean.size(0),
+                ",) tensor on ", mean.device(), ", got ", t->scalar_type(), " ", t->sizes(), " on ", t->device());
+  }
+  TORCH_CHECK(num_batches_tracked.numel() == 1 && num_batches_tracked.scalar_type() == at::kLong &&
+                  num_batches_tracked.device() == mean.device(),
+              "batch_norm_relu running statistics: num_batches_tracked must be one int64 on ", mean.device());
+  TORCH_CHECK(count > 1, "batch_norm_relu running statistics: the unbiased variance needs more than 1 value per "
+              "channel, got ", count);
+  TORCH_CHECK(momentum <= 1, "batch_norm_relu running statistics: momentum must be in [0, 1] (or negative for a "
+              "cumulative average), got ", momentum);
+  c10::cuda::CUDAGuard guard(mean.device());
+  launch_update_running_stats(static_cast<int>(mean.size(0)), mean.const_data_ptr<float>(), var.const_data_ptr<float>(),
+                              count, momentum, running_mean.mutable_data_ptr<float>(),
+                              running_var.mutable_data_ptr<float>(), num_batches_tracked.mutable_data_ptr<int64_t>(),
+                              c10::cuda::getCurrentCUDAStream());
 }
 
 }  // namespace
@@ -143,11 +169,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_relu_bwd(const at::Tensor& gra
 TORCH_LIBRARY(mobilenet_bn, m) {
   m.def("bn_relu_fwd(Tensor x, Tensor weight, Tensor bias, float eps) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
-      "bn_relu_bwd(Tensor grad_y, Tensor x, Tensor y, Tensor weight, Tensor mean, Tensor invstd) "
+      "bn_relu_bwd(Tensor grad_y, Tensor x, Tensor weight, Tensor bias, Tensor mean, Tensor invstd) "
       "-> (Tensor, Tensor, Tensor)");
+  // nn.BatchNorm2d's running-statistics update in one kernel (as torch ops it is eight small kernels per layer);
+  // momentum < 0 means nn.BatchNorm2d's momentum=None (a cumulative average).
+  m.def(
+      "bn_update_running_stats(Tensor(a!) running_mean, Tensor(b!) running_var, Tensor(c!) num_batches_tracked, "
+      "Tensor mean, Tensor var, float momentum, int count) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(mobilenet_bn, CUDA, m) {
   m.impl("bn_relu_fwd", &mbn::bn_relu_fwd);
   m.impl("bn_relu_bwd", &mbn::bn_relu_bwd);
+  m.impl("bn_update_running_stats", &mbn::bn_update_running_stats);
 }

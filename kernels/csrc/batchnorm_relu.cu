@@ -24,9 +24,6 @@ using mdw::widen;
 
 constexpr int kThreads = 256;
 constexpr int kMaxVec = 8;         // 16 bytes of 16-bit elements
-constexpr int kUnroll = 4;         // independent loads in flight per thread
-constexpr int kBlocksPerSm = 8;    // 8 x 256 threads: a full SM
-constexpr int kFinalizeWarps = 8;  // channels per finalize block (one warp each)
 
 inline int ceil_div(long long a, long long b) { return static_cast<int>((a + b - 1) / b); }
 
@@ -55,31 +52,49 @@ __device__ __forceinline__ float relu(float v) { return v < 0.f ? 0.f : v; }
 
 // --- per-element operations of the reduce passes: sums a (first) and b (second) per channel ----------------------
 
+// The forward's pre-activation (x - mean) * scale + bias with scale = weight * invstd, in correctly rounded
+// operations: the backward recomputes it to derive the ReLU mask from x, bit for bit the forward's. Centring first,
+// as nn.BatchNorm2d does: x * scale + (bias - mean * scale) cancels catastrophically in fp32 when |mean| >> std.
+__device__ __forceinline__ float bn_scale(float weight, float invstd) { return __fmul_rn(weight, invstd); }
+__device__ __forceinline__ float pre_activation(float x, float mean, float scale, float bias) {
+  return __fmaf_rn(__fsub_rn(x, mean), scale, bias);
+}
+
+// Whether y = relu(pre_activation), stored in TT, is > 0: the ReLU's backward mask, recomputed from x (the rounding
+// to TT is part of it: a positive value that underflows to zero let no gradient through in the forward's y).
+template <class TT>
+__device__ __forceinline__ bool relu_passes(float x, float mean, float scale, float bias) {
+  return TT::to_acc(TT::from_acc(pre_activation(x, mean, scale, bias))) > 0.f;
+}
+
 // Forward statistics: a += x - pivot, b += (x - pivot)^2.
 template <class TT>
 struct StatsOp {
   using S = typename TT::S;
+  static constexpr int K = 1;          // per-channel constants: the pivot
+  static constexpr int kUnroll = 8;     // one tensor read: more loads in flight per thread
+  static constexpr int kMinBlocks = 3;  // blocks per SM the registers must allow (the plan fills one wave of them)
   const S* x;
   int pivot_stride;  // elements between channel c's first element and channel c + 1's (1 NHWC, HW NCHW)
   template <int V>
   struct Loaded {
     Pack<S, V> x;
   };
-  __device__ __forceinline__ float channel_constant(int c) const {
-    return TT::to_acc(x[static_cast<size_t>(c) * pivot_stride]);
+  __device__ __forceinline__ void channel_constants(int c, float (&k)[K]) const {
+    k[0] = TT::to_acc(x[static_cast<size_t>(c) * pivot_stride]);
   }
   template <int V>
   __device__ __forceinline__ void load(size_t off, Loaded<V>& l) const {
     l.x = load_pack<TT, V>(x + off);
   }
   template <int V>
-  __device__ __forceinline__ void accumulate(const Loaded<V>& l, const float (&k)[V], float (&a)[V],
+  __device__ __forceinline__ void accumulate(const Loaded<V>& l, const float (&k)[K][V], float (&a)[V],
                                              float (&b)[V]) const {
     float xv[V];
     widen<TT, V>(l.x, xv);
 #pragma unroll
     for (int i = 0; i < V; ++i) {
-      const float d = xv[i] - k[i];
+      const float d = xv[i] - k[0][i];
       a[i] += d;
       b[i] = fmaf(d, d, b[i]);
     }
@@ -87,54 +102,68 @@ struct StatsOp {
 };
 
 // Backward sums with the ReLU's backward folded in: g = grad_y where y > 0 else 0; a += g, b += g * (x - mean).
+// The mask comes from x (relu_passes), so y is not read: two tensors instead of three.
 template <class TT>
 struct GradSumsOp {
   using S = typename TT::S;
+  static constexpr int K = 3;  // mean, and the forward's scale and bias (for the mask)
+  static constexpr int kUnroll = 4;
+  static constexpr int kMinBlocks = 2;
   const S* grad_y;
   const S* x;
-  const S* y;
   const float* mean;
+  const float* weight;
+  const float* bias;
+  const float* invstd;
   template <int V>
   struct Loaded {
-    Pack<S, V> g, x, y;
+    Pack<S, V> g, x;
   };
-  __device__ __forceinline__ float channel_constant(int c) const { return mean[c]; }
+  __device__ __forceinline__ void channel_constants(int c, float (&k)[K]) const {
+    k[0] = mean[c];
+    k[1] = bn_scale(weight[c], invstd[c]);
+    k[2] = bias[c];
+  }
   template <int V>
   __device__ __forceinline__ void load(size_t off, Loaded<V>& l) const {
     l.g = load_pack<TT, V>(grad_y + off);
     l.x = load_pack<TT, V>(x + off);
-    l.y = load_pack<TT, V>(y + off);
   }
   template <int V>
-  __device__ __forceinline__ void accumulate(const Loaded<V>& l, const float (&k)[V], float (&a)[V],
+  __device__ __forceinline__ void accumulate(const Loaded<V>& l, const float (&k)[K][V], float (&a)[V],
                                              float (&b)[V]) const {
-    float gv[V], xv[V], yv[V];
+    float gv[V], xv[V];
     widen<TT, V>(l.g, gv);
     widen<TT, V>(l.x, xv);
-    widen<TT, V>(l.y, yv);
 #pragma unroll
     for (int i = 0; i < V; ++i) {
-      const float g = yv[i] > 0.f ? gv[i] : 0.f;
+      const float g = relu_passes<TT>(xv[i], k[0][i], k[1][i], k[2][i]) ? gv[i] : 0.f;
       a[i] += g;
-      b[i] = fmaf(g, xv[i] - k[i], b[i]);
+      b[i] = fmaf(g, xv[i] - k[0][i], b[i]);
     }
   }
 };
 
 // --- per-element operations of the apply passes, with K per-channel constants ------------------------------------
 
-// y = relu(x * scale + shift).
+// y = relu((x - mean) * scale + bias).
 template <class TT>
 struct NormalizeOp {
   using S = typename TT::S;
-  static constexpr int K = 2;
+  static constexpr int K = 3;
+  static constexpr int kUnroll = 4;
+  static constexpr int kMinBlocks = 4;
   const S* x;
   S* y;
-  const float* consts[K];  // scale, shift
+  const float* consts[K];  // mean, scale, bias
   template <int V>
   struct Loaded {
     Pack<S, V> x;
   };
+  __device__ __forceinline__ void channel_constants(int c, float (&k)[K]) const {
+#pragma unroll
+    for (int j = 0; j < K; ++j) k[j] = consts[j][c];
+  }
   template <int V>
   __device__ __forceinline__ void load(size_t off, Loaded<V>& l) const {
     l.x = load_pack<TT, V>(x + off);
@@ -144,45 +173,79 @@ struct NormalizeOp {
     float v[V];
     widen<TT, V>(l.x, v);
 #pragma unroll
-    for (int i = 0; i < V; ++i) v[i] = relu(fmaf(v[i], k[0][i], k[1][i]));
+    for (int i = 0; i < V; ++i) v[i] = relu(pre_activation(v[i], k[0][i], k[1][i], k[2][i]));
     store_vec<TT, V>(y + off, v);
   }
 };
 
-// grad_x = c_g * g + c_x * (x - mean) + c_0, with g = grad_y where y > 0 else 0 (finalize_backward's coefficients).
+// grad_x = c_g * g + c_x * (x - mean) + c_0, with g = grad_y where y > 0 else 0 (finalize_backward's coefficients;
+// the mask from x, as in GradSumsOp).
 template <class TT>
 struct InputGradOp {
   using S = typename TT::S;
-  static constexpr int K = 4;
+  static constexpr int K = 6;
+  static constexpr int kUnroll = 4;
+  static constexpr int kMinBlocks = 2;  // six constants for each of a thread's V channels: a register-heavy pass
   const S* grad_y;
   const S* x;
-  const S* y;
   S* grad_x;
-  const float* consts[K];  // mean, c_g, c_x, c_0
+  const float* consts[K];  // mean, c_g, c_x, c_0, scale, bias
   template <int V>
   struct Loaded {
-    Pack<S, V> g, x, y;
+    Pack<S, V> g, x;
   };
+  __device__ __forceinline__ void channel_constants(int c, float (&k)[K]) const {
+#pragma unroll
+    for (int j = 0; j < K; ++j) k[j] = consts[j][c];
+  }
   template <int V>
   __device__ __forceinline__ void load(size_t off, Loaded<V>& l) const {
     l.g = load_pack<TT, V>(grad_y + off);
     l.x = load_pack<TT, V>(x + off);
-    l.y = load_pack<TT, V>(y + off);
   }
   template <int V>
   __device__ __forceinline__ void apply(size_t off, const Loaded<V>& l, const float (&k)[K][V]) const {
-    float gv[V], xv[V], yv[V], out[V];
+    float gv[V], xv[V], out[V];
     widen<TT, V>(l.g, gv);
     widen<TT, V>(l.x, xv);
-    widen<TT, V>(l.y, yv);
 #pragma unroll
     for (int i = 0; i < V; ++i) {
-      const float g = yv[i] > 0.f ? gv[i] : 0.f;
+      const float g = relu_passes<TT>(xv[i], k[0][i], k[4][i], k[5][i]) ? gv[i] : 0.f;
       out[i] = fmaf(k[1][i], g, fmaf(k[2][i], xv[i] - k[0][i], k[3][i]));
     }
     store_vec<TT, V>(grad_x + off, out);
   }
 };
+
+// --- the streaming loop shared by every kernel ---------------------------------------------------------------
+
+// Visits i = first, first + step, ... < end, loading U of them before using any, so U loads are in flight per
+// thread. The last round is predicated rather than finished one index at a time: a chunk's rest would otherwise
+// cost one memory latency per index, which dominates the small layers (14x14, 7x7).
+template <int U, class Loaded, class Load, class Use>
+__device__ __forceinline__ void stream(int first, int end, int step, Load load, Use use) {
+  for (int i = first; i < end; i += U * step) {
+    Loaded l[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (i + u * step < end) load(i + u * step, l[u]);
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (i + u * step < end) use(i + u * step, l[u]);
+  }
+}
+
+// Per-channel constants of channels c0 .. c0 + V - 1, as k[constant][channel].
+template <int V, class Op>
+__device__ __forceinline__ void load_constants(const Op& op, int c0, int stride, float (&k)[Op::K][V]) {
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    float ki[Op::K];
+    op.channel_constants(c0 + i * stride, ki);
+#pragma unroll
+    for (int j = 0; j < Op::K; ++j) k[j][i] = ki[j];
+  }
+}
 
 // --- NHWC kernels -------------------------------------------------------------------------------------------------
 
@@ -198,32 +261,22 @@ __device__ __forceinline__ RowRange chunk_range(int total, int per_chunk) {
 }
 
 template <int V, class Op>
-__global__ void __launch_bounds__(kThreads) reduce_nhwc(Op op, int M, int C, int rows_per_chunk, float* partial) {
+__global__ void __launch_bounds__(kThreads, Op::kMinBlocks)
+    reduce_nhwc(Op op, int M, int C, int rows_per_chunk, float* partial) {
   __shared__ float sums[2][kThreads * kMaxVec];
+  using Loaded = typename Op::template Loaded<V>;
   const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * V;
   const bool active = c0 < C;
-  float k[V], a[V], b[V];
+  float k[Op::K][V], a[V], b[V];
 #pragma unroll
-  for (int i = 0; i < V; ++i) {
-    k[i] = active ? op.channel_constant(c0 + i) : 0.f;
-    a[i] = b[i] = 0.f;
-  }
+  for (int i = 0; i < V; ++i) a[i] = b[i] = 0.f;
   if (active) {
+    load_constants<V>(op, c0, 1, k);
     const RowRange rr = chunk_range(M, rows_per_chunk);
-    const int step = blockDim.y;
-    int r = rr.begin + threadIdx.y;
-    for (; r + (kUnroll - 1) * step < rr.end; r += kUnroll * step) {
-      typename Op::template Loaded<V> l[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) op.load(static_cast<size_t>(r + u * step) * C + c0, l[u]);
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) op.accumulate(l[u], k, a, b);
-    }
-    for (; r < rr.end; r += step) {
-      typename Op::template Loaded<V> l;
-      op.load(static_cast<size_t>(r) * C + c0, l);
-      op.accumulate(l, k, a, b);
-    }
+    stream<Op::kUnroll, Loaded>(
+        rr.begin + threadIdx.y, rr.end, blockDim.y,
+        [&](int r, Loaded& l) { op.load(static_cast<size_t>(r) * C + c0, l); },
+        [&](int, const Loaded& l) { op.accumulate(l, k, a, b); });
   }
   // Fixed-order tree over the block's rows: row i accumulates row i + s for s = 2^k, ..., 1.
   const int width = blockDim.x * V, col = threadIdx.x * V;
@@ -256,29 +309,17 @@ __global__ void __launch_bounds__(kThreads) reduce_nhwc(Op op, int M, int C, int
 }
 
 template <int V, class Op>
-__global__ void __launch_bounds__(kThreads) apply_nhwc(Op op, int M, int C, int rows_per_chunk) {
+__global__ void __launch_bounds__(kThreads, Op::kMinBlocks) apply_nhwc(Op op, int M, int C, int rows_per_chunk) {
+  using Loaded = typename Op::template Loaded<V>;
   const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * V;
   if (c0 >= C) return;
   float k[Op::K][V];
-#pragma unroll
-  for (int j = 0; j < Op::K; ++j)
-#pragma unroll
-    for (int i = 0; i < V; ++i) k[j][i] = op.consts[j][c0 + i];
+  load_constants<V>(op, c0, 1, k);
   const RowRange rr = chunk_range(M, rows_per_chunk);
-  const int step = blockDim.y;
-  int r = rr.begin + threadIdx.y;
-  for (; r + (kUnroll - 1) * step < rr.end; r += kUnroll * step) {
-    typename Op::template Loaded<V> l[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) op.load(static_cast<size_t>(r + u * step) * C + c0, l[u]);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) op.apply(static_cast<size_t>(r + u * step) * C + c0, l[u], k);
-  }
-  for (; r < rr.end; r += step) {
-    typename Op::template Loaded<V> l;
-    op.load(static_cast<size_t>(r) * C + c0, l);
-    op.apply(static_cast<size_t>(r) * C + c0, l, k);
-  }
+  stream<Op::kUnroll, Loaded>(
+      rr.begin + threadIdx.y, rr.end, blockDim.y,
+      [&](int r, Loaded& l) { op.load(static_cast<size_t>(r) * C + c0, l); },
+      [&](int r, const Loaded& l) { op.apply(static_cast<size_t>(r) * C + c0, l, k); });
 }
 
 // --- NCHW kernels -------------------------------------------------------------------------------------------------
@@ -315,31 +356,19 @@ __device__ __forceinline__ void block_sum2(float& a, float& b) {
 }
 
 template <int V, class Op>
-__global__ void __launch_bounds__(kThreads) reduce_nchw(Op op, int C, int plane_vecs, FastDiv div, int units,
-                                                        int units_per_chunk, float* partial) {
+__global__ void __launch_bounds__(kThreads, Op::kMinBlocks)
+    reduce_nchw(Op op, int C, int plane_vecs, FastDiv div, int units, int units_per_chunk, float* partial) {
+  using Loaded = typename Op::template Loaded<V>;
   const int c = blockIdx.x;
-  const float kc = op.channel_constant(c);
-  float k[V], a[V], b[V];
+  float k[Op::K][V], a[V], b[V];
+  load_constants<V>(op, c, 0, k);  // one channel: the same constants for every element of a vector
 #pragma unroll
-  for (int i = 0; i < V; ++i) {
-    k[i] = kc;
-    a[i] = b[i] = 0.f;
-  }
+  for (int i = 0; i < V; ++i) a[i] = b[i] = 0.f;
   const RowRange ur = chunk_range(units, units_per_chunk);
-  const int step = blockDim.x;
-  int u = ur.begin + threadIdx.x;
-  for (; u + (kUnroll - 1) * step < ur.end; u += kUnroll * step) {
-    typename Op::template Loaded<V> l[kUnroll];
-#pragma unroll
-    for (int j = 0; j < kUnroll; ++j) op.load(nchw_offset<V>(u + j * step, c, C, plane_vecs, div), l[j]);
-#pragma unroll
-    for (int j = 0; j < kUnroll; ++j) op.accumulate(l[j], k, a, b);
-  }
-  for (; u < ur.end; u += step) {
-    typename Op::template Loaded<V> l;
-    op.load(nchw_offset<V>(u, c, C, plane_vecs, div), l);
-    op.accumulate(l, k, a, b);
-  }
+  stream<Op::kUnroll, Loaded>(
+      ur.begin + threadIdx.x, ur.end, blockDim.x,
+      [&](int u, Loaded& l) { op.load(nchw_offset<V>(u, c, C, plane_vecs, div), l); },
+      [&](int, const Loaded& l) { op.accumulate(l, k, a, b); });
   float sa = 0.f, sb = 0.f;
 #pragma unroll
   for (int i = 0; i < V; ++i) {
@@ -355,43 +384,29 @@ __global__ void __launch_bounds__(kThreads) reduce_nchw(Op op, int C, int plane_
 }
 
 template <int V, class Op>
-__global__ void __launch_bounds__(kThreads) apply_nchw(Op op, int C, int plane_vecs, FastDiv div, int units,
-                                                       int units_per_chunk) {
+__global__ void __launch_bounds__(kThreads, Op::kMinBlocks)
+    apply_nchw(Op op, int C, int plane_vecs, FastDiv div, int units, int units_per_chunk) {
+  using Loaded = typename Op::template Loaded<V>;
   const int c = blockIdx.x;
   float k[Op::K][V];
-#pragma unroll
-  for (int j = 0; j < Op::K; ++j) {
-    const float v = op.consts[j][c];
-#pragma unroll
-    for (int i = 0; i < V; ++i) k[j][i] = v;
-  }
+  load_constants<V>(op, c, 0, k);
   const RowRange ur = chunk_range(units, units_per_chunk);
-  const int step = blockDim.x;
-  int u = ur.begin + threadIdx.x;
-  for (; u + (kUnroll - 1) * step < ur.end; u += kUnroll * step) {
-    typename Op::template Loaded<V> l[kUnroll];
-    size_t off[kUnroll];
-#pragma unroll
-    for (int j = 0; j < kUnroll; ++j) {
-      off[j] = nchw_offset<V>(u + j * step, c, C, plane_vecs, div);
-      op.load(off[j], l[j]);
-    }
-#pragma unroll
-    for (int j = 0; j < kUnroll; ++j) op.apply(off[j], l[j], k);
-  }
-  for (; u < ur.end; u += step) {
-    typename Op::template Loaded<V> l;
-    const size_t off = nchw_offset<V>(u, c, C, plane_vecs, div);
-    op.load(off, l);
-    op.apply(off, l, k);
-  }
+  stream<Op::kUnroll, Loaded>(
+      ur.begin + threadIdx.x, ur.end, blockDim.x,
+      [&](int u, Loaded& l) { op.load(nchw_offset<V>(u, c, C, plane_vecs, div), l); },
+      [&](int u, const Loaded& l) { op.apply(nchw_offset<V>(u, c, C, plane_vecs, div), l, k); });
 }
 
-// --- finalize: one warp per channel sums the chunks in fp64, in a fixed order ------------------------------------
+// --- finalize: per channel, the chunks' partial sums added in fp64, in a fixed order --------------------------------
+
+constexpr int kFinalizeWarps = 8;  // channels per finalize block, one warp each
 
 struct ChannelSums {
   double a, b;
 };
+
+// Channel c's sums over all chunks: the warp's lanes stride over the chunks, then a butterfly; the order of the
+// additions is fixed by (chunks, C) alone. Valid in every lane.
 __device__ __forceinline__ ChannelSums sum_chunks(const float* partial, int chunks, int C, int c) {
   const int lane = threadIdx.x % 32;
   double a = 0.0, b = 0.0;
@@ -409,33 +424,32 @@ __device__ __forceinline__ ChannelSums sum_chunks(const float* partial, int chun
 
 __device__ __forceinline__ int finalize_channel() { return blockIdx.x * kFinalizeWarps + threadIdx.x / 32; }
 
-// Batch statistics from the pivot-shifted sums, and the forward's scale and shift.
+// Batch statistics from the pivot-shifted sums, and the forward's scale (weight * invstd).
 template <class TT>
 __global__ void __launch_bounds__(kFinalizeWarps * 32)
     finalize_stats(const float* partial, int chunks, int C, double count, const typename TT::S* x, int pivot_stride,
-                   const float* weight, const float* bias, float eps, float* mean, float* invstd, float* var,
-                   float* scale, float* shift) {
+                   const float* weight, float eps, float* mean, float* invstd, float* var, float* scale) {
   const int c = finalize_channel();
-  if (c >= C) return;  // a whole warp: the shuffles below see full warps only
+  if (c >= C) return;  // a whole warp: the shuffles in sum_chunks see full warps only
   const ChannelSums s = sum_chunks(partial, chunks, C, c);
   if (threadIdx.x % 32 != 0) return;
   const double shifted_mean = s.a / count;
   const double v = fmax(s.b / count - shifted_mean * shifted_mean, 0.0);
   const double m = static_cast<double>(TT::to_acc(x[static_cast<size_t>(c) * pivot_stride])) + shifted_mean;
   const double is = 1.0 / sqrt(v + static_cast<double>(eps));
-  const double sc = static_cast<double>(weight[c]) * is;
-  mean[c] = static_cast<float>(m);
-  invstd[c] = static_cast<float>(is);
+  const float mf = static_cast<float>(m), isf = static_cast<float>(is);
+  mean[c] = mf;
+  invstd[c] = isf;
   var[c] = static_cast<float>(v);
-  scale[c] = static_cast<float>(sc);
-  shift[c] = static_cast<float>(static_cast<double>(bias[c]) - m * sc);
+  scale[c] = bn_scale(weight[c], isf);
 }
 
 // grad_bias = sum(g), grad_weight = sum(g * xhat), and the input gradient's coefficients:
-// grad_x = w * invstd * (g - mean(g) - xhat * mean(g * xhat)) = c_g * g + c_x * (x - mean) + c_0.
+// grad_x = w * invstd * (g - mean(g) - xhat * mean(g * xhat)) = c_g * g + c_x * (x - mean) + c_0; and the forward's
+// scale again, for the input gradient's ReLU mask.
 __global__ void __launch_bounds__(kFinalizeWarps * 32)
     finalize_backward(const float* partial, int chunks, int C, double count, const float* weight, const float* invstd,
-                      float* grad_weight, float* grad_bias, float* c_g, float* c_x, float* c_0) {
+                      float* grad_weight, float* grad_bias, float* c_g, float* c_x, float* c_0, float* scale) {
   const int c = finalize_channel();
   if (c >= C) return;
   const ChannelSums s = sum_chunks(partial, chunks, C, c);
@@ -447,47 +461,71 @@ __global__ void __launch_bounds__(kFinalizeWarps * 32)
   c_g[c] = static_cast<float>(w * is);
   c_x[c] = static_cast<float>(-w * is * is * (gw / count));
   c_0[c] = static_cast<float>(-w * is * (s.a / count));
+  scale[c] = bn_scale(weight[c], invstd[c]);
+}
+
+// running = (1 - f) * running + f * batch, with the unbiased variance, in the operations and roundings of
+// nn.BatchNorm2d's update written as torch ops (mul_, add_), so the two agree bit for bit. One block: every thread
+// reads the old batch count before thread 0 increments it (the cumulative average's f = 1 / count needs the new one).
+__global__ void __launch_bounds__(256)
+    update_running_stats(int C, const float* mean, const float* var, float unbias, float momentum, float keep,
+                         float* running_mean, float* running_var, int64_t* num_batches_tracked) {
+  const int64_t batches = *num_batches_tracked + 1;
+  __syncthreads();
+  if (threadIdx.x == 0) *num_batches_tracked = batches;
+  const bool cumulative = momentum < 0.f;
+  const float f = cumulative ? __fdiv_rn(1.f, static_cast<float>(batches)) : momentum;
+  if (cumulative) keep = __fsub_rn(1.f, f);
+  for (int c = threadIdx.x; c < C; c += blockDim.x) {
+    running_mean[c] = __fadd_rn(__fmul_rn(running_mean[c], keep), __fmul_rn(mean[c], f));
+    running_var[c] = __fadd_rn(__fmul_rn(running_var[c], keep), __fmul_rn(__fmul_rn(var[c], unbias), f));
+  }
 }
 
 // --- host side ----------------------------------------------------------------------------------------------------
 
+constexpr int kWorkspaceConstants = 4;  // per-channel constants of the passes, [C] each
+
 struct Workspace {
   float* partial;  // [chunks][2][C]
-  float* k0;       // per-channel constants of the apply pass, [C] each
-  float* k1;
-  float* k2;
+  float* k[kWorkspaceConstants];
 };
+
 Workspace split_workspace(float* ws, const BnShape& s, const BnPlan& p) {
-  const size_t part = static_cast<size_t>(p.chunks) * 2 * s.C;
-  return {ws, ws + part, ws + part + s.C, ws + part + 2 * static_cast<size_t>(s.C)};
+  Workspace w{};
+  w.partial = ws;
+  float* next = ws + static_cast<size_t>(p.reduce.chunks) * 2 * s.C;
+  for (int j = 0; j < kWorkspaceConstants; ++j, next += s.C) w.k[j] = next;
+  return w;
 }
 
 template <int V, class Op>
 void launch_reduce(const BnShape& s, const BnPlan& p, const Op& op, float* partial, cudaStream_t stream) {
-  const dim3 grid(p.groups, p.chunks);
+  const dim3 grid(p.groups, p.reduce.chunks);
   if (s.nhwc) {
-    reduce_nhwc<V, Op><<<grid, dim3(p.lanes, p.rows), 0, stream>>>(op, s.N * s.HW, s.C, p.per_chunk, partial);
+    reduce_nhwc<V, Op><<<grid, dim3(p.lanes, p.rows), 0, stream>>>(op, s.N * s.HW, s.C, p.reduce.per_chunk, partial);
   } else {
     const int plane_vecs = s.HW / V;
     reduce_nchw<V, Op><<<grid, p.lanes, 0, stream>>>(op, s.C, plane_vecs, make_fast_div(plane_vecs),
-                                                     s.N * plane_vecs, p.per_chunk, partial);
+                                                     s.N * plane_vecs, p.reduce.per_chunk, partial);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <int V, class Op>
 void launch_apply(const BnShape& s, const BnPlan& p, const Op& op, cudaStream_t stream) {
-  const dim3 grid(p.groups, p.chunks);
+  const dim3 grid(p.groups, p.apply.chunks);
   if (s.nhwc) {
-    apply_nhwc<V, Op><<<grid, dim3(p.lanes, p.rows), 0, stream>>>(op, s.N * s.HW, s.C, p.per_chunk);
+    apply_nhwc<V, Op><<<grid, dim3(p.lanes, p.rows), 0, stream>>>(op, s.N * s.HW, s.C, p.apply.per_chunk);
   } else {
     const int plane_vecs = s.HW / V;
     apply_nchw<V, Op><<<grid, p.lanes, 0, stream>>>(op, s.C, plane_vecs, make_fast_div(plane_vecs), s.N * plane_vecs,
-                                                    p.per_chunk);
+                                                    p.apply.per_chunk);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+constexpr int kFinalizeBlock = kFinalizeWarps * 32;
 int finalize_blocks(int C) { return ceil_div(C, kFinalizeWarps); }
 
 template <class TT, int V>
@@ -499,28 +537,28 @@ void forward_typed(const BnShape& s, const BnPlan& p, const void* x_, const floa
   const Workspace ws = split_workspace(workspace, s, p);
   const int pivot_stride = s.nhwc ? 1 : s.HW;
   launch_reduce<V>(s, p, StatsOp<TT>{x, pivot_stride}, ws.partial, stream);
-  finalize_stats<TT><<<finalize_blocks(s.C), kFinalizeWarps * 32, 0, stream>>>(
-      ws.partial, p.chunks, s.C, static_cast<double>(s.N) * s.HW, x, pivot_stride, weight, bias, eps, mean, invstd,
-      var, ws.k0, ws.k1);
+  finalize_stats<TT><<<finalize_blocks(s.C), kFinalizeBlock, 0, stream>>>(
+      ws.partial, p.reduce.chunks, s.C, static_cast<double>(s.N) * s.HW, x, pivot_stride, weight, eps, mean, invstd,
+      var, ws.k[0]);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  launch_apply<V>(s, p, NormalizeOp<TT>{x, static_cast<S*>(y_), {ws.k0, ws.k1}}, stream);
+  launch_apply<V>(s, p, NormalizeOp<TT>{x, static_cast<S*>(y_), {mean, ws.k[0], bias}}, stream);
 }
 
 template <class TT, int V>
-void backward_typed(const BnShape& s, const BnPlan& p, const void* grad_y_, const void* x_, const void* y_,
-                    const float* weight, const float* mean, const float* invstd, void* grad_x, float* grad_weight,
+void backward_typed(const BnShape& s, const BnPlan& p, const void* grad_y_, const void* x_, const float* weight,
+                    const float* bias, const float* mean, const float* invstd, void* grad_x, float* grad_weight,
                     float* grad_bias, float* workspace, cudaStream_t stream) {
   using S = typename TT::S;
   const S* grad_y = static_cast<const S*>(grad_y_);
   const S* x = static_cast<const S*>(x_);
-  const S* y = static_cast<const S*>(y_);
   const Workspace ws = split_workspace(workspace, s, p);
-  launch_reduce<V>(s, p, GradSumsOp<TT>{grad_y, x, y, mean}, ws.partial, stream);
-  finalize_backward<<<finalize_blocks(s.C), kFinalizeWarps * 32, 0, stream>>>(
-      ws.partial, p.chunks, s.C, static_cast<double>(s.N) * s.HW, weight, invstd, grad_weight, grad_bias, ws.k0,
-      ws.k1, ws.k2);
+  launch_reduce<V>(s, p, GradSumsOp<TT>{grad_y, x, mean, weight, bias, invstd}, ws.partial, stream);
+  finalize_backward<<<finalize_blocks(s.C), kFinalizeBlock, 0, stream>>>(
+      ws.partial, p.reduce.chunks, s.C, static_cast<double>(s.N) * s.HW, weight, invstd, grad_weight, grad_bias, ws.k[0],
+      ws.k[1], ws.k[2], ws.k[3]);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  launch_apply<V>(s, p, InputGradOp<TT>{grad_y, x, y, static_cast<S*>(grad_x), {mean, ws.k0, ws.k1, ws.k2}}, stream);
+  const InputGradOp<TT> op{grad_y, x, static_cast<S*>(grad_x), {mean, ws.k[0], ws.k[1], ws.k[2], ws.k[3], bias}};
+  launch_apply<V>(s, p, op, stream);
 }
 
 // The typed launchers as class templates, so that one dispatch serves both directions.
@@ -559,42 +597,60 @@ void dispatch(DType dt, int vec, A... a) {
 
 }  // namespace
 
-BnPlan make_plan(const BnShape& s, DType dt, uintptr_t address_bits, int num_sms) {
+namespace {
+
+// Chunks of a pass: as many blocks as fill one wave (every SM holding `blocks_per_sm` of them), each with at least
+// `min_per_chunk` rows or units; a second, partial wave would leave most SMs idle at the end of the pass.
+Chunking make_chunking(long long work, int groups, int num_sms, int blocks_per_sm, int min_per_chunk) {
+  int chunks = ceil_div(static_cast<long long>(num_sms) * blocks_per_sm, groups);
+  const int max_chunks = ceil_div(work, min_per_chunk);
+  if (chunks > max_chunks) chunks = max_chunks;
+  if (chunks > 65535) chunks = 65535;
+  if (chunks < 1) chunks = 1;
+  Chunking c;
+  c.per_chunk = ceil_div(work, chunks);
+  c.chunks = ceil_div(work, c.per_chunk);
+  return c;
+}
+
+}  // namespace
+
+BnPlan make_plan(const BnShape& s, DType dt, uintptr_t address_bits, int num_sms, BnPass pass) {
   const int elem = dt == DType::F32 ? 4 : 2;
   const int extent = s.nhwc ? s.C : s.HW;  // the contiguous run that vectors must tile
   int vec = 16 / elem;
   while (vec > 1 && (extent % vec != 0 || address_bits % (static_cast<uintptr_t>(vec) * elem) != 0)) vec /= 2;
   BnPlan p{};
   p.vec = vec;
-  const int target_blocks = num_sms * kBlocksPerSm;
-  long long work;  // rows (NHWC) or units (NCHW) per channel group, and the most chunks worth having
-  int min_per_chunk;
+  long long work;  // rows (NHWC) or units (NCHW) per channel group
+  int per_round;   // rows or units a block covers per loop round
   if (s.nhwc) {
     const int channel_vecs = s.C / vec;
     p.groups = ceil_div(channel_vecs, 32);
     p.lanes = ceil_div(channel_vecs, p.groups);  // balanced groups: no group of mostly idle lanes
     p.rows = kThreads / p.lanes;
     work = static_cast<long long>(s.N) * s.HW;
-    min_per_chunk = p.rows * kUnroll;
+    per_round = p.rows;
   } else {
     p.groups = s.C;
     p.lanes = kThreads;
     p.rows = 1;
     work = static_cast<long long>(s.N) * (s.HW / vec);
-    min_per_chunk = kThreads * kUnroll;
+    per_round = kThreads;
   }
-  int chunks = ceil_div(target_blocks, p.groups);
-  const int max_chunks = ceil_div(work, min_per_chunk);
-  if (chunks > max_chunks) chunks = max_chunks;
-  if (chunks > 65535) chunks = 65535;
-  if (chunks < 1) chunks = 1;
-  p.per_chunk = ceil_div(work, chunks);
-  p.chunks = ceil_div(work, p.per_chunk);
+  // The passes' occupancy and unrolling; the ops' constants do not depend on the element type.
+  const bool fwd = pass == BnPass::kForward;
+  const int reduce_blocks = fwd ? StatsOp<F16T>::kMinBlocks : GradSumsOp<F16T>::kMinBlocks;
+  const int reduce_unroll = fwd ? StatsOp<F16T>::kUnroll : GradSumsOp<F16T>::kUnroll;
+  const int apply_blocks = fwd ? NormalizeOp<F16T>::kMinBlocks : InputGradOp<F16T>::kMinBlocks;
+  const int apply_unroll = fwd ? NormalizeOp<F16T>::kUnroll : InputGradOp<F16T>::kUnroll;
+  p.reduce = make_chunking(work, p.groups, num_sms, reduce_blocks, per_round * reduce_unroll);
+  p.apply = make_chunking(work, p.groups, num_sms, apply_blocks, per_round * apply_unroll);
   return p;
 }
 
 size_t workspace_floats(const BnShape& s, const BnPlan& p) {
-  return (static_cast<size_t>(p.chunks) * 2 + 3) * s.C;
+  return (static_cast<size_t>(p.reduce.chunks) * 2 + kWorkspaceConstants) * s.C;
 }
 
 void launch_forward(const BnShape& s, const BnPlan& p, DType dt, const void* x, const float* weight, const float* bias,
@@ -603,11 +659,22 @@ void launch_forward(const BnShape& s, const BnPlan& p, DType dt, const void* x, 
   dispatch<ForwardLaunch>(dt, p.vec, s, p, x, weight, bias, eps, y, mean, invstd, var, workspace, stream);
 }
 
-void launch_backward(const BnShape& s, const BnPlan& p, DType dt, const void* grad_y, const void* x, const void* y,
-                     const float* weight, const float* mean, const float* invstd, void* grad_x, float* grad_weight,
+void launch_backward(const BnShape& s, const BnPlan& p, DType dt, const void* grad_y, const void* x, const float* weight,
+                     const float* bias, const float* mean, const float* invstd, void* grad_x, float* grad_weight,
                      float* grad_bias, float* workspace, cudaStream_t stream) {
-  dispatch<BackwardLaunch>(dt, p.vec, s, p, grad_y, x, y, weight, mean, invstd, grad_x, grad_weight, grad_bias,
+  dispatch<BackwardLaunch>(dt, p.vec, s, p, grad_y, x, weight, bias, mean, invstd, grad_x, grad_weight, grad_bias,
                            workspace, stream);
+}
+
+void launch_update_running_stats(int C, const float* mean, const float* var, int64_t count, double momentum,
+                                 float* running_mean, float* running_var, int64_t* num_batches_tracked,
+                                 cudaStream_t stream) {
+  const float unbias = static_cast<float>(static_cast<double>(count) / static_cast<double>(count - 1));
+  // 1 - momentum in double, then rounded, as torch turns the Python scalar of mul_(1 - momentum) into a float.
+  const float keep = static_cast<float>(1.0 - momentum);
+  update_running_stats<<<1, 256, 0, stream>>>(C, mean, var, unbias, static_cast<float>(momentum), keep, running_mean,
+                                               running_var, num_batches_tracked);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace mbn

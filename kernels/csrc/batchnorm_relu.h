@@ -2,9 +2,10 @@
 //
 // Both directions are two-stage, fixed-order reductions, so the results are bitwise repeatable:
 //   1. reduce:   every block sums its chunk of each channel into partial[chunk][2][C] (fp32);
-//   2. finalize: one warp per channel sums the chunks in fp64 in a fixed order and derives the per-channel
+//   2. finalize: per channel, the chunks are summed in fp64 in a fixed order, deriving the per-channel
 //                constants (statistics, gradients of weight and bias, and the coefficients of step 3);
-//   3. apply:    an elementwise pass: y = relu(x * scale + shift), or the input gradient.
+//   3. apply:    an elementwise pass: y = relu((x - mean) * scale + bias), or the input gradient.
+// The backward reads grad_y and x only: the ReLU's mask is y > 0, recomputed from x.
 // The forward statistics are sums of x - pivot (the channel's first element), so the variance of data with a
 // large mean does not cancel away in fp32.
 #pragma once
@@ -26,18 +27,26 @@ struct BnShape {
   bool nhwc;
 };
 
-// How the reduce and apply kernels cover a tensor (identical for both, so the plan is computed once per call).
+// Which direction a plan is for: the passes differ in registers (so in blocks per SM) and in unrolling.
+enum class BnPass { kForward, kBackward };
+
+// A pass's split of each channel group's rows (NHWC) or vector units (NCHW) into gridDim.y chunks.
+struct Chunking {
+  int chunks;     // gridDim.y
+  int per_chunk;  // rows or units per chunk
+};
+
+// How the reduce and apply kernels of one direction cover a tensor (computed once per call).
 struct BnPlan {
   int vec;        // elements per thread access: 16 bytes where channels (NHWC) or plane length (NCHW) allow
   int lanes;      // NHWC: threads along the channel vectors (blockDim.x); NCHW: threads per block
   int rows;       // NHWC: rows (pixels) per block pass (blockDim.y); NCHW: 1
   int groups;     // gridDim.x: NHWC channel groups of lanes * vec channels; NCHW: channels
-  int chunks;     // gridDim.y: chunks of rows (NHWC) or of per-channel vector units (NCHW)
-  int per_chunk;  // rows (NHWC) or units (NCHW) per chunk
+  Chunking reduce, apply;
 };
 
 // `address_bits`: the OR of every tensor pointer the kernels access, to choose an aligned vector width.
-BnPlan make_plan(const BnShape& s, DType dt, uintptr_t address_bits, int num_sms);
+BnPlan make_plan(const BnShape& s, DType dt, uintptr_t address_bits, int num_sms, BnPass pass);
 
 // fp32 elements of workspace the forward and backward launchers need.
 size_t workspace_floats(const BnShape& s, const BnPlan& p);
@@ -46,9 +55,17 @@ size_t workspace_floats(const BnShape& s, const BnPlan& p);
 void launch_forward(const BnShape& s, const BnPlan& p, DType dt, const void* x, const float* weight, const float* bias,
                     float eps, void* y, float* mean, float* invstd, float* var, float* workspace, cudaStream_t stream);
 
-// The three gradients of y = relu(batch_norm(x)), the ReLU's backward (grad_y where y > 0) folded in.
-void launch_backward(const BnShape& s, const BnPlan& p, DType dt, const void* grad_y, const void* x, const void* y,
-                     const float* weight, const float* mean, const float* invstd, void* grad_x, float* grad_weight,
+// The three gradients of y = relu(batch_norm(x)), the ReLU's backward (grad_y where y > 0) folded in. The mask is
+// recomputed from x, weight, bias and the saved statistics exactly as the forward computed y, so y is not read.
+void launch_backward(const BnShape& s, const BnPlan& p, DType dt, const void* grad_y, const void* x, const float* weight,
+                     const float* bias, const float* mean, const float* invstd, void* grad_x, float* grad_weight,
                      float* grad_bias, float* workspace, cudaStream_t stream);
+
+// nn.BatchNorm2d's running-statistics update from this batch's mean and biased variance over `count` values per
+// channel: num_batches_tracked += 1, then running = (1 - f) * running + f * batch (var made unbiased), where
+// f = momentum, or 1 / num_batches_tracked when momentum < 0 (nn.BatchNorm2d's momentum=None).
+void launch_update_running_stats(int C, const float* mean, const float* var, int64_t count, double momentum,
+                                 float* running_mean, float* running_var, int64_t* num_batches_tracked,
+                                 cudaStream_t stream);
 
 }  // namespace mbn

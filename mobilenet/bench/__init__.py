@@ -1,1 +1,2 @@
-"""Tools over benchmark runs: compare (the throughput matrix's table, CSV and chart)."""
+"""Tools over benchmark runs: compare (the throughput matrix's table, CSV and chart) and the kernel benchmarks' GPU
+timing (timing)."""
