@@ -1,5 +1,5 @@
-// Host-side interface between the op layer (depthwise_ops.cpp) and the CUDA launchers (*.cu).
-// Kept free of ATen so the .cu files compile quickly.
+// Host-side interface between the op layer (depthwise_ops.cpp) and the kernels: the dispatch in
+// depthwise_dispatch.cpp picks a kernel per case. Kept free of ATen so the .cu files compile quickly.
 #pragma once
 
 #include <cstddef>

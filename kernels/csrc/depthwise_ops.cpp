@@ -1,5 +1,5 @@
 // Op schemas and their CUDA implementations: argument checks, layout handling, allocation; the
-// kernels themselves live in the .cu files behind depthwise.h.
+// kernels themselves live in the depthwise_<pass>.cu files behind depthwise.h.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>

@@ -1,4 +1,5 @@
-// Device-side helpers shared by the CUDA kernels: element types, vector loads, tile geometry.
+// Device-side helpers shared by the CUDA kernels: element types, vector loads, the decoding of a Tiling
+// (launch_plan.h, which the host fills) into a lane's tile, the stencil rows, the generic kernels' indexing.
 #pragma once
 
 #include <cstdint>
@@ -6,9 +7,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <c10/cuda/CUDAException.h>
-
 #include "depthwise.h"
+#include "launch_plan.h"  // Tiling
 
 namespace mdw {
 
@@ -128,27 +128,6 @@ __device__ __forceinline__ void load_f32(const float* p, float (&out)[V]) {
     for (int i = 0; i < V; ++i) out[i] = p[i];
   }
 }
-
-// How a block's lanes cover an output (or input, for dgrad) tile.
-//   NHWC: lane = cv + lanes_c * (sx + sx_n * sy); cv picks a vector of V channels, so a warp reads
-//         lanes_c*V contiguous channels of a few neighbouring pixels.
-//   NCHW: lane = sx + sx_n * (sy + sy_n * q); sx runs along the row for coalescing, q picks the plane.
-// Each (sx, sy) lane computes `tw` consecutive columns of one row.
-struct Tiling {
-  int lanes_c;   // NHWC: channel vectors per block; NCHW: planes per block
-  int sx_n;      // strips per tile row
-  int sy_n;      // rows per tile
-  int tiles_h;   // tiles along the rows
-  int tiles_w;   // tiles along the strips
-  int groups;    // NHWC: channel groups; NCHW: plane groups
-  int strip0;    // first strip index (dgrad starts its strips at padding/tw)
-  int threads;   // lanes_c * sx_n * sy_n
-  int block;     // threads rounded up to whole warps
-  int images;    // NHWC forward/dgrad: images each block loops over (amortises its weight staging)
-  int group_fastest;     // NHWC forward/dgrad: channel group is the fastest-varying block index
-  int blocks_per_group;  // NHWC forward/dgrad: blocks of one channel group
-  int reverse;           // column walks: bands of rows from the last image to the first (COLUMN_REVERSE)
-};
 
 // Which tile a linear tile index names: tile_w varies fastest, then tile_h, then `outer` (the image,
 // plane group or image batch, depending on the kernel).
@@ -327,131 +306,29 @@ __device__ __forceinline__ void fill(float (&a)[A][B], float value) {
     for (int j = 0; j < B; ++j) a[i][j] = value;
 }
 
-inline int ceil_div(long long a, long long b) { return static_cast<int>((a + b - 1) / b); }
+// The generic kernels run over a tensor's elements in memory order, in either layout.
+struct Index4 {
+  int n, c, h, w;
+};
 
-inline int floor_pow2(int v) {
-  int p = 1;
-  while (p * 2 <= v) p *= 2;
-  return p;
-}
-
-// rows x strips to cover; `units` = channel vectors (NHWC) or planes (NCHW). NHWC: at most max_strips_c
-// strips per tile row (0: as many as the block's spatial lanes take, i.e. whole rows of strips).
-inline Tiling make_tiling(bool channels_last, int rows, int strip0, int strips, int units, int max_lanes_c = 8,
-                          int max_strips_c = 4) {
-  Tiling t{};
-  t.strip0 = strip0;
+// Decode a linear index of an (N, C, H, W) tensor stored in the given layout.
+__device__ __forceinline__ Index4 decode(long long idx, int C, int H, int W, bool channels_last) {
+  Index4 r;
   if (channels_last) {
-    // max_lanes_c vectors = one 128-byte line of channels per pixel; the other lanes take a 2-D
-    // patch of pixels so that neighbouring lanes share input rows and columns through L1.
-    t.lanes_c = floor_pow2(units < max_lanes_c ? units : max_lanes_c);
-    const int spatial = 256 / t.lanes_c;
-    const int max_sx = max_strips_c > 0 ? max_strips_c : spatial;
-    t.sx_n = strips < max_sx ? strips : max_sx;
-    t.sy_n = spatial / t.sx_n;
-    if (t.sy_n > rows) t.sy_n = rows;
-    t.groups = ceil_div(units, t.lanes_c);
+    r.c = static_cast<int>(idx % C); idx /= C;
+    r.w = static_cast<int>(idx % W); idx /= W;
+    r.h = static_cast<int>(idx % H); r.n = static_cast<int>(idx / H);
   } else {
-    t.sx_n = strips < 32 ? strips : 32;
-    t.sy_n = 256 / t.sx_n;
-    if (t.sy_n > rows) t.sy_n = rows;
-    t.lanes_c = 256 / (t.sx_n * t.sy_n);
-    if (t.lanes_c > units) t.lanes_c = units;
-    if (t.lanes_c < 1) t.lanes_c = 1;
-    t.groups = ceil_div(units, t.lanes_c);
+    r.w = static_cast<int>(idx % W); idx /= W;
+    r.h = static_cast<int>(idx % H); idx /= H;
+    r.c = static_cast<int>(idx % C); r.n = static_cast<int>(idx / C);
   }
-  t.tiles_h = ceil_div(rows, t.sy_n);
-  t.tiles_w = ceil_div(strips, t.sx_n);
-  // Same number of tiles, no more idle lanes than needed (14 rows: 2 tiles of 7, not 8 + 6).
-  t.sy_n = ceil_div(rows, t.tiles_h);
-  t.sx_n = ceil_div(strips, t.tiles_w);
-  if (!channels_last) {
-    t.lanes_c = 256 / (t.sx_n * t.sy_n);
-    if (t.lanes_c > units) t.lanes_c = units;
-    if (t.lanes_c < 1) t.lanes_c = 1;
-    t.groups = ceil_div(units, t.lanes_c);
-  }
-  t.threads = t.lanes_c * t.sx_n * t.sy_n;
-  t.block = ceil_div(t.threads, 32) * 32;
-  t.images = 1;
-  t.group_fastest = 1;
-  t.blocks_per_group = 0;
-  return t;
+  return r;
 }
 
-int num_sms();  // of the current device, cached
-
-// Compile-time strip width (outputs per lane along a row) for the fast kernels.
-template <int K, int S>
-struct StripWidth {
-  static constexpr int value = K <= 3 ? 4 : (K == 5 && S == 1 ? 4 : 2);
-};
-
-// Fast kernels cover square odd kernels 3/5/7, equal strides 1 or 2, dilation 1, 16/32-bit types.
-inline bool fast_geometry(const ConvShape& s, DType dt) {
-  return dt != DType::F64 && s.KH == s.KW && (s.KH == 3 || s.KH == 5 || s.KH == 7) && s.SH == s.SW &&
-         (s.SH == 1 || s.SH == 2) && s.DH == 1 && s.DW == 1;
+__device__ __forceinline__ size_t offset(int n, int c, int h, int w, int C, int H, int W, bool channels_last) {
+  return channels_last ? ((static_cast<size_t>(n) * H + h) * W + w) * C + c
+                       : ((static_cast<size_t>(n) * C + c) * H + h) * W + w;
 }
-
-// Channels per lane in the NHWC forward/dgrad kernels: one 16-byte vector (4 fp32, 8 fp16/bf16).
-// 8-byte vectors of 16-bit data (more lanes, fewer registers) measured slower (docs/kernel_notes.md).
-template <typename S>
-struct NhwcVec {
-  static constexpr int value = 16 / sizeof(S);
-};
-inline int nhwc_vec(DType dt) { return dt == DType::F32 ? 4 : 8; }
-
-// Launch-shape knobs, per dtype, with measured defaults; MDW_<NAME>_<F32|F16|BF16> or MDW_<NAME>
-// override them (used by the benchmark sweeps that picked the defaults).
-enum class Knob {
-  kGroupFastest, kImages, kWgradBlocksPerSm, kNchwRows,
-  kWgradColumn,  // NHWC 3x3 weight gradient through the column-walking kernel (wgrad.cu)
-  kFwdColumn,    // NHWC 3x3 column-walking forward (1), and the stride-1 input gradient too (2) (column.cu)
-  kFwdColumnRows,  // column-walking forward: output rows per lane (1 or 2; 0: by shape, see column.cu)
-  kColumnReverse,  // column-walking forward/input gradient: blocks walk the images last to first (1) or first to last (0)
-  kFwdColumnDeep,  // 16-bit stride-1 column-walking forward: twice the steps in flight at 3 blocks per SM (1) or not (0)
-  kCount
-};
-int knob(Knob k, DType dt);
-// Images each NHWC forward/dgrad block loops over (amortises its weight staging).
-int images_per_block(DType dt, int blocks_per_image, int N);
-// Lanes along the channels: one 128-byte line per pixel.
-inline int nhwc_lanes_c(int vec, int elem_bytes) { return 128 / (vec * elem_bytes); }
-
-inline int elem_size(DType dt) {
-  return dt == DType::F64 ? 8 : (dt == DType::F32 ? 4 : 2);
-}
-
-// NCHW 3x3 / stride 1 / padding 1 with vector loads (flip: kernel rotated 180 degrees, i.e. the input
-// gradient); returns false when the shape or alignment does not allow it.
-bool conv3x3_nchw_vec(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
-                      bool flip, cudaStream_t stream);
-
-// Whether the column-walking kernels (column.cu, wgrad.cu) can run shape s between these tensors: 3x3, equal
-// strides 1 or 2, dilation 1, whole 32-bit words of channels, 4-byte pointers, int word offsets.
-bool column_fits(const ConvShape& s, DType dt, const void* in, const void* out);
-// NHWC 3x3 column-walking forward (column.cu); false when the FWD_COLUMN knob is off for this dtype or
-// the case is not its (then forward.cu's kernels run).
-bool nhwc_column_forward(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
-                         cudaStream_t stream);
-// The same kernel with the weights rotated: the stride-1 input gradient; false unless FWD_COLUMN >= 2.
-bool nhwc_column_dgrad_s1(const ConvShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,
-                          cudaStream_t stream);
-
-// Generic kernels: any supported kernel size, stride, dilation, padding, dtype and layout; one output
-// element per thread. The fast paths fall back to these.
-void forward_generic(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
-                     cudaStream_t stream);
-void dgrad_generic(const ConvShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,
-                   cudaStream_t stream);
-// Writes partial sums ws[chunk][C][KH*KW+1] for `chunks` chunks.
-int wgrad_generic_chunks(const ConvShape& s);
-void wgrad_generic_partials(const ConvShape& s, DType dt, const void* grad_out, const void* x, void* ws, int chunks,
-                            cudaStream_t stream);
-// grad_weight[c][k] = sum over chunks of ws (fixed order), grad_bias[c] likewise from slot KH*KW.
-void wgrad_finalize(const ConvShape& s, DType dt, const void* ws, int chunks, void* grad_weight, void* grad_bias,
-                    cudaStream_t stream);
-
-inline bool aligned(const void* p, size_t bytes) { return (reinterpret_cast<uintptr_t>(p) % bytes) == 0; }
 
 }  // namespace mdw

@@ -1,14 +1,26 @@
-// Input gradient: grad_input[ih, iw] = sum over taps (kh, kw) with ih = oh*S - P + kh, iw = ow*S - P + kw
-// of grad_out[oh, ow] * w[kh, kw]. A lane owns TW consecutive input columns, aligned in padded
-// coordinates (vw = iw + P) to a multiple of the stride, so which taps hit which grad_out column is
-// known at compile time for stride 2 too (output parity); the row parity is checked at run time.
-#include "device_common.h"
+// Input gradient of the depthwise convolution: every kernel that runs it, one section per technique. Which one
+// runs a case is decided by the input-gradient table in depthwise_dispatch.cpp.
+//   tiled:      NHWC and NCHW, 3/5/7 square, stride 1/2, dilation 1, 16/32-bit (register tiles of a few columns)
+//   vec3x3:     NCHW 3x3, stride 1, padding 1, 16-bit: the forward's vector stencil, kernel rotated (stencil_3x3.cuh)
+//   column:     NHWC 3x3, stride 1: the forward's column walk, kernel rotated (stencil_3x3.cuh)
+//   generic:    everything else (one input element per thread)
+#include <c10/cuda/CUDAException.h>
 
 #include <type_traits>
+
+#include "depthwise_launchers.h"
+#include "device_common.h"
+#include "stencil_3x3.cuh"
 
 namespace mdw {
 namespace {
 
+// ---- tiled ----
+
+// grad_input[ih, iw] = sum over taps (kh, kw) with ih = oh*S - P + kh, iw = ow*S - P + kw
+// of grad_out[oh, ow] * w[kh, kw]. A lane owns TW consecutive input columns, aligned in padded
+// coordinates (vw = iw + P) to a multiple of the stride, so which taps hit which grad_out column is
+// known at compile time for stride 2 too (output parity); the row parity is checked at run time.
 template <class TT, int K, int S, int TW, int V>
 __global__ void __launch_bounds__(256, V == 8 ? 2 : 3)
     dgrad_nhwc_kernel(const typename TT::S* __restrict__ go, const typename TT::S* __restrict__ w,
@@ -142,24 +154,70 @@ void dgrad_fast(const ConvShape& s, const void* go, const void* w, void* gx, cud
   else (str == 1 ? run_dgrad<TT, 7, 1> : run_dgrad<TT, 7, 2>)(s, go, w, gx, st);
 }
 
+// ---- generic ----
+
+template <class TT>
+__global__ void dgrad_generic_kernel(const typename TT::S* __restrict__ go, const typename TT::S* __restrict__ w,
+                                     typename TT::S* __restrict__ gx, ConvShape s, long long total) {
+  using Acc = typename TT::Acc;
+  for (long long idx = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; idx < total;
+       idx += static_cast<long long>(gridDim.x) * blockDim.x) {
+    const Index4 i = decode(idx, s.C, s.H, s.W, s.channels_last);
+    Acc acc = Acc(0);
+    for (int kh = 0; kh < s.KH; ++kh) {
+      const int th = i.h + s.PH - kh * s.DH;
+      if (th < 0 || th % s.SH != 0 || th / s.SH >= s.OH) continue;
+      for (int kw = 0; kw < s.KW; ++kw) {
+        const int tw = i.w + s.PW - kw * s.DW;
+        if (tw < 0 || tw % s.SW != 0 || tw / s.SW >= s.OW) continue;
+        acc += TT::to_acc(go[offset(i.n, i.c, th / s.SH, tw / s.SW, s.C, s.OH, s.OW, s.channels_last)]) *
+               TT::to_acc(w[(i.c * s.KH + kh) * s.KW + kw]);
+      }
+    }
+    gx[idx] = TT::from_acc(acc);
+  }
+}
+
+template <class TT>
+void dgrad_generic_t(const ConvShape& s, const void* go, const void* w, void* gx, cudaStream_t st) {
+  using Sx = typename TT::S;
+  const long long total = static_cast<long long>(s.N) * s.C * s.H * s.W;
+  dgrad_generic_kernel<TT><<<grid_for(total, 256), 256, 0, st>>>(
+      static_cast<const Sx*>(go), static_cast<const Sx*>(w), static_cast<Sx*>(gx), s, total);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
 
-void launch_dgrad(const ConvShape& s, DType dt, const void* go, const void* w, void* gx, cudaStream_t stream) {
-  bool fast = fast_geometry(s, dt);
-  if (fast && s.channels_last) {
-    const int v = nhwc_vec(dt);
-    fast = s.C % v == 0 && aligned(go, v * elem_size(dt)) && aligned(gx, v * elem_size(dt));
-  }
-  if (!fast) return dgrad_generic(s, dt, go, w, gx, stream);
-  if (nhwc_column_dgrad_s1(s, dt, go, w, gx, stream)) return;
-  // 3x3/stride 1/padding 1: the input gradient is the same stencil with the kernel rotated.
-  if (conv3x3_nchw_vec(s, dt, go, w, nullptr, gx, /*flip=*/true, stream)) return;
+void input_grad_tiled(const ConvShape& s, DType dt, const void* go, const void* w, void* gx, cudaStream_t stream) {
   switch (dt) {
     case DType::F32: return dgrad_fast<F32T>(s, go, w, gx, stream);
     case DType::F16: return dgrad_fast<F16T>(s, go, w, gx, stream);
     case DType::BF16: return dgrad_fast<BF16T>(s, go, w, gx, stream);
-    default: return dgrad_generic(s, dt, go, w, gx, stream);
+    default: return input_grad_generic(s, dt, go, w, gx, stream);
   }
+}
+
+// 3x3/stride 1/padding 1: the input gradient is the same stencil with the kernel rotated.
+bool input_grad_nchw_vec3x3(const ConvShape& s, DType dt, const void* go, const void* w, void* gx,
+                            cudaStream_t stream) {
+  return conv3x3_nchw_vec<true>(s, dt, go, w, nullptr, gx, stream);
+}
+
+// The forward stencil on input_grad_as_forward(s), whose input is grad_out; stride 1 only.
+void input_grad_nhwc_column(const ConvShape& s, DType dt, const void* go, const void* w, void* gx,
+                            cudaStream_t stream) {
+  const ConvShape f = input_grad_as_forward(s);
+  switch (dt) {
+    case DType::F32: return launch_column<F32T, 1, true, 1>(f, dt, go, w, nullptr, gx, stream);
+    case DType::F16: return launch_column<F16T, 1, true, 1>(f, dt, go, w, nullptr, gx, stream);
+    case DType::BF16: return launch_column<BF16T, 1, true, 1>(f, dt, go, w, nullptr, gx, stream);
+    default: return;  // the dispatch's column test excludes fp64
+  }
+}
+
+void input_grad_generic(const ConvShape& s, DType dt, const void* go, const void* w, void* gx, cudaStream_t stream) {
+  MDW_DISPATCH(dt, dgrad_generic_t, s, go, w, gx, stream)
 }
 
 }  // namespace mdw

@@ -1,18 +1,127 @@
-// NHWC 3x3 column-walking forward (and, with the kernel rotated, the stride-1 input gradient): the
-// design of wgrad.cu's wgrad_nhwc_column_kernel applied to the stencil. A lane owns one 32-bit word
-// of channels (a pair of 16-bit channels, or one fp32 channel) of one output row (n, oh) and walks
-// ow = 0..OW-1 along it. It holds the 3 x 3 input window widened to fp32 in registers; step ow loads
-// the S new input columns of the 3 rows (3 * S words, each loaded and widened once), does 9 x V FMAs
-// with the lane's fp32 weights (fixed channels: loaded once from global memory, no shared memory) and
-// stores one word. A warp reads lanes_c * 4 contiguous bytes of one pixel per load; the loads of U
-// steps are issued before their FMAs. forward.cu's kernels hold 16-byte vectors x several columns per
-// lane (~120 registers, latency-bound), as wgrad's did before its column kernel.
-#include "device_common.h"
+// The 3x3 stencils that run both as the forward and, with the kernel rotated 180 degrees (FLIP), as the stride-1
+// input gradient: grad_input = conv(grad_out, rot180(w), stride 1, padding K - 1 - P). depthwise_forward.cu
+// instantiates them with FLIP = false, depthwise_input_grad.cu with FLIP = true.
+#pragma once
 
-#include <climits>
+#include <c10/cuda/CUDAException.h>
+
+#include "device_common.h"
 
 namespace mdw {
 namespace {
+
+// NCHW, 3x3, stride 1, padding 1 (MobileNet's stride-1 layers) with vector loads: a lane owns TW
+// aligned columns, loads them as one vector per input row and gets the one-column halo on each side
+// from its neighbour lanes by shuffles (a scalar load only at warp/tile edges). 2-byte scalar loads
+// made the generic NCHW kernel slower in fp16 than in fp32. FLIP runs the same stencil with the
+// kernel rotated by 180 degrees, which is the input gradient of this convolution.
+template <class TT, int TW, bool FLIP>
+__global__ void __launch_bounds__(256)
+    conv3x3_nchw_vec_kernel(const typename TT::S* __restrict__ x, const typename TT::S* __restrict__ w,
+                            const typename TT::S* __restrict__ bias, typename TT::S* __restrict__ y, ConvShape s,
+                            Tiling t) {
+  using Sx = typename TT::S;
+  const int lane = threadIdx.x;
+  const NchwLane ln = nchw_lane(lane, t);
+  const TileIndex tile = split_tile_index(blockIdx.x, t);
+  const long long plane = static_cast<long long>(tile.outer) * t.lanes_c + ln.q;
+  const int oh = tile.tile_h * t.sy_n + ln.sy;
+  const int ow0 = (tile.tile_w * t.sx_n + ln.sx) * TW;
+  // Every lane takes part in the shuffles; only valid lanes load and store.
+  const bool valid = lane < t.threads && plane < static_cast<long long>(s.N) * s.C && oh < s.H && ow0 < s.W;
+  const bool left_from_lane = ln.sx > 0 && (lane & 31) != 0;
+  const bool right_from_lane = ln.sx + 1 < t.sx_n && (lane & 31) != 31 && lane + 1 < t.threads;
+  const int c = valid ? static_cast<int>(plane % s.C) : 0;
+  const Sx* xp = x + (valid ? plane : 0) * s.H * s.W;
+
+  float acc[TW];
+  const float bv = (bias && valid) ? TT::to_acc(bias[c]) : 0.f;
+#pragma unroll
+  for (int j = 0; j < TW; ++j) acc[j] = bv;
+#pragma unroll
+  for (int kh = 0; kh < 3; ++kh) {
+    const int ih = oh - 1 + kh;
+    const bool row_ok = valid && ih >= 0 && ih < s.H;
+    const Sx* row = xp + static_cast<size_t>(row_ok ? ih : 0) * s.W;
+    float v[TW + 2];
+    if (row_ok) {
+      float center[TW];
+      load_vec<TT, TW>(row + ow0, center);
+#pragma unroll
+      for (int j = 0; j < TW; ++j) v[j + 1] = center[j];
+    } else {
+#pragma unroll
+      for (int j = 0; j < TW; ++j) v[j + 1] = 0.f;
+    }
+    const float from_left = __shfl_up_sync(0xffffffffu, v[TW], 1);
+    const float from_right = __shfl_down_sync(0xffffffffu, v[1], 1);
+    v[0] = left_from_lane ? from_left : (row_ok && ow0 > 0 ? TT::to_acc(row[ow0 - 1]) : 0.f);
+    v[TW + 1] = right_from_lane ? from_right : (row_ok && ow0 + TW < s.W ? TT::to_acc(row[ow0 + TW]) : 0.f);
+    float wk[3];
+#pragma unroll
+    for (int kw = 0; kw < 3; ++kw) wk[kw] = TT::to_acc(w[c * 9 + (FLIP ? 8 - (kh * 3 + kw) : kh * 3 + kw)]);
+#pragma unroll
+    for (int j = 0; j < TW; ++j)
+#pragma unroll
+      for (int kw = 0; kw < 3; ++kw) acc[j] = fmaf(wk[kw], v[j + kw], acc[j]);
+  }
+  if constexpr (!FLIP) activate(acc, s.act);
+  if (valid) store_vec<TT, TW>(y + (plane * s.H + oh) * s.W + ow0, acc);
+}
+
+template <class TT, int TW, bool FLIP>
+void run_conv3x3_nchw_vec(const ConvShape& s, const void* x, const void* w, const void* bias, void* y,
+                          cudaStream_t stream) {
+  using Sx = typename TT::S;
+  const Tiling t = make_tiling(false, s.H, 0, s.W / TW, s.N * s.C);
+  const dim3 grid(t.groups * t.tiles_h * t.tiles_w);
+  conv3x3_nchw_vec_kernel<TT, TW, FLIP><<<grid, t.block, 0, stream>>>(
+      static_cast<const Sx*>(x), static_cast<const Sx*>(w), static_cast<const Sx*>(bias), static_cast<Sx*>(y), s, t);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <class TT, bool FLIP>
+bool conv3x3_nchw_vec_t(const ConvShape& s, const void* x, const void* w, const void* bias, void* y,
+                        cudaStream_t st) {
+  constexpr int kMaxTW = 16 / sizeof(typename TT::S);
+  const int eb = sizeof(typename TT::S);
+  // Measured on the H200 (docs/kernel_notes.md): a win only with 16-byte vectors of 16-bit data; with
+  // fp32, or narrower vectors, the scalar-load kernel is as fast or faster.
+  for (int tw = kMaxTW; tw >= 8; tw /= 2) {
+    if (s.W % tw != 0 || !aligned(x, tw * eb) || !aligned(y, tw * eb)) continue;
+    if (tw == 8) run_conv3x3_nchw_vec<TT, (kMaxTW >= 8 ? 8 : 4), FLIP>(s, x, w, bias, y, st);
+    else if (tw == 4) run_conv3x3_nchw_vec<TT, 4, FLIP>(s, x, w, bias, y, st);
+    else run_conv3x3_nchw_vec<TT, 2, FLIP>(s, x, w, bias, y, st);
+    return true;
+  }
+  return false;
+}
+
+// The dtype switch; false when the case is not the vector kernel's: NCHW 3x3, stride 1, padding 1, dilation 1,
+// 16/32-bit, and (conv3x3_nchw_vec_t) rows that split into aligned vectors.
+template <bool FLIP>
+bool conv3x3_nchw_vec(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
+                      cudaStream_t stream) {
+  if (s.channels_last || dt == DType::F64 || s.KH != 3 || s.KW != 3 || s.SH != 1 || s.SW != 1 || s.PH != 1 ||
+      s.PW != 1 || s.DH != 1 || s.DW != 1 || s.OH != s.H || s.OW != s.W)
+    return false;
+  switch (dt) {
+    case DType::F32: return conv3x3_nchw_vec_t<F32T, FLIP>(s, x, w, bias, y, stream);
+    case DType::F16: return conv3x3_nchw_vec_t<F16T, FLIP>(s, x, w, bias, y, stream);
+    case DType::BF16: return conv3x3_nchw_vec_t<BF16T, FLIP>(s, x, w, bias, y, stream);
+    default: return false;
+  }
+}
+
+// NHWC 3x3 column-walking forward (and, with the kernel rotated, the stride-1 input gradient): the
+// design of depthwise_weight_grad.cu's wgrad_nhwc_column_kernel applied to the stencil. A lane owns one
+// 32-bit word of channels (a pair of 16-bit channels, or one fp32 channel) of one output row (n, oh) and
+// walks ow = 0..OW-1 along it. It holds the 3 x 3 input window widened to fp32 in registers; step ow loads
+// the S new input columns of the 3 rows (3 * S words, each loaded and widened once), does 9 x V FMAs
+// with the lane's fp32 weights (fixed channels: loaded once from global memory, no shared memory) and
+// stores one word. A warp reads lanes_c * 4 contiguous bytes of one pixel per load; the loads of U
+// steps are issued before their FMAs. The tiled forward kernels (depthwise_forward.cu) instead hold
+// 16-byte vectors x several columns per lane (~120 registers, latency-bound).
 
 constexpr int kK = 3;
 
@@ -229,7 +338,7 @@ constexpr int column_unroll_r2() {
 }
 
 // DEEP: the 16-bit stride-1 walk with twice the steps in flight (8 with one row per lane, 4 with two) at 3 blocks
-// per SM instead of 4 (80 and 72 registers, no spills). Off by default (FWD_COLUMN_DEEP, see column_t).
+// per SM instead of 4 (80 and 72 registers, no spills). Off by default (FWD_COLUMN_DEEP, see depthwise_forward.cu).
 template <class TT, int S, bool FLIP, int R, bool DEEP = false>
 void launch_column(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                    cudaStream_t stream) {
@@ -246,87 +355,5 @@ void launch_column(const ConvShape& s, DType dt, const void* x, const void* w, c
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-
-template <class TT, bool FLIP>
-void column_t(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
-              cudaStream_t stream) {
-  if constexpr (FLIP) {
-    launch_column<TT, 1, true, 1>(s, dt, x, w, bias, y, stream);  // the input gradient: stride 1 only
-  } else {
-    // Two output rows per lane load 4 input rows for 2 outputs instead of 3 for 1, at 2 steps in flight instead
-    // of 4 (16-bit registers). Auto (0) takes it where the rows are short: at stride 1 with OW <= 28 the per-row
-    // start (weights, first window) weighs most, and there it measured 5-17% faster per layer in the L2-warm
-    // benchmark (fp16: 512x14 0.048 -> 0.040 ms), while the 112- and 56-wide layers and every stride-2 layer
-    // were as fast or faster with one row (docs/kernel_notes.md, v9).
-    const int rows = knob(Knob::kFwdColumnRows, dt);
-    if constexpr (sizeof(typename TT::S) == 2) {
-      // FWD_COLUMN_DEEP (16-bit, stride 1): in the 2026-11-30 sweep (docs/kernel_notes.md, commit ede22fc) it was 7-9% faster on
-      // the 112-, 56- and 28-wide layers and as fast on the 14- and 7-wide ones; two rows then win up to 56 wide.
-      // Off by default until the matrix's 16-bit channels_last rows are measured with it.
-      if (s.SH == 1 && knob(Knob::kFwdColumnDeep, dt) == 1) {
-        if (rows == 2 || (rows == 0 && s.OW <= 56)) {
-          launch_column<TT, 1, false, 2, true>(s, dt, x, w, bias, y, stream);
-        } else {
-          launch_column<TT, 1, false, 1, true>(s, dt, x, w, bias, y, stream);
-        }
-        return;
-      }
-    }
-    if (rows == 2 || (rows == 0 && s.SH == 1 && s.OW <= 28)) {
-      (s.SH == 1 ? launch_column<TT, 1, false, 2> : launch_column<TT, 2, false, 2>)(s, dt, x, w, bias, y, stream);
-    } else {
-      (s.SH == 1 ? launch_column<TT, 1, false, 1> : launch_column<TT, 2, false, 1>)(s, dt, x, w, bias, y, stream);
-    }
-  }
-}
-
-template <bool FLIP>
-bool dispatch_column(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
-                     cudaStream_t stream) {
-  switch (dt) {
-    case DType::F32: column_t<F32T, FLIP>(s, dt, x, w, bias, y, stream); return true;
-    case DType::F16: column_t<F16T, FLIP>(s, dt, x, w, bias, y, stream); return true;
-    case DType::BF16: column_t<BF16T, FLIP>(s, dt, x, w, bias, y, stream); return true;
-    default: return false;
-  }
-}
-
 }  // namespace
-
-// The column walk needs a 3x3 kernel, equal strides 1 or 2, dilation 1, whole 32-bit words of channels
-// (C even for 16-bit data, 4-byte pointers), and its word offsets within one image (rows -PH .. H + PH + 1
-// (the last two only with R = 2), columns -PW .. 2 * OW + 12) must fit an int. s is the shape the kernel
-// runs (for dgrad: flipped; for wgrad: the convolution's).
-bool column_fits(const ConvShape& s, DType dt, const void* in, const void* out) {
-  return dt != DType::F64 && s.channels_last && s.KH == 3 && s.KW == 3 && s.SH == s.SW &&
-         (s.SH == 1 || s.SH == 2) && s.DH == 1 && s.DW == 1 && (s.C * elem_size(dt)) % 4 == 0 && aligned(in, 4) &&
-         aligned(out, 4) &&
-         static_cast<long long>(s.H + (s.PH > 0 ? s.PH : 0) + 2) * (s.W + 2 * s.OW + 12) * (s.C * elem_size(dt) / 4) <=
-             INT_MAX;
-}
-
-bool nhwc_column_forward(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
-                         cudaStream_t stream) {
-  if (knob(Knob::kFwdColumn, dt) < 1 || !column_fits(s, dt, x, y)) return false;
-  return dispatch_column<false>(s, dt, x, w, bias, y, stream);
-}
-
-// grad_input = conv(grad_out, rot180(w), stride 1, padding K - 1 - P): the forward stencil on the shape
-// whose input is grad_out (OH x OW) and whose output is grad_input (H x W).
-bool nhwc_column_dgrad_s1(const ConvShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,
-                          cudaStream_t stream) {
-  if (knob(Knob::kFwdColumn, dt) < 2 || s.SH != 1 || s.SW != 1 || s.PH > s.KH - 1 ||
-      s.PW > s.KW - 1 || !column_fits(s, dt, grad_out, grad_input))
-    return false;
-  ConvShape f = s;
-  f.H = s.OH;
-  f.W = s.OW;
-  f.OH = s.H;
-  f.OW = s.W;
-  f.PH = s.KH - 1 - s.PH;
-  f.PW = s.KW - 1 - s.PW;
-  if (!column_fits(f, dt, grad_out, grad_input)) return false;
-  return dispatch_column<true>(f, dt, grad_out, w, nullptr, grad_input, stream);
-}
-
 }  // namespace mdw

@@ -1,11 +1,21 @@
-// Forward depthwise convolution: fast NHWC and NCHW kernels for 3/5/7 square kernels, stride 1/2,
-// dilation 1; everything else goes to the generic kernel.
-#include "device_common.h"
+// Forward depthwise convolution, y = act(conv(x, w) + bias): every kernel that runs it, one section per
+// technique. Which one runs a case is decided by the forward table in depthwise_dispatch.cpp.
+//   tiled:      NHWC and NCHW, 3/5/7 square, stride 1/2, dilation 1, 16/32-bit (register tiles of a few columns)
+//   vec3x3:     NCHW 3x3, stride 1, padding 1, 16-bit (vector loads; the kernel is in stencil_3x3.cuh)
+//   column:     NHWC 3x3, stride 1/2, whole 32-bit words of channels (column walk; the kernel is in stencil_3x3.cuh)
+//   generic:    everything else (one output element per thread)
+#include <c10/cuda/CUDAException.h>
 
 #include <type_traits>
 
+#include "depthwise_launchers.h"
+#include "device_common.h"
+#include "stencil_3x3.cuh"
+
 namespace mdw {
 namespace {
+
+// ---- tiled ----
 
 // NHWC: a lane owns V channels (one 16-byte vector) and TW consecutive output columns of one row.
 // Per kernel row it loads the (TW-1)*S+K input vectors it needs once and reuses them across the
@@ -163,93 +173,6 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-// NCHW, 3x3, stride 1, padding 1 (MobileNet's stride-1 layers) with vector loads: a lane owns TW
-// aligned columns, loads them as one vector per input row and gets the one-column halo on each side
-// from its neighbour lanes by shuffles (a scalar load only at warp/tile edges). 2-byte scalar loads
-// made the generic NCHW kernel slower in fp16 than in fp32. FLIP runs the same stencil with the
-// kernel rotated by 180 degrees, which is the input gradient of this convolution.
-template <class TT, int TW, bool FLIP>
-__global__ void __launch_bounds__(256)
-    conv3x3_nchw_vec_kernel(const typename TT::S* __restrict__ x, const typename TT::S* __restrict__ w,
-                            const typename TT::S* __restrict__ bias, typename TT::S* __restrict__ y, ConvShape s,
-                            Tiling t) {
-  using Sx = typename TT::S;
-  const int lane = threadIdx.x;
-  const NchwLane ln = nchw_lane(lane, t);
-  const TileIndex tile = split_tile_index(blockIdx.x, t);
-  const long long plane = static_cast<long long>(tile.outer) * t.lanes_c + ln.q;
-  const int oh = tile.tile_h * t.sy_n + ln.sy;
-  const int ow0 = (tile.tile_w * t.sx_n + ln.sx) * TW;
-  // Every lane takes part in the shuffles; only valid lanes load and store.
-  const bool valid = lane < t.threads && plane < static_cast<long long>(s.N) * s.C && oh < s.H && ow0 < s.W;
-  const bool left_from_lane = ln.sx > 0 && (lane & 31) != 0;
-  const bool right_from_lane = ln.sx + 1 < t.sx_n && (lane & 31) != 31 && lane + 1 < t.threads;
-  const int c = valid ? static_cast<int>(plane % s.C) : 0;
-  const Sx* xp = x + (valid ? plane : 0) * s.H * s.W;
-
-  float acc[TW];
-  const float bv = (bias && valid) ? TT::to_acc(bias[c]) : 0.f;
-#pragma unroll
-  for (int j = 0; j < TW; ++j) acc[j] = bv;
-#pragma unroll
-  for (int kh = 0; kh < 3; ++kh) {
-    const int ih = oh - 1 + kh;
-    const bool row_ok = valid && ih >= 0 && ih < s.H;
-    const Sx* row = xp + static_cast<size_t>(row_ok ? ih : 0) * s.W;
-    float v[TW + 2];
-    if (row_ok) {
-      float center[TW];
-      load_vec<TT, TW>(row + ow0, center);
-#pragma unroll
-      for (int j = 0; j < TW; ++j) v[j + 1] = center[j];
-    } else {
-#pragma unroll
-      for (int j = 0; j < TW; ++j) v[j + 1] = 0.f;
-    }
-    const float from_left = __shfl_up_sync(0xffffffffu, v[TW], 1);
-    const float from_right = __shfl_down_sync(0xffffffffu, v[1], 1);
-    v[0] = left_from_lane ? from_left : (row_ok && ow0 > 0 ? TT::to_acc(row[ow0 - 1]) : 0.f);
-    v[TW + 1] = right_from_lane ? from_right : (row_ok && ow0 + TW < s.W ? TT::to_acc(row[ow0 + TW]) : 0.f);
-    float wk[3];
-#pragma unroll
-    for (int kw = 0; kw < 3; ++kw) wk[kw] = TT::to_acc(w[c * 9 + (FLIP ? 8 - (kh * 3 + kw) : kh * 3 + kw)]);
-#pragma unroll
-    for (int j = 0; j < TW; ++j)
-#pragma unroll
-      for (int kw = 0; kw < 3; ++kw) acc[j] = fmaf(wk[kw], v[j + kw], acc[j]);
-  }
-  if constexpr (!FLIP) activate(acc, s.act);
-  if (valid) store_vec<TT, TW>(y + (plane * s.H + oh) * s.W + ow0, acc);
-}
-
-template <class TT, int TW, bool FLIP>
-void run_conv3x3_nchw_vec(const ConvShape& s, const void* x, const void* w, const void* bias, void* y,
-                          cudaStream_t stream) {
-  using Sx = typename TT::S;
-  const Tiling t = make_tiling(false, s.H, 0, s.W / TW, s.N * s.C);
-  const dim3 grid(t.groups * t.tiles_h * t.tiles_w);
-  conv3x3_nchw_vec_kernel<TT, TW, FLIP><<<grid, t.block, 0, stream>>>(
-      static_cast<const Sx*>(x), static_cast<const Sx*>(w), static_cast<const Sx*>(bias), static_cast<Sx*>(y), s, t);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-template <class TT, bool FLIP>
-bool conv3x3_nchw_vec_t(const ConvShape& s, const void* x, const void* w, const void* bias, void* y,
-                        cudaStream_t st) {
-  constexpr int kMaxTW = 16 / sizeof(typename TT::S);
-  const int eb = sizeof(typename TT::S);
-  // Measured on the H200 (docs/kernel_notes.md): a win only with 16-byte vectors of 16-bit data; with
-  // fp32, or narrower vectors, the scalar-load kernel is as fast or faster.
-  for (int tw = kMaxTW; tw >= 8; tw /= 2) {
-    if (s.W % tw != 0 || !aligned(x, tw * eb) || !aligned(y, tw * eb)) continue;
-    if (tw == 8) run_conv3x3_nchw_vec<TT, (kMaxTW >= 8 ? 8 : 4), FLIP>(s, x, w, bias, y, st);
-    else if (tw == 4) run_conv3x3_nchw_vec<TT, 4, FLIP>(s, x, w, bias, y, st);
-    else run_conv3x3_nchw_vec<TT, 2, FLIP>(s, x, w, bias, y, st);
-    return true;
-  }
-  return false;
-}
-
 template <class TT, int K, int S, int TW, int V>
 void launch_fwd_nhwc(const ConvShape& s, const void* x, const void* w, const void* bias, void* y, int strips,
                      cudaStream_t stream) {
@@ -302,43 +225,102 @@ void forward_fast(const ConvShape& s, const void* x, const void* w, const void* 
   else (str == 1 ? run_forward<TT, 7, 1> : run_forward<TT, 7, 2>)(s, x, w, b, y, st);
 }
 
-}  // namespace
+// ---- column ----
 
-bool conv3x3_nchw_vec(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
-                      bool flip, cudaStream_t stream) {
-  if (s.channels_last || dt == DType::F64 || s.KH != 3 || s.KW != 3 || s.SH != 1 || s.SW != 1 || s.PH != 1 ||
-      s.PW != 1 || s.DH != 1 || s.DW != 1 || s.OH != s.H || s.OW != s.W)
-    return false;
-  switch (dt) {
-    case DType::F32:
-      return flip ? conv3x3_nchw_vec_t<F32T, true>(s, x, w, bias, y, stream)
-                  : conv3x3_nchw_vec_t<F32T, false>(s, x, w, bias, y, stream);
-    case DType::F16:
-      return flip ? conv3x3_nchw_vec_t<F16T, true>(s, x, w, bias, y, stream)
-                  : conv3x3_nchw_vec_t<F16T, false>(s, x, w, bias, y, stream);
-    case DType::BF16:
-      return flip ? conv3x3_nchw_vec_t<BF16T, true>(s, x, w, bias, y, stream)
-                  : conv3x3_nchw_vec_t<BF16T, false>(s, x, w, bias, y, stream);
-    default: return false;
+// Which column walk runs the forward: output rows per lane (FWD_COLUMN_ROWS) and steps in flight (FWD_COLUMN_DEEP).
+template <class TT>
+void column_forward(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
+                    cudaStream_t stream) {
+  // Two output rows per lane load 4 input rows for 2 outputs instead of 3 for 1, at 2 steps in flight instead
+  // of 4 (16-bit registers). Auto (0) takes it where the rows are short: at stride 1 with OW <= 28 the per-row
+  // start (weights, first window) weighs most, and there it measured 5-17% faster per layer in the L2-warm
+  // benchmark (fp16: 512x14 0.048 -> 0.040 ms), while the 112- and 56-wide layers and every stride-2 layer
+  // were as fast or faster with one row (docs/kernel_notes.md, v9).
+  const int rows = knob(Knob::kFwdColumnRows, dt);
+  if constexpr (sizeof(typename TT::S) == 2) {
+    // FWD_COLUMN_DEEP (16-bit, stride 1): in the 2026-11-30 sweep (docs/kernel_notes.md, commit ede22fc) it was 7-9% faster on
+    // the 112-, 56- and 28-wide layers and as fast on the 14- and 7-wide ones; two rows then win up to 56 wide.
+    // Off by default until the matrix's 16-bit channels_last rows are measured with it.
+    if (s.SH == 1 && knob(Knob::kFwdColumnDeep, dt) == 1) {
+      if (rows == 2 || (rows == 0 && s.OW <= 56)) {
+        launch_column<TT, 1, false, 2, true>(s, dt, x, w, bias, y, stream);
+      } else {
+        launch_column<TT, 1, false, 1, true>(s, dt, x, w, bias, y, stream);
+      }
+      return;
+    }
+  }
+  if (rows == 2 || (rows == 0 && s.SH == 1 && s.OW <= 28)) {
+    (s.SH == 1 ? launch_column<TT, 1, false, 2> : launch_column<TT, 2, false, 2>)(s, dt, x, w, bias, y, stream);
+  } else {
+    (s.SH == 1 ? launch_column<TT, 1, false, 1> : launch_column<TT, 2, false, 1>)(s, dt, x, w, bias, y, stream);
   }
 }
 
-void launch_forward(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
-                    cudaStream_t stream) {
-  bool fast = fast_geometry(s, dt);
-  if (fast && s.channels_last) {
-    const int v = nhwc_vec(dt);
-    fast = s.C % v == 0 && aligned(x, v * elem_size(dt)) && aligned(y, v * elem_size(dt));
+// ---- generic ----
+
+template <class TT>
+__global__ void fwd_generic_kernel(const typename TT::S* __restrict__ x, const typename TT::S* __restrict__ w,
+                                   const typename TT::S* __restrict__ bias, typename TT::S* __restrict__ y,
+                                   ConvShape s, long long total) {
+  using Acc = typename TT::Acc;
+  for (long long idx = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; idx < total;
+       idx += static_cast<long long>(gridDim.x) * blockDim.x) {
+    const Index4 o = decode(idx, s.C, s.OH, s.OW, s.channels_last);
+    Acc acc = bias ? TT::to_acc(bias[o.c]) : Acc(0);
+    for (int kh = 0; kh < s.KH; ++kh) {
+      const int ih = o.h * s.SH - s.PH + kh * s.DH;
+      if (ih < 0 || ih >= s.H) continue;
+      for (int kw = 0; kw < s.KW; ++kw) {
+        const int iw = o.w * s.SW - s.PW + kw * s.DW;
+        if (iw < 0 || iw >= s.W) continue;
+        acc += TT::to_acc(x[offset(o.n, o.c, ih, iw, s.C, s.H, s.W, s.channels_last)]) *
+               TT::to_acc(w[(o.c * s.KH + kh) * s.KW + kw]);
+      }
+    }
+    y[idx] = TT::from_acc(activate(acc, s.act));
   }
-  if (!fast) return forward_generic(s, dt, x, w, bias, y, stream);
-  if (nhwc_column_forward(s, dt, x, w, bias, y, stream)) return;
-  if (conv3x3_nchw_vec(s, dt, x, w, bias, y, /*flip=*/false, stream)) return;
+}
+
+template <class TT>
+void fwd_generic_t(const ConvShape& s, const void* x, const void* w, const void* b, void* y, cudaStream_t st) {
+  using Sx = typename TT::S;
+  const long long total = static_cast<long long>(s.N) * s.C * s.OH * s.OW;
+  fwd_generic_kernel<TT><<<grid_for(total, 256), 256, 0, st>>>(
+      static_cast<const Sx*>(x), static_cast<const Sx*>(w), static_cast<const Sx*>(b), static_cast<Sx*>(y), s, total);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void forward_tiled(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
+                   cudaStream_t stream) {
   switch (dt) {
     case DType::F32: return forward_fast<F32T>(s, x, w, bias, y, stream);
     case DType::F16: return forward_fast<F16T>(s, x, w, bias, y, stream);
     case DType::BF16: return forward_fast<BF16T>(s, x, w, bias, y, stream);
     default: return forward_generic(s, dt, x, w, bias, y, stream);
   }
+}
+
+bool forward_nchw_vec3x3(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
+                         cudaStream_t stream) {
+  return conv3x3_nchw_vec<false>(s, dt, x, w, bias, y, stream);
+}
+
+void forward_nhwc_column(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
+                         cudaStream_t stream) {
+  switch (dt) {
+    case DType::F32: return column_forward<F32T>(s, dt, x, w, bias, y, stream);
+    case DType::F16: return column_forward<F16T>(s, dt, x, w, bias, y, stream);
+    case DType::BF16: return column_forward<BF16T>(s, dt, x, w, bias, y, stream);
+    default: return;  // the dispatch's column test excludes fp64
+  }
+}
+
+void forward_generic(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
+                     cudaStream_t stream) {
+  MDW_DISPATCH(dt, fwd_generic_t, s, x, w, bias, y, stream)
 }
 
 }  // namespace mdw

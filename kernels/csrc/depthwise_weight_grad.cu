@@ -1,9 +1,19 @@
-// Weight and bias gradients, deterministic and without atomics:
+// Weight and bias gradients of the depthwise convolution, deterministic and without atomics:
 //   stage 1: block (chunk g, channel group) sums grad_out * x over a fixed set of tiles of
 //            (n, oh, ow) into registers, reduces its lanes in a fixed order (warp butterfly, then
 //            warps in index order) and writes fp32 partials ws[g][c][K*K + 1] (last slot: bias);
 //   stage 2: one thread per (c, tap) adds the partials over g in index order.
 // The chunk count depends only on the shape and the GPU, so reruns are bitwise identical.
+//
+// Every kernel of both stages, one section per technique of stage 1. Which one runs a case is decided by the
+// weight-gradient table in depthwise_dispatch.cpp.
+//   tiled:      NHWC and NCHW, 3/5/7 square, stride 1/2, dilation 1, 16/32-bit (register tiles of a few columns)
+//   column:     NHWC 3x3, stride 1/2, whole 32-bit words of channels (column walk)
+//   generic:    everything else
+//   finalize:   stage 2, for all of them
+#include <c10/cuda/CUDAException.h>
+
+#include "depthwise_launchers.h"
 #include "device_common.h"
 
 namespace mdw {
@@ -15,11 +25,7 @@ constexpr unsigned kFullMask = 0xffffffffu;
 // within 80 registers (3 blocks per SM); neighbouring lanes share the rest through L1.
 constexpr int kWgradStrip = 2;
 
-// Channels per NHWC lane: K*K*V fp32 accumulators must fit in registers next to the loads.
-template <int K>
-struct WgradVec {
-  static constexpr int value = K == 3 ? 4 : (K == 5 ? 2 : 1);
-};
+// ---- shared by the NHWC kernels (tiled and column) ----
 
 // Sum the lanes' accumulators of one channel vector in a fixed order (butterfly inside each warp,
 // then warps in index order) and write the block's partials ws[chunk][c][tap].
@@ -66,6 +72,8 @@ __device__ __forceinline__ WgradNhwcBlock wgrad_nhwc_block(const Tiling& t) {
   r.chunks = gridDim.x / t.groups;
   return r;
 }
+
+// ---- tiled ----
 
 // Input column i of kernel row kh against the lane's TW grad_out columns: acc[kh*K + kw] += g[j] * x
 // for each kw = i - j*S in [0, K). Per column rather than per row: a whole-row helper (widening
@@ -141,6 +149,146 @@ __global__ void __launch_bounds__(256, 3)
 
   reduce_nhwc_partials<KK, V>(acc, red, ws, s, t, blk.group, blk.chunk);
 }
+
+// NCHW: block (chunk, channel c); lanes cover a tile of rows x strips of lanes_c images.
+template <class TT, int K, int S, int TW>
+__global__ void __launch_bounds__(256)
+    wgrad_nchw_kernel(const typename TT::S* __restrict__ go, const typename TT::S* __restrict__ x,
+                      float* __restrict__ ws, ConvShape s, Tiling t, int num_tiles) {
+  using Sx = typename TT::S;
+  constexpr int L = (TW - 1) * S + K;
+  constexpr int KK = K * K;
+  __shared__ float red[8][KK + 1];
+  const int c = blockIdx.y;
+  const int lane = threadIdx.x;
+  const NchwLane ln = nchw_lane(lane, t);
+  const bool active = lane < t.threads;
+
+  float acc[KK + 1];
+#pragma unroll
+  for (int k = 0; k <= KK; ++k) acc[k] = 0.f;
+
+  if (active) {
+    for (int tile_index = blockIdx.x; tile_index < num_tiles; tile_index += gridDim.x) {
+      const TileIndex tile = split_tile_index(tile_index, t);
+      const int n = tile.outer * t.lanes_c + ln.q;
+      const int oh = tile.tile_h * t.sy_n + ln.sy;
+      const int ow0 = (tile.tile_w * t.sx_n + ln.sx) * TW;
+      if (n >= s.N || oh >= s.OH || ow0 >= s.OW) continue;
+      const size_t plane = static_cast<size_t>(n) * s.C + c;
+      const Sx* gp = go + (plane * s.OH + oh) * s.OW + ow0;
+      float g[TW];
+#pragma unroll
+      for (int j = 0; j < TW; ++j) {
+        g[j] = ow0 + j < s.OW ? TT::to_acc(gp[j]) : 0.f;
+        acc[KK] += g[j];
+      }
+      const Sx* xp = x + plane * s.H * s.W;
+      const int iw0 = ow0 * S - s.PW;
+#pragma unroll
+      for (int kh = 0; kh < K; ++kh) {
+        const int ih = oh * S - s.PH + kh;
+        if (ih < 0 || ih >= s.H) continue;
+        Sx raw[L];
+        load_row_scalars(xp + static_cast<size_t>(ih) * s.W, iw0, s.W, raw);
+#pragma unroll
+        for (int i = 0; i < L; ++i) {
+          const float xv = TT::to_acc(raw[i]);
+#pragma unroll
+          for (int j = 0; j < TW; ++j) {
+            const int kw = i - j * S;
+            if (kw >= 0 && kw < K) acc[kh * K + kw] = fmaf(g[j], xv, acc[kh * K + kw]);
+          }
+        }
+      }
+    }
+  }
+
+  for (int off = 1; off < 32; off <<= 1)
+#pragma unroll
+    for (int k = 0; k <= KK; ++k) acc[k] += __shfl_xor_sync(kFullMask, acc[k], off);
+  const int warp = lane / 32;
+  if (lane % 32 == 0) {
+#pragma unroll
+    for (int k = 0; k <= KK; ++k) red[warp][k] = acc[k];
+  }
+  __syncthreads();
+  const int warps = blockDim.x / 32;
+  for (int k = lane; k <= KK; k += blockDim.x) {
+    float sum = 0.f;
+    for (int wi = 0; wi < warps; ++wi) sum += red[wi][k];
+    ws[(static_cast<size_t>(blockIdx.x) * s.C + c) * (KK + 1) + k] = sum;
+  }
+}
+
+// Tiled launch shape: the tiling of (n, oh, ow), how many tiles it has, and the chunks of tiles (blocks along
+// grid.x; partial sums per (c, tap)).
+struct WgradPlan {
+  Tiling tiling;
+  int num_tiles;
+  int chunks;
+};
+
+template <int K, int S>
+WgradPlan plan_tiled_t(const ConvShape& s, DType dt) {
+  const int elem_bytes = elem_size(dt);
+  constexpr int TW = kWgradStrip;
+  WgradPlan p{};
+  const int strips = ceil_div(s.OW, TW);
+  const int target_blocks = num_sms() * (s.channels_last ? knob(Knob::kWgradBlocksPerSm, dt) : 8);
+  if (s.channels_last) {
+    constexpr int V = WgradVec<K>::value;
+    // <= 16 lanes: the block reduction's shared memory stays under 48 KB for every K.
+    const int lanes = nhwc_lanes_c(V, elem_bytes) < 16 ? nhwc_lanes_c(V, elem_bytes) : 16;
+    p.tiling = make_tiling(true, s.OH, 0, strips, s.C / V, lanes);
+    p.num_tiles = s.N * p.tiling.tiles_h * p.tiling.tiles_w;
+    p.chunks = ceil_div(target_blocks, p.tiling.groups);
+  } else {
+    p.tiling = make_tiling(false, s.OH, 0, strips, s.N);
+    p.num_tiles = p.tiling.groups * p.tiling.tiles_h * p.tiling.tiles_w;
+    p.chunks = ceil_div(target_blocks, s.C);
+  }
+  if (p.chunks > p.num_tiles) p.chunks = p.num_tiles;
+  if (p.chunks < 1) p.chunks = 1;
+  return p;
+}
+
+WgradPlan plan_tiled(const ConvShape& s, DType dt) {
+  const int k = s.KH, str = s.SH;
+  if (k == 3) return str == 1 ? plan_tiled_t<3, 1>(s, dt) : plan_tiled_t<3, 2>(s, dt);
+  if (k == 5) return str == 1 ? plan_tiled_t<5, 1>(s, dt) : plan_tiled_t<5, 2>(s, dt);
+  return str == 1 ? plan_tiled_t<7, 1>(s, dt) : plan_tiled_t<7, 2>(s, dt);
+}
+
+template <class TT, int K, int S>
+void run_wgrad_tiled(const ConvShape& s, const WgradPlan& p, const void* go, const void* x, float* ws,
+                     cudaStream_t stream) {
+  using Sx = typename TT::S;
+  constexpr int TW = kWgradStrip;
+  const Tiling& t = p.tiling;
+  if (s.channels_last) {
+    constexpr int V = WgradVec<K>::value;
+    const size_t smem = sizeof(float) * (t.block / 32) * t.lanes_c * (K * K + 1) * V;
+    const dim3 grid(t.groups * p.chunks);
+    wgrad_nhwc_kernel<TT, K, S, TW, V><<<grid, t.block, smem, stream>>>(
+        static_cast<const Sx*>(go), static_cast<const Sx*>(x), ws, s, t, p.num_tiles);
+  } else {
+    const dim3 grid(p.chunks, s.C);
+    wgrad_nchw_kernel<TT, K, S, TW><<<grid, t.block, 0, stream>>>(
+        static_cast<const Sx*>(go), static_cast<const Sx*>(x), ws, s, t, p.num_tiles);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <class TT>
+void wgrad_tiled_t(const ConvShape& s, const WgradPlan& p, const void* go, const void* x, float* ws, cudaStream_t st) {
+  const int k = s.KH, str = s.SH;
+  if (k == 3) (str == 1 ? run_wgrad_tiled<TT, 3, 1> : run_wgrad_tiled<TT, 3, 2>)(s, p, go, x, ws, st);
+  else if (k == 5) (str == 1 ? run_wgrad_tiled<TT, 5, 1> : run_wgrad_tiled<TT, 5, 2>)(s, p, go, x, ws, st);
+  else (str == 1 ? run_wgrad_tiled<TT, 7, 1> : run_wgrad_tiled<TT, 7, 2>)(s, p, go, x, ws, st);
+}
+
+// ---- column ----
 
 // Column-walking variant (NHWC, K=3, low registers): a lane owns one 32-bit word of channels (a pair
 // of 16-bit channels, or one fp32 channel) of one output row and walks along it. Step t loads
@@ -301,117 +449,11 @@ __global__ void __launch_bounds__(256, 4)
   reduce_nhwc_partials<KK, V>(acc, red, ws, s, t, blk.group, blk.chunk);
 }
 
-// NCHW: block (chunk, channel c); lanes cover a tile of rows x strips of lanes_c images.
-template <class TT, int K, int S, int TW>
-__global__ void __launch_bounds__(256)
-    wgrad_nchw_kernel(const typename TT::S* __restrict__ go, const typename TT::S* __restrict__ x,
-                      float* __restrict__ ws, ConvShape s, Tiling t, int num_tiles) {
-  using Sx = typename TT::S;
-  constexpr int L = (TW - 1) * S + K;
-  constexpr int KK = K * K;
-  __shared__ float red[8][KK + 1];
-  const int c = blockIdx.y;
-  const int lane = threadIdx.x;
-  const NchwLane ln = nchw_lane(lane, t);
-  const bool active = lane < t.threads;
-
-  float acc[KK + 1];
-#pragma unroll
-  for (int k = 0; k <= KK; ++k) acc[k] = 0.f;
-
-  if (active) {
-    for (int tile_index = blockIdx.x; tile_index < num_tiles; tile_index += gridDim.x) {
-      const TileIndex tile = split_tile_index(tile_index, t);
-      const int n = tile.outer * t.lanes_c + ln.q;
-      const int oh = tile.tile_h * t.sy_n + ln.sy;
-      const int ow0 = (tile.tile_w * t.sx_n + ln.sx) * TW;
-      if (n >= s.N || oh >= s.OH || ow0 >= s.OW) continue;
-      const size_t plane = static_cast<size_t>(n) * s.C + c;
-      const Sx* gp = go + (plane * s.OH + oh) * s.OW + ow0;
-      float g[TW];
-#pragma unroll
-      for (int j = 0; j < TW; ++j) {
-        g[j] = ow0 + j < s.OW ? TT::to_acc(gp[j]) : 0.f;
-        acc[KK] += g[j];
-      }
-      const Sx* xp = x + plane * s.H * s.W;
-      const int iw0 = ow0 * S - s.PW;
-#pragma unroll
-      for (int kh = 0; kh < K; ++kh) {
-        const int ih = oh * S - s.PH + kh;
-        if (ih < 0 || ih >= s.H) continue;
-        Sx raw[L];
-        load_row_scalars(xp + static_cast<size_t>(ih) * s.W, iw0, s.W, raw);
-#pragma unroll
-        for (int i = 0; i < L; ++i) {
-          const float xv = TT::to_acc(raw[i]);
-#pragma unroll
-          for (int j = 0; j < TW; ++j) {
-            const int kw = i - j * S;
-            if (kw >= 0 && kw < K) acc[kh * K + kw] = fmaf(g[j], xv, acc[kh * K + kw]);
-          }
-        }
-      }
-    }
-  }
-
-  for (int off = 1; off < 32; off <<= 1)
-#pragma unroll
-    for (int k = 0; k <= KK; ++k) acc[k] += __shfl_xor_sync(kFullMask, acc[k], off);
-  const int warp = lane / 32;
-  if (lane % 32 == 0) {
-#pragma unroll
-    for (int k = 0; k <= KK; ++k) red[warp][k] = acc[k];
-  }
-  __syncthreads();
-  const int warps = blockDim.x / 32;
-  for (int k = lane; k <= KK; k += blockDim.x) {
-    float sum = 0.f;
-    for (int wi = 0; wi < warps; ++wi) sum += red[wi][k];
-    ws[(static_cast<size_t>(blockIdx.x) * s.C + c) * (KK + 1) + k] = sum;
-  }
-}
-
-struct WgradPlan {
-  bool fast;
-  bool column;        // NHWC 3x3 column-walking kernel
-  int chunks;         // blocks along grid.x; partial sums per (c, tap)
-  Tiling tiling;
-  int num_tiles;
-};
-
-template <int K, int S>
-WgradPlan plan_fast(const ConvShape& s, DType dt) {
-  const int elem_bytes = elem_size(dt);
-  constexpr int TW = kWgradStrip;
-  WgradPlan p{};
-  p.fast = true;
-  const int strips = ceil_div(s.OW, TW);
-  const int target_blocks = num_sms() * (s.channels_last ? knob(Knob::kWgradBlocksPerSm, dt) : 8);
-  if (s.channels_last) {
-    constexpr int V = WgradVec<K>::value;
-    // <= 16 lanes: the block reduction's shared memory stays under 48 KB for every K.
-    const int lanes = nhwc_lanes_c(V, elem_bytes) < 16 ? nhwc_lanes_c(V, elem_bytes) : 16;
-    p.tiling = make_tiling(true, s.OH, 0, strips, s.C / V, lanes);
-    p.num_tiles = s.N * p.tiling.tiles_h * p.tiling.tiles_w;
-    p.chunks = ceil_div(target_blocks, p.tiling.groups);
-  } else {
-    p.tiling = make_tiling(false, s.OH, 0, strips, s.N);
-    p.num_tiles = p.tiling.groups * p.tiling.tiles_h * p.tiling.tiles_w;
-    p.chunks = ceil_div(target_blocks, s.C);
-  }
-  if (p.chunks > p.num_tiles) p.chunks = p.num_tiles;
-  if (p.chunks < 1) p.chunks = 1;
-  return p;
-}
-
 // Column walk: one 32-bit word per lane (2 channels of 16-bit data, 1 of fp32). Tiling with one strip per
 // row: lanes_c <= 32 words of one pixel, 256 / lanes_c rows of the flattened (n, oh) index per block
 // (fewer when there are fewer rows), one tile per band of rows.
 WgradPlan plan_column(const ConvShape& s, DType dt) {
   WgradPlan p{};
-  p.fast = true;
-  p.column = true;
   const int words = s.C * elem_size(dt) / 4;
   p.tiling = make_tiling(true, s.N * s.OH, 0, 1, words, 32, 1);
   p.num_tiles = p.tiling.tiles_h;
@@ -422,86 +464,182 @@ WgradPlan plan_column(const ConvShape& s, DType dt) {
   return p;
 }
 
-WgradPlan make_plan(const ConvShape& s, DType dt, const void* go, const void* x) {
-  if (knob(Knob::kWgradColumn, dt) != 0 && column_fits(s, dt, go, x)) return plan_column(s, dt);
-  bool fast = fast_geometry(s, dt);
-  if (fast && s.channels_last) {
-    const int v = s.KH == 3 ? 4 : (s.KH == 5 ? 2 : 1);
-    const size_t bytes = static_cast<size_t>(v) * elem_size(dt);
-    fast = s.C % v == 0 && aligned(go, bytes) && aligned(x, bytes);
-  }
-  if (!fast) {
-    WgradPlan p{};
-    p.fast = false;
-    p.chunks = wgrad_generic_chunks(s);
-    return p;
-  }
-  const int k = s.KH, str = s.SH;
-  if (k == 3) return str == 1 ? plan_fast<3, 1>(s, dt) : plan_fast<3, 2>(s, dt);
-  if (k == 5) return str == 1 ? plan_fast<5, 1>(s, dt) : plan_fast<5, 2>(s, dt);
-  return str == 1 ? plan_fast<7, 1>(s, dt) : plan_fast<7, 2>(s, dt);
-}
-
-template <class TT, int K, int S>
-void run_wgrad(const ConvShape& s, const WgradPlan& p, const void* go, const void* x, float* ws, cudaStream_t stream) {
-  using Sx = typename TT::S;
-  constexpr int TW = kWgradStrip;
+template <class TT, int S>
+void run_wgrad_column(const ConvShape& s, const WgradPlan& p, const void* go, const void* x, float* ws,
+                      cudaStream_t stream) {
+  constexpr int K = 3;
+  constexpr int VW = 4 / sizeof(typename TT::S);  // channels per 32-bit word
+  constexpr int kMaxUnroll = ColumnWalk<S, VW>::kMaxUnroll;
   const Tiling& t = p.tiling;
-  if (s.channels_last) {
-    constexpr int V = WgradVec<K>::value;
-    const size_t smem = sizeof(float) * (t.block / 32) * t.lanes_c * (K * K + 1) * V;
-    const dim3 grid(t.groups * p.chunks);
-    if constexpr (K == 3) {
-      if (p.column) {
-        constexpr int VW = 4 / sizeof(Sx);  // channels per 32-bit word
-        constexpr int kMaxUnroll = ColumnWalk<S, VW>::kMaxUnroll;
-        const size_t column_smem = sizeof(float) * (t.block / 32) * t.lanes_c * (K * K + 1) * VW;
-        wgrad_nhwc_column_kernel<TT, S, kMaxUnroll, VW><<<grid, t.block, column_smem, stream>>>(
-            static_cast<const uint32_t*>(go), static_cast<const uint32_t*>(x), ws, s, t);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-        return;
-      }
-    }
-    wgrad_nhwc_kernel<TT, K, S, TW, V><<<grid, t.block, smem, stream>>>(
-        static_cast<const Sx*>(go), static_cast<const Sx*>(x), ws, s, t, p.num_tiles);
-  } else {
-    const dim3 grid(p.chunks, s.C);
-    wgrad_nchw_kernel<TT, K, S, TW><<<grid, t.block, 0, stream>>>(
-        static_cast<const Sx*>(go), static_cast<const Sx*>(x), ws, s, t, p.num_tiles);
-  }
+  const size_t smem = sizeof(float) * (t.block / 32) * t.lanes_c * (K * K + 1) * VW;
+  const dim3 grid(t.groups * p.chunks);
+  wgrad_nhwc_column_kernel<TT, S, kMaxUnroll, VW><<<grid, t.block, smem, stream>>>(
+      static_cast<const uint32_t*>(go), static_cast<const uint32_t*>(x), ws, s, t);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <class TT>
-void wgrad_fast(const ConvShape& s, const WgradPlan& p, const void* go, const void* x, float* ws, cudaStream_t st) {
-  const int k = s.KH, str = s.SH;
-  if (k == 3) (str == 1 ? run_wgrad<TT, 3, 1> : run_wgrad<TT, 3, 2>)(s, p, go, x, ws, st);
-  else if (k == 5) (str == 1 ? run_wgrad<TT, 5, 1> : run_wgrad<TT, 5, 2>)(s, p, go, x, ws, st);
-  else (str == 1 ? run_wgrad<TT, 7, 1> : run_wgrad<TT, 7, 2>)(s, p, go, x, ws, st);
+void wgrad_column_t(const ConvShape& s, const WgradPlan& p, const void* go, const void* x, float* ws,
+                    cudaStream_t st) {
+  (s.SH == 1 ? run_wgrad_column<TT, 1> : run_wgrad_column<TT, 2>)(s, p, go, x, ws, st);
+}
+
+// Stage 1 of the 16/32-bit techniques (tiled or column) with plan p; returns the chunks written. The dispatch's
+// tiled and column tests exclude fp64.
+int run_planned(const ConvShape& s, DType dt, const WgradPlan& p, bool column, const void* go, const void* x,
+                void* ws, cudaStream_t stream) {
+  float* wsf = static_cast<float*>(ws);
+  switch (dt) {
+    case DType::F32: (column ? wgrad_column_t<F32T> : wgrad_tiled_t<F32T>)(s, p, go, x, wsf, stream); break;
+    case DType::F16: (column ? wgrad_column_t<F16T> : wgrad_tiled_t<F16T>)(s, p, go, x, wsf, stream); break;
+    case DType::BF16: (column ? wgrad_column_t<BF16T> : wgrad_tiled_t<BF16T>)(s, p, go, x, wsf, stream); break;
+    default: break;
+  }
+  return p.chunks;
+}
+
+// ---- generic ----
+
+constexpr int kMaxK = 7;
+
+// Lanes of a generic wgrad block: channels x elements of (n, oh, ow). NHWC puts 32 channels side by
+// side (coalesced); NCHW gives the whole block to one channel and runs along its plane.
+inline int generic_channel_lanes(const ConvShape& s) { return s.channels_last ? 32 : 1; }
+
+template <class TT>
+__global__ void __launch_bounds__(256)
+    wgrad_generic_kernel(const typename TT::S* __restrict__ go, const typename TT::S* __restrict__ x,
+                         typename TT::Acc* __restrict__ ws, ConvShape s, int channel_lanes) {
+  using Acc = typename TT::Acc;
+  __shared__ Acc buf[256];
+  const int elem_lanes = blockDim.x / channel_lanes;
+  const int tx = threadIdx.x % channel_lanes, ty = threadIdx.x / channel_lanes;
+  const int c = blockIdx.y * channel_lanes + tx;
+  const long long total = static_cast<long long>(s.N) * s.OH * s.OW;
+  Acc acc[kMaxK][kMaxK];
+  Acc acc_b = Acc(0);
+#pragma unroll
+  for (int kh = 0; kh < kMaxK; ++kh)
+#pragma unroll
+    for (int kw = 0; kw < kMaxK; ++kw) acc[kh][kw] = Acc(0);
+  if (c < s.C) {
+    for (long long m = static_cast<long long>(blockIdx.x) * elem_lanes + ty; m < total;
+         m += static_cast<long long>(gridDim.x) * elem_lanes) {
+      const int ow = static_cast<int>(m % s.OW);
+      const int oh = static_cast<int>((m / s.OW) % s.OH);
+      const int n = static_cast<int>(m / (static_cast<long long>(s.OW) * s.OH));
+      const Acc g = TT::to_acc(go[offset(n, c, oh, ow, s.C, s.OH, s.OW, s.channels_last)]);
+      acc_b += g;
+#pragma unroll
+      for (int kh = 0; kh < kMaxK; ++kh) {
+        const int ih = oh * s.SH - s.PH + kh * s.DH;
+        if (kh >= s.KH || ih < 0 || ih >= s.H) continue;
+#pragma unroll
+        for (int kw = 0; kw < kMaxK; ++kw) {
+          const int iw = ow * s.SW - s.PW + kw * s.DW;
+          if (kw >= s.KW || iw < 0 || iw >= s.W) continue;
+          acc[kh][kw] += g * TT::to_acc(x[offset(n, c, ih, iw, s.C, s.H, s.W, s.channels_last)]);
+        }
+      }
+    }
+  }
+  // Fixed-order reduction over the element lanes, one tap at a time.
+  const int KK = s.KH * s.KW;
+  auto reduce_slot = [&](Acc v, int slot) {
+    buf[threadIdx.x] = v;
+    __syncthreads();
+    if (ty == 0 && c < s.C) {
+      Acc sum = Acc(0);
+      for (int e = 0; e < elem_lanes; ++e) sum += buf[e * channel_lanes + tx];
+      ws[(static_cast<size_t>(blockIdx.x) * s.C + c) * (KK + 1) + slot] = sum;
+    }
+    __syncthreads();
+  };
+#pragma unroll
+  for (int kh = 0; kh < kMaxK; ++kh)
+#pragma unroll
+    for (int kw = 0; kw < kMaxK; ++kw)
+      if (kh < s.KH && kw < s.KW) reduce_slot(acc[kh][kw], kh * s.KW + kw);
+  reduce_slot(acc_b, KK);
+}
+
+template <class TT>
+void wgrad_generic_t(const ConvShape& s, const void* go, const void* x, void* ws, int chunks, cudaStream_t st) {
+  using Sx = typename TT::S;
+  const int lanes = generic_channel_lanes(s);
+  const dim3 grid(chunks, ceil_div(s.C, lanes));
+  wgrad_generic_kernel<TT><<<grid, 256, 0, st>>>(static_cast<const Sx*>(go), static_cast<const Sx*>(x),
+                                                 static_cast<typename TT::Acc*>(ws), s, lanes);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void generic_partials(const ConvShape& s, DType dt, const void* go, const void* x, void* ws, int chunks,
+                      cudaStream_t stream) {
+  MDW_DISPATCH(dt, wgrad_generic_t, s, go, x, ws, chunks, stream)
+}
+
+// ---- finalize ----
+
+template <class TT>
+__global__ void wgrad_finalize_kernel(const typename TT::Acc* __restrict__ ws, int chunks, int C, int KK,
+                                      typename TT::S* __restrict__ gw, typename TT::S* __restrict__ gb) {
+  using Acc = typename TT::Acc;
+  const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+  const int slots = KK + 1;
+  if (idx >= C * slots) return;
+  Acc sum = Acc(0);
+  for (int g = 0; g < chunks; ++g) sum += ws[static_cast<size_t>(g) * C * slots + idx];
+  const int c = idx / slots, k = idx - c * slots;
+  if (k < KK) {
+    if (gw) gw[c * KK + k] = TT::from_acc(sum);
+  } else if (gb) {
+    gb[c] = TT::from_acc(sum);
+  }
+}
+
+template <class TT>
+void finalize_t(const ConvShape& s, const void* ws, int chunks, void* gw, void* gb, cudaStream_t st) {
+  using Sx = typename TT::S;
+  const int KK = s.KH * s.KW;
+  const int total = s.C * (KK + 1);
+  wgrad_finalize_kernel<TT><<<ceil_div(total, 256), 256, 0, st>>>(
+      static_cast<const typename TT::Acc*>(ws), chunks, s.C, KK, static_cast<Sx*>(gw), static_cast<Sx*>(gb));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace
 
-size_t wgrad_workspace_elems(const ConvShape& s, DType dt, const void* go, const void* x) {
-  const WgradPlan p = make_plan(s, dt, go, x);
-  return static_cast<size_t>(p.chunks) * s.C * (s.KH * s.KW + 1);
+int weight_grad_tiled_chunks(const ConvShape& s, DType dt) { return plan_tiled(s, dt).chunks; }
+
+int weight_grad_tiled(const ConvShape& s, DType dt, const void* go, const void* x, void* ws, cudaStream_t stream) {
+  return run_planned(s, dt, plan_tiled(s, dt), /*column=*/false, go, x, ws, stream);
 }
 
-void launch_wgrad(const ConvShape& s, DType dt, const void* go, const void* x, void* ws, void* gw, void* gb,
-                  cudaStream_t stream) {
-  const WgradPlan p = make_plan(s, dt, go, x);
-  if (!p.fast) {
-    wgrad_generic_partials(s, dt, go, x, ws, p.chunks, stream);
-  } else {
-    float* wsf = static_cast<float*>(ws);
-    switch (dt) {
-      case DType::F32: wgrad_fast<F32T>(s, p, go, x, wsf, stream); break;
-      case DType::F16: wgrad_fast<F16T>(s, p, go, x, wsf, stream); break;
-      case DType::BF16: wgrad_fast<BF16T>(s, p, go, x, wsf, stream); break;
-      default: break;  // F64 never takes the fast path
-    }
-  }
-  wgrad_finalize(s, dt, ws, p.chunks, gw, gb, stream);
+int weight_grad_column_chunks(const ConvShape& s, DType dt) { return plan_column(s, dt).chunks; }
+
+int weight_grad_column(const ConvShape& s, DType dt, const void* go, const void* x, void* ws, cudaStream_t stream) {
+  return run_planned(s, dt, plan_column(s, dt), /*column=*/true, go, x, ws, stream);
+}
+
+int weight_grad_generic_chunks(const ConvShape& s) {
+  const int lanes = generic_channel_lanes(s);
+  const int elem_lanes = 256 / lanes;
+  const long long total = static_cast<long long>(s.N) * s.OH * s.OW;
+  const int max_chunks = ceil_div(total, elem_lanes);
+  int chunks = ceil_div(num_sms() * 8, ceil_div(s.C, lanes));
+  if (chunks > max_chunks) chunks = max_chunks;
+  return chunks < 1 ? 1 : chunks;
+}
+
+int weight_grad_generic(const ConvShape& s, DType dt, const void* go, const void* x, void* ws, cudaStream_t stream) {
+  const int chunks = weight_grad_generic_chunks(s);
+  generic_partials(s, dt, go, x, ws, chunks, stream);
+  return chunks;
+}
+
+void weight_grad_finalize(const ConvShape& s, DType dt, const void* ws, int chunks, void* gw, void* gb,
+                          cudaStream_t stream) {
+  MDW_DISPATCH(dt, finalize_t, s, ws, chunks, gw, gb, stream)
 }
 
 }  // namespace mdw

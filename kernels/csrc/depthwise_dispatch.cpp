@@ -1,0 +1,107 @@
+// Which kernel runs each depthwise case: one table per pass. The rows of a table are tried from the top and the
+// first that takes the case runs it; the launchers are declared in depthwise_launchers.h and defined in the pass's
+// file. Later rows are the more general kernels, so the order is the preference.
+#include <climits>
+#include <cstddef>
+
+#include "depthwise.h"
+#include "depthwise_launchers.h"
+#include "launch_plan.h"
+
+namespace mdw {
+namespace {
+
+// The tiled kernels cover square odd kernels 3/5/7, equal strides 1 or 2, dilation 1, 16/32-bit types; NHWC also
+// needs whole vectors of `vec` channels, with both tensors aligned to a vector.
+bool tiled_fits(const ConvShape& s, DType dt, const void* in, const void* out, int vec) {
+  const bool fast = dt != DType::F64 && s.KH == s.KW && (s.KH == 3 || s.KH == 5 || s.KH == 7) && s.SH == s.SW &&
+                    (s.SH == 1 || s.SH == 2) && s.DH == 1 && s.DW == 1;
+  if (!fast || !s.channels_last) return fast;
+  const size_t bytes = static_cast<size_t>(vec) * elem_size(dt);
+  return s.C % vec == 0 && aligned(in, bytes) && aligned(out, bytes);
+}
+
+// The column walk needs a 3x3 kernel, equal strides 1 or 2, dilation 1, whole 32-bit words of channels
+// (C even for 16-bit data, 4-byte pointers), and its word offsets within one image (rows -PH .. H + PH + 1
+// (the last two only with R = 2), columns -PW .. 2 * OW + 12) must fit an int. s is the shape the kernel
+// runs (for the input gradient: input_grad_as_forward's; for the weight gradient: the convolution's).
+bool column_fits(const ConvShape& s, DType dt, const void* in, const void* out) {
+  return dt != DType::F64 && s.channels_last && s.KH == 3 && s.KW == 3 && s.SH == s.SW &&
+         (s.SH == 1 || s.SH == 2) && s.DH == 1 && s.DW == 1 && (s.C * elem_size(dt)) % 4 == 0 && aligned(in, 4) &&
+         aligned(out, 4) &&
+         static_cast<long long>(s.H + (s.PH > 0 ? s.PH : 0) + 2) * (s.W + 2 * s.OW + 12) * (s.C * elem_size(dt) / 4) <=
+             INT_MAX;
+}
+
+// The stride-1 input gradient runs as the forward column walk on input_grad_as_forward(s), whose padding
+// K - 1 - P must not be negative.
+bool input_grad_column_fits(const ConvShape& s, DType dt, const void* grad_out, const void* grad_input) {
+  return s.SH == 1 && s.SW == 1 && s.PH <= s.KH - 1 && s.PW <= s.KW - 1 &&
+         column_fits(s, dt, grad_out, grad_input) && column_fits(input_grad_as_forward(s), dt, grad_out, grad_input);
+}
+
+enum class WgradTechnique { kColumn, kTiled, kGeneric };
+
+// Weight gradient: the technique both the workspace size and the launch follow.
+//   NHWC 3x3 s1/s2, whole 32-bit words of channels, WGRAD_COLUMN on     column walk
+//   3/5/7 square, s1/s2, dilation 1, 16/32-bit (NHWC: C % WgradVec)     tiled
+//   anything else                                                        generic
+WgradTechnique weight_grad_technique(const ConvShape& s, DType dt, const void* go, const void* x) {
+  if (knob(Knob::kWgradColumn, dt) != 0 && column_fits(s, dt, go, x)) return WgradTechnique::kColumn;
+  if (tiled_fits(s, dt, go, x, wgrad_vec(s.KH))) return WgradTechnique::kTiled;
+  return WgradTechnique::kGeneric;
+}
+
+}  // namespace
+
+// Forward (depthwise_forward.cu):
+//   outside the tiled kernels' cases (see tiled_fits)                    generic
+//   NHWC 3x3 s1/s2, whole 32-bit words of channels, FWD_COLUMN >= 1     column walk
+//   NCHW 3x3 s1 p1, 16-bit, rows of whole aligned 16-byte vectors       vector loads (the launcher checks)
+//   the rest of the tiled cases                                          tiled
+void launch_forward(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
+                    cudaStream_t stream) {
+  if (!tiled_fits(s, dt, x, y, nhwc_vec(dt))) return forward_generic(s, dt, x, w, bias, y, stream);
+  if (knob(Knob::kFwdColumn, dt) >= 1 && column_fits(s, dt, x, y))
+    return forward_nhwc_column(s, dt, x, w, bias, y, stream);
+  if (forward_nchw_vec3x3(s, dt, x, w, bias, y, stream)) return;
+  forward_tiled(s, dt, x, w, bias, y, stream);
+}
+
+// Input gradient (depthwise_input_grad.cu):
+//   outside the tiled kernels' cases (see tiled_fits)                    generic
+//   NHWC 3x3 s1, whole 32-bit words of channels, FWD_COLUMN >= 2        column walk, kernel rotated
+//   NCHW 3x3 s1 p1, 16-bit, rows of whole aligned 16-byte vectors       vector loads, kernel rotated (the launcher checks)
+//   the rest of the tiled cases                                          tiled
+void launch_dgrad(const ConvShape& s, DType dt, const void* go, const void* w, void* gx, cudaStream_t stream) {
+  if (!tiled_fits(s, dt, go, gx, nhwc_vec(dt))) return input_grad_generic(s, dt, go, w, gx, stream);
+  if (knob(Knob::kFwdColumn, dt) >= 2 && input_grad_column_fits(s, dt, go, gx))
+    return input_grad_nhwc_column(s, dt, go, w, gx, stream);
+  if (input_grad_nchw_vec3x3(s, dt, go, w, gx, stream)) return;
+  input_grad_tiled(s, dt, go, w, gx, stream);
+}
+
+// Weight gradient (depthwise_weight_grad.cu): weight_grad_technique's table above, then the fixed-order sum of the
+// partials.
+size_t wgrad_workspace_elems(const ConvShape& s, DType dt, const void* go, const void* x) {
+  int chunks = 0;
+  switch (weight_grad_technique(s, dt, go, x)) {
+    case WgradTechnique::kColumn: chunks = weight_grad_column_chunks(s, dt); break;
+    case WgradTechnique::kTiled: chunks = weight_grad_tiled_chunks(s, dt); break;
+    case WgradTechnique::kGeneric: chunks = weight_grad_generic_chunks(s); break;
+  }
+  return static_cast<size_t>(chunks) * s.C * (s.KH * s.KW + 1);
+}
+
+void launch_wgrad(const ConvShape& s, DType dt, const void* go, const void* x, void* ws, void* gw, void* gb,
+                  cudaStream_t stream) {
+  int chunks = 0;
+  switch (weight_grad_technique(s, dt, go, x)) {
+    case WgradTechnique::kColumn: chunks = weight_grad_column(s, dt, go, x, ws, stream); break;
+    case WgradTechnique::kTiled: chunks = weight_grad_tiled(s, dt, go, x, ws, stream); break;
+    case WgradTechnique::kGeneric: chunks = weight_grad_generic(s, dt, go, x, ws, stream); break;
+  }
+  weight_grad_finalize(s, dt, ws, chunks, gw, gb, stream);
+}
+
+}  // namespace mdw

@@ -1,0 +1,60 @@
+// One launcher per (pass, technique): defined in the pass's file (depthwise_forward.cu, depthwise_input_grad.cu,
+// depthwise_weight_grad.cu), picked by the tables in depthwise_dispatch.cpp. A launcher runs the case it is given;
+// the dispatch has checked that the case is its own (the NCHW 3x3 vector launchers check the alignment themselves
+// and return false when it does not allow their vectors).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "depthwise.h"
+
+namespace mdw {
+
+// Forward: y = act(conv(x, w) + bias), bias may be null.
+// NHWC 3x3, stride 1 or 2, whole 32-bit words of channels: a lane walks one output row (column walk).
+void forward_nhwc_column(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
+                         cudaStream_t stream);
+// NCHW 3x3, stride 1, padding 1, 16-bit: 16-byte vector loads along the rows, halo by shuffles.
+bool forward_nchw_vec3x3(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
+                         cudaStream_t stream);
+// 3/5/7 square, stride 1 or 2, dilation 1, 16/32-bit, either layout: register tiles of a few columns per lane.
+void forward_tiled(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
+                   cudaStream_t stream);
+// Any shape, dtype and layout the op accepts: one output element per thread.
+void forward_generic(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
+                     cudaStream_t stream);
+
+// Input gradient.
+// NHWC 3x3, stride 1: the forward column walk with the kernel rotated, on input_grad_as_forward(s).
+void input_grad_nhwc_column(const ConvShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,
+                            cudaStream_t stream);
+// NCHW 3x3, stride 1, padding 1, 16-bit: the forward's vector stencil with the kernel rotated.
+bool input_grad_nchw_vec3x3(const ConvShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,
+                            cudaStream_t stream);
+// 3/5/7 square, stride 1 or 2, dilation 1, 16/32-bit, either layout: register tiles of a few columns per lane.
+void input_grad_tiled(const ConvShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,
+                      cudaStream_t stream);
+// Any shape, dtype and layout: one input element per thread.
+void input_grad_generic(const ConvShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,
+                        cudaStream_t stream);
+
+// Weight and bias gradients, stage 1: a technique writes partial sums ws[chunk][C][KH*KW+1] (last slot: bias) for
+// the number of chunks its *_chunks() gives and returns that number. It depends only on the shape and the GPU, so
+// reruns are bitwise identical.
+// NHWC 3x3, stride 1 or 2, whole 32-bit words of channels: a lane walks one output row (column walk).
+int weight_grad_column_chunks(const ConvShape& s, DType dt);
+int weight_grad_column(const ConvShape& s, DType dt, const void* grad_out, const void* x, void* ws,
+                       cudaStream_t stream);
+// 3/5/7 square, stride 1 or 2, dilation 1, 16/32-bit, either layout: register tiles of a few columns per lane.
+int weight_grad_tiled_chunks(const ConvShape& s, DType dt);
+int weight_grad_tiled(const ConvShape& s, DType dt, const void* grad_out, const void* x, void* ws,
+                      cudaStream_t stream);
+// Any shape, dtype and layout.
+int weight_grad_generic_chunks(const ConvShape& s);
+int weight_grad_generic(const ConvShape& s, DType dt, const void* grad_out, const void* x, void* ws,
+                        cudaStream_t stream);
+// Stage 2: grad_weight[c][k] = sum over chunks of ws (fixed order), grad_bias[c] likewise from slot KH*KW.
+void weight_grad_finalize(const ConvShape& s, DType dt, const void* ws, int chunks, void* grad_weight,
+                          void* grad_bias, cudaStream_t stream);
+
+}  // namespace mdw

@@ -1,0 +1,70 @@
+// The launch-shape knobs (MDW_* environment overrides of measured per-dtype defaults), the SM count and the
+// images-per-block rule that launch_plan.h declares.
+#include "launch_plan.h"
+
+#include <c10/cuda/CUDAException.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <string>
+
+namespace mdw {
+
+int num_sms() {
+  static std::atomic<int> cached[64] = {};
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < 64 && cached[dev].load() > 0) return cached[dev].load();
+  int n = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+  if (dev < 64) cached[dev].store(n);
+  return n;
+}
+
+static int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::atoi(v) : fallback;
+}
+
+int knob(Knob k, DType dt) {
+  constexpr int kKnobs = static_cast<int>(Knob::kCount);
+  static const char* names[kKnobs] = {"GROUP_FASTEST", "IMAGES", "WGRAD_BLOCKS_PER_SM", "NCHW_ROWS", "WGRAD_COLUMN",
+                                      "FWD_COLUMN",    "FWD_COLUMN_ROWS", "COLUMN_REVERSE", "FWD_COLUMN_DEEP"};
+  static const char* suffix[] = {"F32", "F16", "BF16", "F64"};
+  static int cache[kKnobs][4];
+  static bool ready[kKnobs][4];
+  const int ki = static_cast<int>(k), di = static_cast<int>(dt);
+  if (!ready[ki][di]) {
+    // Defaults picked by the H200 sweeps of docs/kernel_notes.md, per dtype {F32, F16, BF16, F64}.
+    static const int defaults[kKnobs][4] = {
+        {1, 1, 1, 1},     // GROUP_FASTEST
+        {0, -6, -6, 0},   // IMAGES (0: auto, 16 blocks/SM; -6: auto, 6 blocks/SM)
+        {8, 4, 4, 8},     // WGRAD_BLOCKS_PER_SM (NHWC)
+        {2, 2, 2, 2},     // NCHW_ROWS (NCHW 3x3 stride 1 forward)
+        {1, 1, 1, 0},     // WGRAD_COLUMN (NHWC 3x3 weight gradient: column-walking kernel)
+        {2, 2, 2, 0},     // FWD_COLUMN (NHWC 3x3 column-walking forward; 2: also the stride-1 input gradient)
+        {2, 0, 0, 1},     // FWD_COLUMN_ROWS (column-walking forward: output rows per lane; 0: auto, see depthwise_forward.cu)
+        {1, 1, 1, 1},     // COLUMN_REVERSE (column walks: images last to first, see stencil_3x3.cuh)
+        {0, 0, 0, 0},     // FWD_COLUMN_DEEP (16-bit stride-1 column forward: more steps in flight, see depthwise_forward.cu)
+    };
+    const std::string base = std::string("MDW_") + names[ki];
+    int v = env_int(base.c_str(), defaults[ki][di]);
+    v = env_int((base + "_" + suffix[di]).c_str(), v);
+    cache[ki][di] = v;
+    ready[ki][di] = true;
+  }
+  return cache[ki][di];
+}
+
+int images_per_block(DType dt, int blocks_per_image, int N) {
+  // > 0: that many; 0: auto with ~16 blocks per SM; < 0: auto with -value blocks per SM.
+  const int setting = knob(Knob::kImages, dt);
+  int images = setting;
+  if (images <= 0) {
+    const long long target = static_cast<long long>(num_sms()) * (setting < 0 ? -setting : 16);
+    images = static_cast<int>((static_cast<long long>(blocks_per_image) * N + target - 1) / target);
+  }
+  return images < 1 ? 1 : (images > N ? N : images);
+}
+
+}  // namespace mdw

@@ -1,0 +1,163 @@
+// Host-side launch planning shared by the pass files (depthwise_*.cu) and the dispatch (depthwise_dispatch.cpp):
+// how a block's lanes cover a tile, the measured launch-shape knobs, the SM count and the per-dtype vector widths.
+// No device code; device_common.h decodes the Tiling on the device side.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cuda_runtime_api.h>
+
+#include "depthwise.h"
+
+namespace mdw {
+
+// How a block's lanes cover an output (or input, for dgrad) tile.
+//   NHWC: lane = cv + lanes_c * (sx + sx_n * sy); cv picks a vector of V channels, so a warp reads
+//         lanes_c*V contiguous channels of a few neighbouring pixels.
+//   NCHW: lane = sx + sx_n * (sy + sy_n * q); sx runs along the row for coalescing, q picks the plane.
+// Each (sx, sy) lane computes `tw` consecutive columns of one row.
+struct Tiling {
+  int lanes_c;   // NHWC: channel vectors per block; NCHW: planes per block
+  int sx_n;      // strips per tile row
+  int sy_n;      // rows per tile
+  int tiles_h;   // tiles along the rows
+  int tiles_w;   // tiles along the strips
+  int groups;    // NHWC: channel groups; NCHW: plane groups
+  int strip0;    // first strip index (dgrad starts its strips at padding/tw)
+  int threads;   // lanes_c * sx_n * sy_n
+  int block;     // threads rounded up to whole warps
+  int images;    // NHWC forward/dgrad: images each block loops over (amortises its weight staging)
+  int group_fastest;     // NHWC forward/dgrad: channel group is the fastest-varying block index
+  int blocks_per_group;  // NHWC forward/dgrad: blocks of one channel group
+  int reverse;           // column walks: bands of rows from the last image to the first (COLUMN_REVERSE)
+};
+
+inline int ceil_div(long long a, long long b) { return static_cast<int>((a + b - 1) / b); }
+
+inline int floor_pow2(int v) {
+  int p = 1;
+  while (p * 2 <= v) p *= 2;
+  return p;
+}
+
+// rows x strips to cover; `units` = channel vectors (NHWC) or planes (NCHW). NHWC: at most max_strips_c
+// strips per tile row (0: as many as the block's spatial lanes take, i.e. whole rows of strips).
+inline Tiling make_tiling(bool channels_last, int rows, int strip0, int strips, int units, int max_lanes_c = 8,
+                          int max_strips_c = 4) {
+  Tiling t{};
+  t.strip0 = strip0;
+  if (channels_last) {
+    // max_lanes_c vectors = one 128-byte line of channels per pixel; the other lanes take a 2-D
+    // patch of pixels so that neighbouring lanes share input rows and columns through L1.
+    t.lanes_c = floor_pow2(units < max_lanes_c ? units : max_lanes_c);
+    const int spatial = 256 / t.lanes_c;
+    const int max_sx = max_strips_c > 0 ? max_strips_c : spatial;
+    t.sx_n = strips < max_sx ? strips : max_sx;
+    t.sy_n = spatial / t.sx_n;
+    if (t.sy_n > rows) t.sy_n = rows;
+    t.groups = ceil_div(units, t.lanes_c);
+  } else {
+    t.sx_n = strips < 32 ? strips : 32;
+    t.sy_n = 256 / t.sx_n;
+    if (t.sy_n > rows) t.sy_n = rows;
+    t.lanes_c = 256 / (t.sx_n * t.sy_n);
+    if (t.lanes_c > units) t.lanes_c = units;
+    if (t.lanes_c < 1) t.lanes_c = 1;
+    t.groups = ceil_div(units, t.lanes_c);
+  }
+  t.tiles_h = ceil_div(rows, t.sy_n);
+  t.tiles_w = ceil_div(strips, t.sx_n);
+  // Same number of tiles, no more idle lanes than needed (14 rows: 2 tiles of 7, not 8 + 6).
+  t.sy_n = ceil_div(rows, t.tiles_h);
+  t.sx_n = ceil_div(strips, t.tiles_w);
+  if (!channels_last) {
+    t.lanes_c = 256 / (t.sx_n * t.sy_n);
+    if (t.lanes_c > units) t.lanes_c = units;
+    if (t.lanes_c < 1) t.lanes_c = 1;
+    t.groups = ceil_div(units, t.lanes_c);
+  }
+  t.threads = t.lanes_c * t.sx_n * t.sy_n;
+  t.block = ceil_div(t.threads, 32) * 32;
+  t.images = 1;
+  t.group_fastest = 1;
+  t.blocks_per_group = 0;
+  return t;
+}
+
+int num_sms();  // of the current device, cached
+
+// Blocks of the generic kernels' grid-stride loops: one element per thread, at most 32 blocks per SM.
+inline int grid_for(long long total, int block) {
+  const long long want = (total + block - 1) / block;
+  const long long cap = static_cast<long long>(num_sms()) * 32;
+  return static_cast<int>(want < cap ? (want > 0 ? want : 1) : cap);
+}
+
+// Compile-time strip width (outputs per lane along a row) for the tiled kernels.
+template <int K, int S>
+struct StripWidth {
+  static constexpr int value = K <= 3 ? 4 : (K == 5 && S == 1 ? 4 : 2);
+};
+
+// Channels per lane in the NHWC forward/dgrad kernels: one 16-byte vector (4 fp32, 8 fp16/bf16).
+// 8-byte vectors of 16-bit data (more lanes, fewer registers) measured slower (docs/kernel_notes.md).
+template <typename S>
+struct NhwcVec {
+  static constexpr int value = 16 / sizeof(S);
+};
+inline int nhwc_vec(DType dt) { return dt == DType::F32 ? 4 : 8; }
+
+// Channels per lane in the tiled NHWC weight-gradient kernel: K*K*V fp32 accumulators must fit in registers
+// next to the loads.
+template <int K>
+struct WgradVec {
+  static constexpr int value = K == 3 ? 4 : (K == 5 ? 2 : 1);
+};
+inline int wgrad_vec(int k) { return k == 3 ? 4 : (k == 5 ? 2 : 1); }
+
+// Launch-shape knobs, per dtype, with measured defaults; MDW_<NAME>_<F32|F16|BF16> or MDW_<NAME>
+// override them (used by the benchmark sweeps that picked the defaults).
+enum class Knob {
+  kGroupFastest, kImages, kWgradBlocksPerSm, kNchwRows,
+  kWgradColumn,  // NHWC 3x3 weight gradient through the column-walking kernel
+  kFwdColumn,    // NHWC 3x3 column-walking forward (1), and the stride-1 input gradient too (2)
+  kFwdColumnRows,  // column-walking forward: output rows per lane (1 or 2; 0: by shape, see depthwise_forward.cu)
+  kColumnReverse,  // column-walking forward/input gradient: blocks walk the images last to first (1) or first to last (0)
+  kFwdColumnDeep,  // 16-bit stride-1 column-walking forward: twice the steps in flight at 3 blocks per SM (1) or not (0)
+  kCount
+};
+int knob(Knob k, DType dt);
+// Images each NHWC forward/dgrad block loops over (amortises its weight staging).
+int images_per_block(DType dt, int blocks_per_image, int N);
+// Lanes along the channels: one 128-byte line per pixel.
+inline int nhwc_lanes_c(int vec, int elem_bytes) { return 128 / (vec * elem_bytes); }
+
+inline int elem_size(DType dt) {
+  return dt == DType::F64 ? 8 : (dt == DType::F32 ? 4 : 2);
+}
+
+inline bool aligned(const void* p, size_t bytes) { return (reinterpret_cast<uintptr_t>(p) % bytes) == 0; }
+
+// The stride-1 input gradient as a forward convolution: grad_input = conv(grad_out, rot180(w), stride 1,
+// padding K - 1 - P), i.e. the shape whose input is grad_out (OH x OW) and whose output is grad_input (H x W).
+inline ConvShape input_grad_as_forward(const ConvShape& s) {
+  ConvShape f = s;
+  f.H = s.OH;
+  f.W = s.OW;
+  f.OH = s.H;
+  f.OW = s.W;
+  f.PH = s.KH - 1 - s.PH;
+  f.PW = s.KW - 1 - s.PW;
+  return f;
+}
+
+// The generic kernels' host-side switch over every dtype, fp64 included.
+#define MDW_DISPATCH(dt, FN, ...)                               \
+  switch (dt) {                                                 \
+    case DType::F32: return FN<F32T>(__VA_ARGS__);              \
+    case DType::F16: return FN<F16T>(__VA_ARGS__);              \
+    case DType::BF16: return FN<BF16T>(__VA_ARGS__);            \
+    case DType::F64: return FN<F64T>(__VA_ARGS__);              \
+  }
+
+}  // namespace mdw
