@@ -316,7 +316,7 @@ def test_slim_trace_analyses_the_same():
 def _fixture(name: str):
     path = FIXTURES / f"{name}.json.gz"
     if not path.exists():
-        pytest.skip(f"fixture {path.name} not recorded (scripts/record_trace_fixtures.py on a GPU)")
+        pytest.skip(f"fixture {path.name} not recorded (tests/fixtures/record_trace_fixtures.py on a GPU)")
     return analyse_trace(path)
 
 

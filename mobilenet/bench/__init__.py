@@ -1,1 +1,2 @@
-"""Tools over benchmark runs: compare (the throughput matrix's table, CSV and chart)."""
+"""Tools over benchmark runs: matrix (the throughput matrix, measured one combination a process) and compare (its
+table, CSV and chart)."""

@@ -1,6 +1,6 @@
 """How far apart do two identical training runs end when one starts from weights nudged by a tiny relative amount?
 
-    python scripts/perturbation_growth.py [--nudge 1e-6] [--layers 4] [HYDRA OVERRIDES ...]
+    python scripts/experiments/perturbation_growth.py [--nudge 1e-6] [--layers 4] [HYDRA OVERRIDES ...]
 
 Both runs are `Trainer(cfg).fit()` with the same config, seed and data; before training, every parameter of the
 second is multiplied by (1 + nudge * N(0, 1)). The script prints both loss curves and, for the first --layers
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as `python scripts/perturbation_growth.py`
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as `python scripts/experiments/perturbation_growth.py`
 
 from mobilenet.config import compose  # noqa: E402
 from mobilenet.engine import Trainer  # noqa: E402
