@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
         r_base, r_nudged = base.fit(), nudged.fit()
     print("loss, base:  ", " ".join(f"{v:.4f}" for _, v in r_base.losses))
     print("loss, nudged:", " ".join(f"{v:.4f}" for _, v in r_nudged.losses))
-    print(f"| parameter | shape | max abs gap between the runs | max abs move by training | max abs at start |")
+    print("| parameter | shape | max abs gap between the runs | max abs move by training | max abs at start |")
     print("|---|---|--:|--:|--:|")
     params = zip(base.model.named_parameters(), nudged.model.parameters(), start)
     for (name, a), b, a0 in list(params)[: args.layers]:
