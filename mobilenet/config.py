@@ -85,11 +85,11 @@ class DaliConfig:
     threads: int = 4
     prefetch: int = 2
     seed: int = 42
-    # Share of images nvJPEG sends to the hardware JPEG decoder where the GPU has one (0..1). All of them on the
-    # H200: 17.9k vs 15.9k img/s at DALI's 0.65, and the SMs stay free for training (docs/results/loader_h200.md).
+    # Share of images nvJPEG sends to the hardware JPEG decoder where the GPU has one (0..1). All of them: on the
+    # H200 that decodes faster than DALI's default of 0.65 and leaves the SMs to training (docs/results/loader_h200.md).
     hw_decoder_load: float = 1.0
     # Check every file's image signature / JPEG structure before DALI starts (DALI's decode errors do not name
-    # the file, and DALI 2.4's CPU decoder has segfaulted instead of failing); needed for data.skip_corrupt. Costs
+    # the file, and DALI 2.4's CPU decoder can segfault instead of failing); needed for data.skip_corrupt. Costs
     # one small read at each end of every file.
     check_files: bool = True
 
@@ -129,7 +129,7 @@ class DataConfig:
 class OptimConfig:
     name: OptimName = OptimName.sgd
     # fused: GradScaler skips an overflowing fp16 step inside the kernel instead of reading found_inf back every step
-    # (a host sync); 1.35x the training img/s of foreach on the H200 (docs/results/optimizer_impl_h200.md).
+    # (a host sync), which makes training clearly faster than with foreach (docs/results/optimizer_impl_h200.md).
     impl: OptimImpl = OptimImpl.fused
     # Learning rate for a batch of 256; scaled linearly with the global batch size.
     lr: float = 0.1
@@ -154,18 +154,19 @@ class PerfConfig:
     single_gpu_img_s: Optional[float] = None
     # The CUDA stream the run issues its work on (mobilenet/streams.py). default: PyTorch's default stream, which is
     # CUDA's legacy stream and so implicitly synchronises with every blocking stream in the process; dedicated: a
-    # non-blocking stream of the run's own; auto: dedicated for data=dali (DALI-fed training 12.7k vs 10.2k img/s on
-    # the H200, one A/B pair), the default stream otherwise. train.py and infer.py's evaluation follow it.
+    # non-blocking stream of the run's own; auto: dedicated for data=dali (DALI's work then overlaps training instead
+    # of serialising with it), the default stream otherwise (mobilenet/streams.py). train.py and infer.py's evaluation
+    # follow it.
     stream: StreamMode = StreamMode.auto
     # The scheduling priority of a dedicated stream: high lets the GPU start the run's kernels ahead of work queued
-    # on normal-priority streams (a loader's decoding), which then runs in the gaps. auto: high for data=dali
-    # (DALI-fed training 12.4k vs 12.0-12.2k img/s on the H200, two A/B pairs), normal otherwise. The default
+    # on normal-priority streams (a loader's decoding), which then runs in the gaps. auto: high for data=dali (the
+    # only loader measured to gain from it, mobilenet/streams.py), normal otherwise. The default
     # stream's priority cannot be changed, so high needs a dedicated stream.
     stream_priority: StreamPriority = StreamPriority.auto
     # CUDA_DEVICE_MAX_CONNECTIONS, the hardware work queues between host and GPU (CUDA's default 8), applied before
     # the run creates its CUDA context: auto or 1..32. With 8, DALI's ~15 decoder streams share queues with the
-    # training stream and wait behind its kernels. auto: 32 for data=dali (DALI-fed training 13.1-13.6k vs 10.9-12.4k
-    # img/s eager, 13.8-14.1k vs 9.6k captured, on the H200), CUDA's default otherwise (mobilenet/streams.py).
+    # training stream and wait behind its kernels. auto: 32 for data=dali (faster DALI-fed training, eager and
+    # captured), CUDA's default otherwise (mobilenet/streams.py).
     max_connections: str = "auto"
 
 
@@ -201,9 +202,9 @@ class Config:
     compile: bool = False
     # Capture the training step as one CUDA graph (mobilenet/cuda_graph.py): true = required (an error where the run
     # cannot be captured); auto = where it can and was measured to help, and the summary says which; false = eager.
-    # auto by default: on the H200 it buys 1-2% with synthetic data, and about 5% DALI-fed once DALI has 32 hardware work
-    # queues (perf.max_connections); docs/results/cuda_graph_h200.md. Replayed steps match eager ones step by step
-    # (tests/test_cuda_graph.py, passed on the H200).
+    # auto by default: capture is a little faster with synthetic data, and more so DALI-fed once DALI has 32 hardware
+    # work queues (perf.max_connections); docs/results/cuda_graph_h200.md. Replayed steps match eager ones step by
+    # step (tests/test_cuda_graph.py, a GPU test).
     cuda_graph: str = "auto"
     # Inference (infer.py) only. fold_bn: every BatchNorm folded into the convolution before it, weights stored once in
     # the run's dtype (mobilenet/inference_model.py); false runs the training graph in eval mode, so each step of the

@@ -91,8 +91,8 @@ register_backend(
 #                cudnnConvolutionBackwardFilter(x, grad) directly. We assert that dispatch once per case.
 # Wrapped as custom ops so torch.compile keeps them as calls instead of re-lowering them.
 # Where PyTorch's own dispatch already picks cuDNN (channels_last, and some NCHW cases), F.conv2d makes the same
-# three cuDNN calls with a fraction of the custom ops' host overhead, which otherwise made this backend host-bound
-# (H200, fp16 channels_last: 10.3k-13.9k img/s between runs vs 14.4k through F.conv2d). That choice is checked per
+# three cuDNN calls with a fraction of the custom ops' host overhead, which would otherwise make this backend
+# host-bound, slower and less steady from run to run than F.conv2d. That choice is checked per
 # case with the selector that convolution_backward uses too, so both gradients stay on cuDNN as well.
 
 

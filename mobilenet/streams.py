@@ -3,25 +3,23 @@
 PyTorch issues work on the device's default stream, which is CUDA's *legacy* default stream: every operation on
 it waits for all earlier work on the process's blocking streams, and work on those streams waits for it. A library
 that copies or launches on blocking streams (or on the legacy stream itself) then serialises with training
-instead of overlapping it. DALI's GPU decoding is such a case: on the H200, DALI-fed training (fp16, channels_last,
-batch 256) ran at 12.7k img/s on a dedicated stream against 10.2k on the default stream, one A/B pair back to back
-(docs/results/loader_h200.md). With synthetic data the two were within 2% (14.7k vs 15.0k, one run each), so
+instead of overlapping it. DALI's GPU decoding is such a case: DALI-fed training runs clearly faster on a dedicated
+stream, while with synthetic data the two streams are within the run-to-run spread (docs/results/loader_h200.md), so
 `auto` uses a dedicated stream for data=dali only.
 
 `perf.stream_priority=auto|normal|high` sets that stream's scheduling priority. With high, the GPU starts the run's
-kernels ahead of work waiting on normal-priority streams, such as DALI's decoding, which then fills the gaps. DALI-fed
-training measured 12.4k (twice) against 12.0k and 12.2k img/s at normal priority, two A/B pairs, and synthetic data
-15.0k either way, so `auto` gives data=dali runs the high priority.
+kernels ahead of work waiting on normal-priority streams, such as DALI's decoding, which then fills the gaps. It gains
+a few percent DALI-fed and nothing with synthetic data (docs/results/loader_h200.md), so `auto` gives data=dali runs
+the high priority.
 
 `perf.max_connections=auto|1..32` sets CUDA_DEVICE_MAX_CONNECTIONS, the number of hardware work queues through which
 the host feeds the GPU (CUDA's default: 8). Streams beyond that share queues, and work in one queue runs in order,
 so a stream that shares a queue with the training stream waits behind the training kernels queued before its own
-work, although the two are independent. DALI's decoder uses about 15 streams. With 32 queues, DALI-fed training on
-the H200 went from 10.9-12.4k to 13.1-13.6k img/s eager, and captured (cuda_graph=true) from 9.6k to 13.8-14.1k,
-against 15.0k on synthetic data, which 32 queues left unchanged (docs/results/loader_h200.md, 2026-11-30).
-`auto` gives data=dali runs 32 and leaves other runs at CUDA's default, unless the environment already sets the
-variable. It must be set before the process creates its CUDA context, so train.py and infer.py apply it before they
-touch the GPU.
+work, although the two are independent. DALI's decoder uses about 15 streams. 32 queues make DALI-fed training
+faster, eager and more so captured (cuda_graph=true), and leave synthetic-data training unchanged
+(docs/results/loader_h200.md). `auto` gives data=dali runs 32 and leaves other runs at CUDA's default, unless the
+environment already sets the variable. It must be set before the process creates its CUDA context, so train.py and
+infer.py apply it before they touch the GPU.
 
 A dedicated stream is created with `torch.cuda.Stream()`, which PyTorch makes non-blocking. The run's model, optimizer
 state and batches are created on it (so autograd's gradient accumulation runs on the stream that produces the

@@ -6,8 +6,8 @@ pass must move over the device-to-device copy bandwidth measured in this run). T
 CUDA-graph replays (launch overhead out of the numbers; eager fallback if capture fails, marked in the table),
 warm-up, median of repeats, and a rotation over several input sets totalling well above the 60 MB L2 so that no
 pass reads its inputs from L2. cuDNN autotunes its algorithm per shape, as in train.py and infer.py
-(--no-cudnn-benchmark: its heuristic choice; on the H200's 56-wide fp16 layer it took 0.171 ms against 0.120
-autotuned, docs/kernel_notes.md, 2026-11-30, commits ede22fc..b5dcbf7).
+(--no-cudnn-benchmark: its heuristic choice, which is slower than the autotuned one on some layers; docs/kernel_notes.md,
+"cuDNN autotuned in the benchmark").
 Writes docs/results/depthwise_<gpu>.md and .csv.
 
 --l2 warm measures the layers as they run inside the model instead: before each pass a producer kernel (a ReLU

@@ -15,7 +15,7 @@ if has depthwise; then
   python scripts/bench_depthwise.py --repeats 10 --out "$OUT/depthwise_h200"
   # The layers as the model runs them: each input written by a producer kernel just before (docs/kernel_notes.md, v9).
   python scripts/bench_depthwise.py --dtypes fp16,bf16 --layouts nhwc --backends cudnn,custom --modes fwd,fwdbwd --repeats 10 --l2 warm --out "$OUT/depthwise_h200_l2warm"
-  # The deeper 16-bit stride-1 forward, not yet the default (docs/kernel_notes.md, 2026-11-30, commits ede22fc..b5dcbf7).
+  # The deeper 16-bit stride-1 forward (MDW_FWD_COLUMN_DEEP), an opt-in knob (docs/kernel_notes.md, FWD_COLUMN_DEEP).
   for l2 in warm cold; do
     MDW_FWD_COLUMN_DEEP=1 python scripts/bench_depthwise.py --dtypes fp16,bf16 --layouts nhwc --backends cudnn,custom --modes fwd --repeats 10 --l2 $l2 --out "$OUT/depthwise_h200_fwd_column_deep_${l2/warm/l2warm}"
   done
@@ -36,7 +36,7 @@ if has inference-ab; then
   for r in 1 2 3; do for rows in 1 0; do
     MDW_FWD_COLUMN_ROWS_F16=$rows MDW_FWD_COLUMN_ROWS_BF16=$rows python scripts/inference_ab.py | tee "$OUT/inference_ab_rows${rows}_r$r.txt"
   done; done
-  # ... and with the deeper 16-bit stride-1 forward (1) against the default (0) (2026-11-30, commits ede22fc..b5dcbf7).
+  # ... and with the deeper 16-bit stride-1 forward (1) against the default (0) (docs/kernel_notes.md, FWD_COLUMN_DEEP).
   for r in 1 2; do for deep in 0 1; do
     MDW_FWD_COLUMN_DEEP=$deep python scripts/inference_ab.py | tee "$OUT/inference_ab_deep${deep}_r$r.txt"
   done; done

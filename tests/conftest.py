@@ -24,6 +24,18 @@ def digits_root() -> Path:
     return ensure_builtin("digits")
 
 
+@pytest.fixture(scope="session")
+def matrix(tmp_path_factory) -> Path:
+    """A tiny matrix really run by scripts/benchmark.py, for its tests and compare.py's: torch x {fp32, bf16} x
+    {NCHW, channels_last} measured; cudnn (no CUDA) and the timm peer asked for as well."""
+    from matrix_runs import BENCHMARK, TINY, run_tool
+
+    out = tmp_path_factory.mktemp("matrix")
+    run_tool(BENCHMARK, *TINY, "--backends", "torch,cudnn", "--amp", "off,bf16", "--channels-last", "false,true",
+             "--out", str(out), check=True)
+    return out
+
+
 @pytest.fixture
 def run_dir(tmp_path) -> Path:
     return tmp_path / "run"

@@ -9,8 +9,7 @@ from torch import nn
 
 from mobilenet import cuda_graph, streams
 from mobilenet.config import compose
-from mobilenet.engine import Trainer, build_optimizer, load_checkpoint, warmup_cosine
-from scripts_under_test import load_script
+from mobilenet.engine import Trainer, build_optimizer, warmup_cosine
 
 CUDA = torch.device("cuda")  # a device name only: resolve() is a pure function of the config and the device kind
 CPU_FAST = ["model.width_mult=0.25", "device=cpu", "progress=false", "perf.warmup_steps=1", "data=synthetic",
@@ -233,17 +232,3 @@ def _loss_step(model, opt, x, y):
     loss.backward()
     opt.step()
     return loss
-
-
-def test_perturbation_growth_reports_zero_gap_without_a_nudge_and_a_gap_with_one(capsys):
-    """scripts/perturbation_growth.py, the evidence for comparing step by step above: on the CPU two identical runs
-    end bit-identical, and a nudge shows."""
-    script = load_script("perturbation_growth")
-    small = ["device=cpu", "model.width_mult=0.25", "data.steps_per_epoch=3", "data.resolution=32", "data.batch_size=8"]
-    gaps = {}
-    for nudge in (0.0, 1e-3):
-        script.main(["--nudge", str(nudge), "--layers", "2", *small])
-        rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| features")]
-        assert len(rows) == 2
-        gaps[nudge] = [float(r[3]) for r in rows]
-    assert gaps[0.0] == [0.0, 0.0] and all(g > 0 for g in gaps[1e-3])

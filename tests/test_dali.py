@@ -243,9 +243,8 @@ def test_skip_corrupt_skips_and_counts(digits, tmp_path, caplog):
 
 def test_without_file_checks_a_dali_failure_still_names_the_file(digits, tmp_path):
     """DALI fails without naming the file; the loader finds and names it. DALI's failure runs in a fresh interpreter:
-    in this file's process, after the other tests' pipelines, DALI 2.4's CPU decoder segfaulted in a decode thread
-    while failing (3 of 54 runs of the file); in a process of its own the same failure raised cleanly 260 times in
-    260 (with and without other loaders built and dropped before it)."""
+    in a process that has run other pipelines, DALI 2.4's CPU decoder can segfault in a decode thread while failing,
+    where in a process of its own the same failure raises cleanly."""
     root = copy_tree(digits, tmp_path / "data")
     bad = sorted((root / "val" / "5").glob("*.jpg"))[0]
     bad.write_text("not an image\n")

@@ -91,17 +91,6 @@ def test_sync_bn_without_a_process_group_is_refused(run_dir):
         Trainer(compose([*COMMON, "sync_bn=true"]), run_dir)
 
 
-def test_optimizer_implementations(run_dir):
-    for impl in ("foreach", "fused"):
-        t = Trainer(compose([*COMMON, f"optim.impl={impl}", "epochs=1", "data.steps_per_epoch=2",
-                             "perf.warmup_steps=1", "evaluate=false"]), run_dir)
-        assert t.optimizer.defaults[impl] is True
-    with pytest.raises(ImportError, match="optim.impl=apex: NVIDIA apex is not installed"):
-        Trainer(compose([*COMMON, "optim.impl=apex"]), run_dir)
-    with pytest.raises(ValueError, match="optim.name=lamb is apex's FusedLAMB"):
-        Trainer(compose([*COMMON, "optim.name=lamb"]), run_dir)
-
-
 def test_a_crashed_rank_does_not_leave_the_other_hanging(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "train.py",
            *COMMON, f"log_root={tmp_path}", "epochs=500", "dist.timeout_s=30"]

@@ -214,7 +214,7 @@ def test_the_documented_gpu_command_on_a_cpu_names_the_backend(run_dir):
 @pytest.mark.parametrize("impl", ["fused", "foreach"])
 def test_an_overflowing_fp16_step_is_skipped_and_later_steps_match_stock_sgd(impl):
     """GradScaler skips a step whose gradients overflow. torch's fused SGD alone leaves garbage in the momentum
-    buffers of a skipped first step (the likely cause of a NaN seen on the H200); build_optimizer must make it match foreach."""
+    buffers of a skipped first step, which can turn the loss into NaN; build_optimizer must make it match foreach."""
     from torch import nn
 
     from mobilenet.engine import build_optimizer

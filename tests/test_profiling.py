@@ -34,12 +34,13 @@ def _cfg(**kw):
 
 
 def _assert_partition(report):
-    total = sum(report.categories[c].pct for c in CATEGORIES)
+    gpu_time, util = report.gpu_time, report.utilisation
+    total = sum(gpu_time.categories[c].pct for c in CATEGORIES)
     assert math.isclose(total, 100.0, abs_tol=1e-6), total
-    assert math.isclose(sum(report.categories[c].ms_per_step for c in CATEGORIES), report.gpu_ms_per_step, rel_tol=1e-9)
-    assert math.isclose(report.busy_pct + report.idle_host_pct + report.idle_gap_pct, 100.0, abs_tol=1e-6)
-    assert report.idle_host_sync_pct <= report.idle_host_pct + 1e-9
-    assert report.idle_host_data_pct <= report.idle_host_pct + 1e-9
+    assert math.isclose(sum(gpu_time.categories[c].ms_per_step for c in CATEGORIES), gpu_time.gpu_ms_per_step, rel_tol=1e-9)
+    assert math.isclose(util.busy_pct + util.idle_host_pct + util.idle_gap_pct, 100.0, abs_tol=1e-6)
+    assert util.idle_host_sync_pct <= util.idle_host_pct + 1e-9
+    assert util.idle_host_data_pct <= util.idle_host_pct + 1e-9
 
 
 # --- capture on CPU, real model -----------------------------------------------------------------------------
@@ -78,7 +79,7 @@ def test_cpu_capture_writes_trace_and_report(tmp_path, mode):
     assert prof.finished and prof.recorded_steps == 2
     assert (tmp_path / TRACE_FILE).exists() and (tmp_path / REPORT_FILE).exists()
     assert not report.gpu and report.steps == 2
-    assert report.profiler_overhead_pct is not None
+    assert report.timing.profiler_overhead_pct is not None
     md = (tmp_path / REPORT_FILE).read_text()
     assert "No GPU" in md and "only CPU ops" in md
     assert any("conv" in o["op"] for o in report.top_ops)
@@ -188,10 +189,10 @@ def _gpu_bound_trace() -> dict:
 
 def test_step_time_counts_gpu_completion_when_the_host_runs_ahead():
     r = analyse_trace(_gpu_bound_trace(), baseline_step_ms=1.0)
-    assert math.isclose(r.host_step_ms_median, 0.2)
+    assert math.isclose(r.timing.host_step_ms_median, 0.2)
     # completions at 1020, 2020, 3020 us; the first step counts from its host start (0)
-    assert [round(t, 6) for t in r.step_ms] == [1.02, 1.0, 1.0]
-    assert math.isclose(r.step_ms_median, 1.0) and math.isclose(r.profiler_overhead_pct, 0.0, abs_tol=1e-9)
+    assert [round(t, 6) for t in r.timing.step_ms] == [1.02, 1.0, 1.0]
+    assert math.isclose(r.timing.step_ms_median, 1.0) and math.isclose(r.timing.profiler_overhead_pct, 0.0, abs_tol=1e-9)
     assert any(f.title == "host runs ahead" for f in r.findings)
 
 
@@ -199,29 +200,30 @@ def test_synthetic_gpu_trace_exact_figures():
     r = analyse_trace(_synthetic_gpu_trace(), baseline_step_ms=0.8)
     _assert_partition(r)
     assert r.gpu and r.steps == 2 and r.env["gpu"] == "Synthetic GPU"
-    cat = r.categories
+    cat = r.gpu_time.categories
     # Per step: memcpy 25, transpose 10, cast 2, depthwise 60 + 40 + 90, other 70 + 30 (microseconds).
-    assert math.isclose(r.gpu_ms_per_step, 0.327)
+    assert math.isclose(r.gpu_time.gpu_ms_per_step, 0.327)
     assert math.isclose(cat["memcpy"].ms_per_step, 0.025)
     assert math.isclose(cat["transpose"].ms_per_step, 0.010) and cat["transpose"].count_per_step == 1
-    assert math.isclose(cat["cast"].ms_per_step, 0.002) and r.casts_per_step == 1
+    assert math.isclose(cat["cast"].ms_per_step, 0.002) and r.gpu_time.casts_per_step == 1
     assert math.isclose(cat["depthwise"].ms_per_step, 0.190)
     assert math.isclose(cat["other"].ms_per_step, 0.100)
-    assert r.transposes[0]["op"] == "aten::conv2d > aten::cudnn_convolution" and r.transposes[0]["phase"] == "forward"
-    assert r.casts[0]["op"] == "aten::_to_copy > aten::copy_"
-    assert set(r.depthwise_impls) == {"cuDNN", "custom (kernels/)", "PyTorch native"}
-    assert r.depthwise_implementation == "PyTorch native"  # 90 of 190 us
+    assert (r.gpu_time.transposes[0]["op"], r.gpu_time.transposes[0]["phase"]) == ("aten::conv2d > aten::cudnn_convolution",
+                                                                                 "forward")
+    assert r.gpu_time.casts[0]["op"] == "aten::_to_copy > aten::copy_"
+    assert set(r.gpu_time.depthwise_impls) == {"cuDNN", "custom (kernels/)", "PyTorch native"}
+    assert r.gpu_time.depthwise_implementation == "PyTorch native"  # 90 of 190 us
     # The stream sync and the pageable copy itself, which blocks the host too.
-    assert r.pageable_copies_per_step == 1 and r.syncs_per_step == 2
-    assert {s["call"] for s in r.syncs} == {"cudaStreamSynchronize", "cudaMemcpyAsync (pageable)"}
-    assert {s["phase"] for s in r.syncs} == {"data"}
-    assert r.other_thread_syncs_per_step == 1 and r.other_thread_cuda_calls_per_step == 1
+    assert r.gpu_time.pageable_copies_per_step == 1 and r.host_syncs.syncs_per_step == 2
+    assert {s["call"] for s in r.host_syncs.syncs} == {"cudaStreamSynchronize", "cudaMemcpyAsync (pageable)"}
+    assert {s["phase"] for s in r.host_syncs.syncs} == {"data"}
+    assert r.host_syncs.other_thread_syncs_per_step == 1 and r.host_syncs.other_thread_cuda_calls_per_step == 1
     # Idle split, per step: the GPU idles 0-30 (host issues the copy at 20), 55-130 (next launch issued at 120), ...
-    assert r.idle_host_data_pct > 0 and r.idle_host_sync_pct > 0
-    assert r.kernels_per_step == 7 and r.short_kernels_per_step == 1  # the 2 us cast under a 5 us launch
-    assert math.isclose(r.profiler_overhead_pct, 25.0)
+    assert r.utilisation.idle_host_data_pct > 0 and r.utilisation.idle_host_sync_pct > 0
+    assert r.launches.kernels_per_step == 7 and r.launches.short_kernels_per_step == 1  # the 2 us cast under a 5 us launch
+    assert math.isclose(r.timing.profiler_overhead_pct, 25.0)
     # The step time reported is the unprofiled one; the profiled steps' time is shown with the overhead.
-    assert r.step_time_ms == 0.8 and math.isclose(r.step_ms_median, 1.0)
+    assert r.step_time_ms == 0.8 and math.isclose(r.timing.step_ms_median, 1.0)
     md = r.markdown()
     assert "Step time: **0.80 ms** without the profiler" in md and "(+25.0% profiler overhead)" in md
     titles = {f.title for f in r.findings}
@@ -241,11 +243,11 @@ def test_device_wide_syncs_of_another_thread_are_named_with_their_cost():
         b.x("cudaDeviceSynchronize", "cuda_runtime", t + 100, 800 + s, tid=9)
         b.x("cudaEventSynchronize", "cuda_runtime", t + 950, 10, tid=9)  # blocking, but not device-wide
     r = analyse_trace({"traceEvents": b.events, "deviceProperties": [{"name": "Synthetic GPU"}]})
-    assert r.other_thread_device_syncs_per_step == 1 and r.other_thread_syncs_per_step == 2
-    assert math.isclose(r.other_thread_device_sync_ms_median, 0.8015)
+    assert r.host_syncs.other_thread_device_syncs_per_step == 1 and r.host_syncs.other_thread_syncs_per_step == 2
+    assert math.isclose(r.host_syncs.other_thread_device_sync_ms_median, 0.8015)
     (f,) = [f for f in r.findings if f.title == "device-wide syncs from other threads"]
     assert "1.0 per step" in f.detail and "0.80 ms each" in f.detail and "DLTensorGraveyard" in f.hint
-    assert r.syncs_per_step == 0  # the step's own threads never blocked
+    assert r.host_syncs.syncs_per_step == 0  # the step's own threads never blocked
     # The step-thread trace above has no such call, and no such finding.
     assert not any(f.title == "device-wide syncs from other threads" for f in analyse_trace(_synthetic_gpu_trace()).findings)
 
@@ -264,7 +266,7 @@ def _many_streams_trace() -> dict:
 
 def test_more_streams_than_hardware_work_queues_is_a_finding_with_the_setting_that_fixes_it():
     r = analyse_trace(_many_streams_trace(), meta={"cuda_work_queues": 8})
-    assert (r.streams_with_work, r.work_queues) == (13, 8)
+    assert (r.host_syncs.streams_with_work, r.host_syncs.work_queues) == (13, 8)
     (f,) = [f for f in r.findings if f.title == "streams share hardware work queues"]
     assert f.detail.startswith("13 CUDA streams ran work in these steps, but the process had 8 hardware work queues:")
     assert "perf.max_connections=32" in f.hint and f.severity == "warn"
@@ -291,13 +293,13 @@ def _cold_trace() -> dict:
 def test_first_call_effects_are_flagged():
     r = analyse_trace(_cold_trace())
     _assert_partition(r)
-    assert r.first_step_ratio == pytest.approx(20.0)
-    assert r.first_step_extra_kernels == 50
-    assert len(r.slow_launches) == 1 and r.slow_launches[0]["max_ms"] == pytest.approx(2.9)
+    assert r.timing.first_step_ratio == pytest.approx(20.0)
+    assert r.launches.first_step_extra_kernels == 50
+    assert len(r.launches.slow_launches) == 1 and r.launches.slow_launches[0]["max_ms"] == pytest.approx(2.9)
     finding = next(f for f in r.findings if f.title == "first-call effects in the window")
     assert "skip_first" in finding.hint and "--skip-steps 1" in finding.hint
     steady = analyse_trace(_cold_trace(), skip_steps=1)
-    assert steady.steps == 2 and steady.kernels_per_step == 1
+    assert steady.steps == 2 and steady.launches.kernels_per_step == 1
     assert "first-call effects in the window" not in {f.title for f in steady.findings}
     with pytest.raises(ValueError):
         analyse_trace(_cold_trace(), skip_steps=3)
@@ -316,7 +318,7 @@ def test_slim_trace_analyses_the_same():
 def _fixture(name: str):
     path = FIXTURES / f"{name}.json.gz"
     if not path.exists():
-        pytest.skip(f"fixture {path.name} not recorded (scripts/record_trace_fixtures.py on a GPU)")
+        pytest.skip(f"fixture {path.name} not recorded (tests/fixtures/record_trace_fixtures.py on a GPU)")
     return analyse_trace(path)
 
 
@@ -333,64 +335,64 @@ def test_fixture_partition_and_environment(name):
     r = _fixture(name)
     assert r.gpu and "H200" in r.env["gpu"] and r.steps == 3
     assert r.env["cudnn"] == "91900" and r.env["torch"].startswith("2.11")
-    assert r.env["batch_size"] == 32 and r.baseline_step_ms > 0 and r.profiler_overhead_pct is not None
+    assert r.env["batch_size"] == 32 and r.timing.baseline_step_ms > 0 and r.timing.profiler_overhead_pct is not None
     _assert_partition(r)
     # Every GPU row was linked to the call that launched it, so each one has an op.
     assert not any("unlinked" in n for n in r.notes)
-    assert r.kernels_per_step > 0 and r.top_kernels and r.top_kernels[0]["op"] != "(no op)"
-    assert "unidentified" not in r.depthwise_impls
+    assert r.launches.kernels_per_step > 0 and r.gpu_time.top_kernels and r.gpu_time.top_kernels[0]["op"] != "(no op)"
+    assert "unidentified" not in r.gpu_time.depthwise_impls
 
 
 def test_fixture_amp_nchw_has_cudnn_transposes():
     """User report 3: AMP fp16 NCHW training, cuDNN transposes inside the conv backward, thousands of casts."""
     r = _fixture("amp_fp16_nchw_torch")
     assert r.env["precision"] == "amp fp16" and r.env["memory_format"] == "NCHW"
-    tr = r.categories["transpose"]
+    tr = r.gpu_time.categories["transpose"]
     assert tr.count_per_step >= 10 and tr.pct > 1
-    by_phase = {t["phase"]: t for t in r.transposes}
+    by_phase = {t["phase"]: t for t in r.gpu_time.transposes}
     assert "aten::convolution_backward" in by_phase["backward"]["op"]
     assert "aten::cudnn_convolution" in by_phase["forward"]["op"]
-    assert any("nchwToNhwc" in k["kernel"] and k["category"] == "transpose" for k in r.top_kernels)
+    assert any("nchwToNhwc" in k["kernel"] and k["category"] == "transpose" for k in r.gpu_time.top_kernels)
     assert any("channels_last=true would remove" in f.hint for f in r.findings)
-    assert r.casts_per_step > 20 and {c["phase"] for c in r.casts} >= {"forward", "backward"}
+    assert r.gpu_time.casts_per_step > 20 and {c["phase"] for c in r.gpu_time.casts} >= {"forward", "backward"}
     # PyTorch's heuristic splits fp16 NCHW depthwise layers between its own kernel and cuDNN.
-    assert set(r.depthwise_impls) == {"PyTorch native", "cuDNN"}
+    assert set(r.gpu_time.depthwise_impls) == {"PyTorch native", "cuDNN"}
     # GradScaler reads found_inf back every step.
-    assert any("_local_scalar_dense" in s["op"] and s["phase"] == "optimizer" for s in r.syncs)
+    assert any("_local_scalar_dense" in s["op"] and s["phase"] == "optimizer" for s in r.host_syncs.syncs)
 
 
 def test_fixture_channels_last_has_no_transposes():
     r = _fixture("amp_fp16_cl")
     assert r.env["memory_format"] == "channels_last"
-    assert r.categories["transpose"].count_per_step == 0 and r.transposes == []
+    assert r.gpu_time.categories["transpose"].count_per_step == 0 and r.gpu_time.transposes == []
     assert "layout transposes" not in {f.title for f in r.findings}
-    assert r.depthwise_impls == {"cuDNN": 100.0}
-    assert any("depthwise_convolution" in k["kernel"] and k["category"] == "depthwise" for k in r.top_kernels) or \
-        r.categories["depthwise"].pct > 10
+    assert r.gpu_time.depthwise_impls == {"cuDNN": 100.0}
+    assert any("depthwise_convolution" in k["kernel"] and k["category"] == "depthwise" for k in r.gpu_time.top_kernels) or \
+        r.gpu_time.categories["depthwise"].pct > 10
 
 
 def test_fixture_pageable_copies():
     """User report 1: host-to-device copies of pageable memory dominate the GPU time."""
     r = _fixture("fp32_pageable_infer")
     assert r.env["mode"] == "infer"
-    assert r.pageable_copies_per_step >= 1
-    htod = [m for m in r.memcpys if "HtoD" in m["kind"] and m["pageable"]]
+    assert r.gpu_time.pageable_copies_per_step >= 1
+    htod = [m for m in r.gpu_time.memcpys if "HtoD" in m["kind"] and m["pageable"]]
     assert htod and htod[0]["MB_per_step"] == pytest.approx(32 * 3 * 224 * 224 * 4 / 1e6, rel=0.01)
-    assert r.categories["memcpy"].pct > 30
-    assert r.syncs_per_step >= 1 and any(s["phase"] == "data" for s in r.syncs)
+    assert r.gpu_time.categories["memcpy"].pct > 30
+    assert r.host_syncs.syncs_per_step >= 1 and any(s["phase"] == "data" for s in r.host_syncs.syncs)
     titles = {f.title for f in r.findings}
     assert {"pageable host copies", "copies dominate"} <= titles
     assert any("pin_memory=True" in f.hint for f in r.findings)
-    assert r.depthwise_impls == {"PyTorch native": 100.0}  # fp32 NCHW depthwise: PyTorch's own kernel
-    assert r.casts_per_step == 0
+    assert r.gpu_time.depthwise_impls == {"PyTorch native": 100.0}  # fp32 NCHW depthwise: PyTorch's own kernel
+    assert r.gpu_time.casts_per_step == 0
 
 
 def test_fixture_cudnn_backend_is_identified():
     """backend=cudnn runs every depthwise conv through its own custom op, on cuDNN's kernels."""
     r = _fixture("amp_fp16_nchw_cudnn_infer")
     assert r.env["backend"] == "cudnn" and r.env["mode"] == "infer"
-    assert r.depthwise_impls == {"cuDNN": 100.0}
-    dw = [k for k in r.top_kernels if k["category"] == "depthwise"]
+    assert r.gpu_time.depthwise_impls == {"cuDNN": 100.0}
+    dw = [k for k in r.gpu_time.top_kernels if k["category"] == "depthwise"]
     assert dw and all(k["op"].startswith("mobilenet::cudnn_depthwise_fwd") for k in dw)
     assert not any(f.severity == "warn" and f.title == "depthwise implementation" for f in r.findings)
 
@@ -411,7 +413,7 @@ def test_a_registered_finding_function_reaches_the_report_and_its_markdown(monke
     from mobilenet.profiling import findings
 
     monkeypatch.setattr(findings, "FINDINGS", list(findings.FINDINGS))
-    findings.finding()(lambda r: profiling.Finding("every step launches", f"{r.kernels_per_step:.0f} kernels per step"))
+    findings.finding()(lambda r: profiling.Finding("every step launches", f"{r.launches.kernels_per_step:.0f} kernels per step"))
     r = analyse_trace(_synthetic_gpu_trace())
     assert r.findings[-1].title == "every step launches"
     assert "- **every step launches**: 7 kernels per step." in r.markdown()
@@ -421,9 +423,9 @@ def test_batchnorm_and_relu_kernels_are_a_category_with_a_finding():
     from mobilenet.profiling import analyse_trace, load_trace
 
     report = analyse_trace(load_trace(FIXTURES / "amp_fp16_cl.json.gz"))
-    norm = report.categories["norm"]
+    norm = report.gpu_time.categories["norm"]
     assert norm.count_per_step > 0 and 20 < norm.pct < 80  # cuDNN's BatchNorm and PyTorch's ReLU, both directions
-    assert abs(sum(c.pct for c in report.categories.values()) - 100) < 0.1  # still a partition
+    assert abs(sum(c.pct for c in report.gpu_time.categories.values()) - 100) < 0.1  # still a partition
     found = [f for f in report.findings if f.title == "BatchNorm + ReLU"]
     assert found and f"{norm.pct:.1f}% of GPU time" in found[0].detail
 

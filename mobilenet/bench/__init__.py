@@ -1,2 +1,2 @@
-"""Tools over benchmark runs: compare (the throughput matrix's table, CSV and chart) and the kernel benchmarks' GPU
-timing (timing)."""
+"""Tools over benchmark runs: matrix (the throughput matrix, measured one combination a process), compare (its
+table, CSV and chart) and timing (the kernel benchmarks' GPU timing)."""

@@ -13,8 +13,8 @@ default) allocates its outputs per iteration and reference-counts them, and DALI
 PyTorch by DLPack (no copy, ordered after DALI's work on the consumer's current stream). A yielded tensor keeps its
 DALI buffer alive for as long as it is referenced, so DALI never overwrites a batch the training step is still
 using. When PyTorch frees it, DALI takes the buffer back after a cudaDeviceSynchronize in a thread of its own (its
-"DLTensorGraveyard"). The alternative, the legacy executor copying each batch into PyTorch's memory, measured
-slower on the H200 (10.3k vs 11.9k img/s DALI-fed training) and was removed (docs/results/loader_h200.md).
+"DLTensorGraveyard"). The alternative, the legacy executor copying each batch into PyTorch's memory, is slower
+(docs/results/loader_h200.md), so it is not offered.
 
 bf16: DALI has no bfloat16 type. For a bf16 run the pipeline produces float32 and each batch is converted on the
 device (one extra elementwise copy per batch); this is logged as a warning when the loader is built.

@@ -43,18 +43,19 @@ def _channels_last(env: dict) -> bool | None:
 
 @finding(needs_gpu=False)
 def first_call_effects(r: Report) -> Finding | None:
-    slow_first = r.first_step_ratio is not None and r.first_step_ratio > 1.5
-    if not (slow_first or r.first_step_extra_kernels > 0 or r.slow_launches):
+    timing, launches = r.timing, r.launches
+    slow_first = timing.first_step_ratio is not None and timing.first_step_ratio > 1.5
+    if not (slow_first or launches.first_step_extra_kernels > 0 or launches.slow_launches):
         return None
     parts = []
-    if r.first_step_ratio is not None:
-        parts.append(f"the first profiled step took {r.step_ms[0]:.2f} ms, {r.first_step_ratio:.1f}x the later steps' median "
-                     f"({median(r.step_ms[1:]):.2f} ms)")
-    if r.first_step_extra_kernels > 0:
-        parts.append(f"it ran {r.first_step_extra_kernels:.0f} more kernels than a later step (cuDNN autotune tries candidates)")
-    if r.slow_launches:
-        n = sum(x["count"] for x in r.slow_launches)
-        top = r.slow_launches[0]
+    if timing.first_step_ratio is not None:
+        parts.append(f"the first profiled step took {timing.step_ms[0]:.2f} ms, {timing.first_step_ratio:.1f}x the later steps' median "
+                     f"({median(timing.step_ms[1:]):.2f} ms)")
+    if launches.first_step_extra_kernels > 0:
+        parts.append(f"it ran {launches.first_step_extra_kernels:.0f} more kernels than a later step (cuDNN autotune tries candidates)")
+    if launches.slow_launches:
+        n = sum(x["count"] for x in launches.slow_launches)
+        top = launches.slow_launches[0]
         parts.append(f"{n} launch calls took over {SLOW_LAUNCH_US / 1000:.0f} ms (longest {top['max_ms']:.1f} ms, {top['call']} "
                      f"from {top['op']}: lazy module loading happens inside the first launch of a kernel)")
     return Finding("first-call effects in the window", "; ".join(parts),
@@ -65,14 +66,15 @@ def first_call_effects(r: Report) -> Finding | None:
 
 @finding(needs_gpu=False)
 def profiler_overhead(r: Report) -> Finding | None:
-    if r.profiler_overhead_pct is None:
+    timing = r.timing
+    if timing.profiler_overhead_pct is None:
         return None
-    detail = (f"profiled steps: median {r.step_ms_median:.2f} ms vs {r.baseline_step_ms:.2f} ms without the profiler "
-              f"({r.profiler_overhead_pct:+.1f}%)")
+    detail = (f"profiled steps: median {timing.step_ms_median:.2f} ms vs {timing.baseline_step_ms:.2f} ms without the profiler "
+              f"({timing.profiler_overhead_pct:+.1f}%)")
     hint = ("the profiler inflates host-side times: the step time reported is the unprofiled one; in the profiled "
             "steps trust the GPU rows and the ratios more than the absolute times and the GPU-idle share"
-            if r.profiler_overhead_pct > 10 else "")
-    return Finding("profiler overhead", detail, hint, "warn" if r.profiler_overhead_pct > 10 else "info")
+            if timing.profiler_overhead_pct > 10 else "")
+    return Finding("profiler overhead", detail, hint, "warn" if timing.profiler_overhead_pct > 10 else "info")
 
 
 @finding(needs_gpu=False)
@@ -87,50 +89,53 @@ def no_gpu(r: Report) -> Finding | None:
 
 @finding()
 def launch_bound(r: Report) -> Finding | None:
-    if not r.launch_bound:
+    launches = r.launches
+    if not launches.launch_bound:
         return None
     return Finding("launch-bound",
-                   f"{r.short_kernels_per_step:.0f} of {r.kernels_per_step:.0f} kernels per step ({r.short_kernel_pct:.0f}%) are "
-                   f"shorter than their launch (median kernel {r.median_kernel_us:.1f} us, median launch {r.median_launch_us:.1f} us)",
+                   f"{launches.short_kernels_per_step:.0f} of {launches.kernels_per_step:.0f} kernels per step ({launches.short_kernel_pct:.0f}%) are "
+                   f"shorter than their launch (median kernel {launches.median_kernel_us:.1f} us, median launch {launches.median_launch_us:.1f} us)",
                    "launch-bound: try torch.compile / CUDA graphs / a larger batch", "warn")
 
 
 @finding()
 def gpu_waits_for_host(r: Report) -> Finding | None:
-    if r.idle_host_pct < 20:
+    timing, util = r.timing, r.utilisation
+    if util.idle_host_pct < 20:
         return None
     parts = []
-    if r.idle_host_sync_pct >= 1:
-        parts.append(f"{r.idle_host_sync_pct:.0f}% while the host sat in blocking calls")
-    if r.idle_host_data_pct >= 1:
-        parts.append(f"{r.idle_host_data_pct:.0f}% while the host was loading data")
+    if util.idle_host_sync_pct >= 1:
+        parts.append(f"{util.idle_host_sync_pct:.0f}% while the host sat in blocking calls")
+    if util.idle_host_data_pct >= 1:
+        parts.append(f"{util.idle_host_data_pct:.0f}% while the host was loading data")
     return Finding("GPU waits for the host",
-                   f"the GPU is idle {r.idle_host_pct:.0f}% of the window with nothing queued"
+                   f"the GPU is idle {util.idle_host_pct:.0f}% of the window with nothing queued"
                    + (f" ({'; '.join(parts)})" if parts else ""),
                    "the host is the bottleneck: remove syncs, feed data faster, or cut launches (torch.compile / CUDA graphs)"
-                   + (f"; part of this is the profiler's own host overhead ({r.profiler_overhead_pct:+.0f}% step time)"
-                      if r.profiler_overhead_pct is not None and r.profiler_overhead_pct > 10 else ""),
+                   + (f"; part of this is the profiler's own host overhead ({timing.profiler_overhead_pct:+.0f}% step time)"
+                      if timing.profiler_overhead_pct is not None and timing.profiler_overhead_pct > 10 else ""),
                    "warn")
 
 
 @finding()
 def depthwise_implementation(r: Report) -> Finding | None:
-    if not r.depthwise_implementation:
+    gpu_time = r.gpu_time
+    if not gpu_time.depthwise_implementation:
         return None
-    dw = r.categories["depthwise"]
-    mix = ", ".join(f"{impl} {pct:.0f}%" for impl, pct in r.depthwise_impls.items())
+    dw = gpu_time.categories["depthwise"]
+    mix = ", ".join(f"{impl} {pct:.0f}%" for impl, pct in gpu_time.depthwise_impls.items())
     backend = r.env.get("backend")
     detail = f"depthwise kernels are {dw.pct:.1f}% of GPU time ({dw.ms_per_step:.3f} ms/step), run by: {mix}"
     expected = {"cudnn": "cuDNN", "custom": "custom (kernels/)"}.get(str(backend))
-    if expected and r.depthwise_implementation != expected:
+    if expected and gpu_time.depthwise_implementation != expected:
         return Finding("depthwise implementation", detail,
-                       f"backend={backend} was requested but {r.depthwise_implementation} kernels did most of the depthwise work", "warn")
+                       f"backend={backend} was requested but {gpu_time.depthwise_implementation} kernels did most of the depthwise work", "warn")
     return Finding("depthwise implementation", detail, "", "info")
 
 
 @finding()
 def batchnorm_relu_share(r: Report) -> Finding | None:
-    norm = r.categories.get("norm")
+    norm = r.gpu_time.categories.get("norm")
     if norm is None or norm.count_per_step <= 0:
         return None
     detail = (f"BatchNorm and ReLU kernels (forward and backward) are {norm.pct:.1f}% of GPU time "
@@ -149,10 +154,11 @@ def batchnorm_relu_share(r: Report) -> Finding | None:
 
 @finding()
 def layout_transposes(r: Report) -> Finding | None:
-    tr = r.categories["transpose"]
+    gpu_time = r.gpu_time
+    tr = gpu_time.categories["transpose"]
     if tr.count_per_step <= 0:
         return None
-    where = ", ".join(f"{t['op']} in {t['phase']}" for t in r.transposes[:3])
+    where = ", ".join(f"{t['op']} in {t['phase']}" for t in gpu_time.transposes[:3])
     if _channels_last(r.env):
         hint = f"the model is channels_last, yet these ops transpose: check the layout of what reaches them ({where})"
     else:
@@ -164,10 +170,11 @@ def layout_transposes(r: Report) -> Finding | None:
 
 @finding()
 def dtype_casts(r: Report) -> Finding | None:
-    ca = r.categories["cast"]
+    gpu_time = r.gpu_time
+    ca = gpu_time.categories["cast"]
     if ca.count_per_step <= 0:
         return None
-    where = ", ".join(f"{c['op']} in {c['phase']}" for c in r.casts[:3])
+    where = ", ".join(f"{c['op']} in {c['phase']}" for c in gpu_time.casts[:3])
     return Finding("dtype casts",
                    f"{ca.count_per_step:.0f} cast kernels per step, {ca.ms_per_step:.3f} ms ({ca.pct:.1f}% of GPU time), launched by {where}",
                    "autocast re-casts weights every step: torch.compile fuses the casts into neighbouring kernels; "
@@ -176,7 +183,7 @@ def dtype_casts(r: Report) -> Finding | None:
 
 @finding()
 def pageable_host_copies(r: Report) -> Finding | None:
-    pageable = [m for m in r.memcpys if m["pageable"]]
+    pageable = [m for m in r.gpu_time.memcpys if m["pageable"]]
     if not pageable:
         return None
     desc = "; ".join(f"{m['kind']}: {m['count_per_step']:.0f}/step, {m['MB_per_step']:.1f} MB, {m['ms_per_step']:.3f} ms (from {m['ops']})"
@@ -187,7 +194,7 @@ def pageable_host_copies(r: Report) -> Finding | None:
 
 @finding()
 def copies_dominate(r: Report) -> Finding | None:
-    mc = r.categories["memcpy"]
+    mc = r.gpu_time.categories["memcpy"]
     if mc.pct < 10:
         return None
     return Finding("copies dominate",
@@ -209,36 +216,39 @@ def _sync_hints(syncs: list[dict]) -> str:
 
 @finding()
 def blocking_synchronisations(r: Report) -> Finding | None:
-    if r.syncs_per_step <= 0:
+    host_syncs = r.host_syncs
+    if host_syncs.syncs_per_step <= 0:
         return None
-    where = ", ".join(f"{s['call']} from {s['op']} in {s['phase']}" for s in r.syncs[:3])
+    where = ", ".join(f"{s['call']} from {s['op']} in {s['phase']}" for s in host_syncs.syncs[:3])
     return Finding("blocking synchronisations",
-                   f"{r.syncs_per_step:.0f} per step ({sum(s['ms_per_step'] for s in r.syncs):.3f} ms of host time): {where}",
-                   _sync_hints(r.syncs), "warn" if r.syncs_per_step >= 1 else "info")
+                   f"{host_syncs.syncs_per_step:.0f} per step ({sum(s['ms_per_step'] for s in host_syncs.syncs):.3f} ms of host time): {where}",
+                   _sync_hints(host_syncs.syncs), "warn" if host_syncs.syncs_per_step >= 1 else "info")
 
 
 @finding()
 def cuda_calls_from_other_threads(r: Report) -> Finding | None:
-    if r.other_thread_cuda_calls_per_step < 50:
+    host_syncs = r.host_syncs
+    if host_syncs.other_thread_cuda_calls_per_step < 50:
         return None
     return Finding("CUDA calls from other threads",
                    f"other threads of the process (a data loader's workers, e.g. DALI's decoders) made "
-                   f"{r.other_thread_cuda_calls_per_step:.0f} CUDA API calls per step, "
-                   f"{r.other_thread_syncs_per_step:.0f} of them blocking; those syncs stall only their own thread, "
+                   f"{host_syncs.other_thread_cuda_calls_per_step:.0f} CUDA API calls per step, "
+                   f"{host_syncs.other_thread_syncs_per_step:.0f} of them blocking; those syncs stall only their own thread, "
                    f"but every call shares the CUDA context with the step's launches (median launch "
-                   f"{r.median_launch_us:.1f} us here)",
+                   f"{r.launches.median_launch_us:.1f} us here)",
                    "if the step is host-bound, compare the launch times with a run on synthetic data: contention "
                    "for the context slows the step's own launches; fewer loader threads or batched loader work help")
 
 
 @finding()
 def streams_share_work_queues(r: Report) -> Finding | None:
-    queues = r.work_queues if r.work_queues is not None else CUDA_DEFAULT_CONNECTIONS
-    if r.streams_with_work <= queues:
+    host_syncs = r.host_syncs
+    queues = host_syncs.work_queues if host_syncs.work_queues is not None else CUDA_DEFAULT_CONNECTIONS
+    if host_syncs.streams_with_work <= queues:
         return None
-    known = "" if r.work_queues is not None else " (CUDA's default; the trace does not record the setting)"
+    known = "" if host_syncs.work_queues is not None else " (CUDA's default; the trace does not record the setting)"
     return Finding("streams share hardware work queues",
-                   f"{r.streams_with_work} CUDA streams ran work in these steps, but the process had {queues} "
+                   f"{host_syncs.streams_with_work} CUDA streams ran work in these steps, but the process had {queues} "
                    f"hardware work queues{known}: streams beyond that share queues, and the work in one queue "
                    "runs in order, so independent streams wait behind each other (a loader's copies and kernels "
                    "behind the training kernels queued before them)",
@@ -249,11 +259,12 @@ def streams_share_work_queues(r: Report) -> Finding | None:
 
 @finding()
 def device_syncs_from_other_threads(r: Report) -> Finding | None:
-    if r.other_thread_device_syncs_per_step < 0.5:
+    host_syncs = r.host_syncs
+    if host_syncs.other_thread_device_syncs_per_step < 0.5:
         return None
     return Finding("device-wide syncs from other threads",
-                   f"{r.other_thread_device_syncs_per_step:.1f} per step on threads other than the step's (median "
-                   f"{r.other_thread_device_sync_ms_median:.2f} ms each): each waits for all work queued on the GPU, "
+                   f"{host_syncs.other_thread_device_syncs_per_step:.1f} per step on threads other than the step's (median "
+                   f"{host_syncs.other_thread_device_sync_ms_median:.2f} ms each): each waits for all work queued on the GPU, "
                    "the step's included, so whatever that thread does next waits for the training to drain",
                    "DALI takes each batch's buffer back only after such a sync (its DLTensorGraveyard); it stalls "
                    "DALI's buffer recycling, not the step, as long as the step does not wait for data (see the "
@@ -263,9 +274,10 @@ def device_syncs_from_other_threads(r: Report) -> Finding | None:
 
 @finding()
 def host_runs_ahead(r: Report) -> Finding | None:
-    if not (r.gpu_span_ms_per_step and r.gpu_span_ms_per_step > 1.2 * r.host_step_ms_median):
+    timing = r.timing
+    if not (timing.gpu_span_ms_per_step and timing.gpu_span_ms_per_step > 1.2 * timing.host_step_ms_median):
         return None
     return Finding("host runs ahead",
-                   f"the GPU work a step launches spans {r.gpu_span_ms_per_step:.2f} ms, the host step "
-                   f"{r.host_step_ms_median:.2f} ms: GPU-bound; host-side step times (and per-op CPU times) understate "
-                   f"the true step time, {r.step_ms_median:.2f} ms from one step's completion to the next")
+                   f"the GPU work a step launches spans {timing.gpu_span_ms_per_step:.2f} ms, the host step "
+                   f"{timing.host_step_ms_median:.2f} ms: GPU-bound; host-side step times (and per-op CPU times) understate "
+                   f"the true step time, {timing.step_ms_median:.2f} ms from one step's completion to the next")

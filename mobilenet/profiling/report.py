@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .markdown import render_markdown
@@ -98,10 +98,6 @@ class Utilisation:
     idle_gap_pct: float = 0.0  # work was already queued: launch latency and gaps between kernels
 
 
-# The Report fields that hold a stage's dataclass; their own fields read as the Report's (r.busy_pct).
-_STAGES = ("timing", "gpu_time", "launches", "host_syncs", "utilisation")
-
-
 @dataclass
 class Report:
     env: dict[str, Any]
@@ -117,13 +113,6 @@ class Report:
     notes: list[str] = field(default_factory=list)
     trace_path: str | None = None
 
-    def __getattr__(self, name: str) -> Any:
-        for stage_name in _STAGES:
-            stage = self.__dict__.get(stage_name)  # not getattr: a half-built copy would recurse
-            if stage is not None and name in {f.name for f in fields(stage)}:
-                return getattr(stage, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -131,7 +120,7 @@ class Report:
     def step_time_ms(self) -> float:
         """The run's step time: the unprofiled median when it was measured (the profiler's own host overhead
         inflates the profiled steps of a host-bound loop), else the profiled steps' median."""
-        return self.baseline_step_ms if self.baseline_step_ms is not None else self.step_ms_median
+        return self.timing.baseline_step_ms if self.timing.baseline_step_ms is not None else self.timing.step_ms_median
 
     def markdown(self) -> str:
         return render_markdown(self)

@@ -1,6 +1,6 @@
 """How far apart do two identical training runs end when one starts from weights nudged by a tiny relative amount?
 
-    python scripts/perturbation_growth.py [--nudge 1e-6] [--layers 4] [HYDRA OVERRIDES ...]
+    python scripts/experiments/perturbation_growth.py [--nudge 1e-6] [--layers 4] [HYDRA OVERRIDES ...]
 
 Both runs are `Trainer(cfg).fit()` with the same config, seed and data; before training, every parameter of the
 second is multiplied by (1 + nudge * N(0, 1)). The script prints both loss curves and, for the first --layers
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as `python scripts/perturbation_growth.py`
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as `python scripts/experiments/perturbation_growth.py`
 
 from mobilenet.config import compose  # noqa: E402
 from mobilenet.engine import Trainer  # noqa: E402
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
         r_base, r_nudged = base.fit(), nudged.fit()
     print("loss, base:  ", " ".join(f"{v:.4f}" for _, v in r_base.losses))
     print("loss, nudged:", " ".join(f"{v:.4f}" for _, v in r_nudged.losses))
-    print(f"| parameter | shape | max abs gap between the runs | max abs move by training | max abs at start |")
+    print("| parameter | shape | max abs gap between the runs | max abs move by training | max abs at start |")
     print("|---|---|--:|--:|--:|")
     params = zip(base.model.named_parameters(), nudged.model.parameters(), start)
     for (name, a), b, a0 in list(params)[: args.layers]:

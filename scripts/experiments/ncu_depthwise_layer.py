@@ -6,7 +6,7 @@ then one pair between cudaProfilerStart and cudaProfilerStop, which `ncu --profi
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight --section MemoryWorkloadAnalysis \\
         --section Occupancy --section LaunchStats --section WarpStateStats \\
-        python scripts/ncu_depthwise_layer.py --backend custom --dtype fp16 --channels 512 --size 14 --stride 1
+        python scripts/experiments/ncu_depthwise_layer.py --backend custom --dtype fp16 --channels 512 --size 14 --stride 1
 
 NHWC (channels_last), batch 256, 3x3, padding 1; cuDNN autotuned as in train.py and infer.py. The custom kernels'
 launch knobs come from the environment (MDW_..., docs/kernel_notes.md).
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as `python scripts/ncu_depthwise_layer.py`
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as `python scripts/experiments/ncu_depthwise_layer.py`
 
 from mobilenet.depthwise import get_backend  # noqa: E402
 

@@ -1,0 +1,18 @@
+"""The one-off investigations of scripts/experiments/ that run on the CPU, so that they still run and still show
+what docs/ records of them."""
+
+from scripts_under_test import load_script
+
+
+def test_perturbation_growth_reports_zero_gap_without_a_nudge_and_a_gap_with_one(capsys):
+    """perturbation_growth.py, the evidence for comparing a captured run with an eager one step by step
+    (tests/test_cuda_graph.py): on the CPU two identical runs end bit-identical, and a nudge shows."""
+    script = load_script("experiments/perturbation_growth")
+    small = ["device=cpu", "model.width_mult=0.25", "data.steps_per_epoch=3", "data.resolution=32", "data.batch_size=8"]
+    gaps = {}
+    for nudge in (0.0, 1e-3):
+        script.main(["--nudge", str(nudge), "--layers", "2", *small])
+        rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| features")]
+        assert len(rows) == 2
+        gaps[nudge] = [float(r[3]) for r in rows]
+    assert gaps[0.0] == [0.0, 0.0] and all(g > 0 for g in gaps[1e-3])
