@@ -1,8 +1,9 @@
 """The throughput matrix: training and inference img/s of every backend x amp x layout x compile x data combination
-(and, on request, with the training step captured as a CUDA graph).
+(and, on request, with the training step captured as a CUDA graph, and with the fused BatchNorm+ReLU norms).
 
     python scripts/benchmark.py [--backends torch,cudnn,custom] [--amp off,fp16,bf16] [--channels-last false,true]
                                 [--compile false,true] [--data synthetic,dali] [--cuda-graph false]
+                                [--norms torch] (of torch,custom,apex)
                                 [--batch-size 256] [--resolution 224]
                                 [--warmup 20] [--steps 100] [--repeats 1] [--out runs/matrix-<time>]
                                 [-- HYDRA OVERRIDES ...]

@@ -97,7 +97,28 @@ def test_captured_combinations_that_cannot_run_here_are_skipped_with_the_reason(
     from mobilenet.bench import compare  # its table of what was not measured says these were the captured rows
     listing = compare.markdown(compare.load_rows([tmp_path / "m"]), [])
     for compiled in ("False", "True"):
-        assert f"| torch | fp32 | NCHW | {compiled} | on | synthetic | skipped |" in listing, listing
+        assert f"| torch | torch | fp32 | NCHW | {compiled} | on | synthetic | skipped |" in listing, listing
+
+
+def test_norm_is_an_opt_in_axis_and_custom_norm_is_skipped_on_a_cpu_with_the_reason(tmp_path):
+    assert {c.norm for c in benchmark.plan(benchmark.parse_args([]))} == {"torch"}
+    norms = benchmark.plan(benchmark.parse_args(["--backends", "custom", "--amp", "fp16", "--channels-last", "true",
+                                                 "--data", "synthetic", "--compile", "false", "--", "norm=torch,custom"]))
+    assert [(c.backend, c.norm) for c in norms] == [("custom", "torch"), ("custom", "custom"), ("timm", "torch")]
+    assert norms[1].name.endswith(",norm=custom") and "norm=" not in norms[0].name
+    assert "norm=custom" in benchmark.hydra_overrides(norms[1], benchmark.parse_args([]))
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(["--norms", "groupnorm"])
+    proc = run_tool(BENCHMARK, *TINY, "--backends", "torch", "--amp", "off", "--channels-last", "false", "--peer", "no",
+                    "--compile", "false", "--norms", "custom", "--out", str(tmp_path / "m"))
+    assert proc.returncode == 0, proc.stderr
+    name = "backend=torch,amp=off,channels_last=false,compile=false,data=synthetic,norm=custom"
+    record = json.loads((tmp_path / "m" / name / "benchmark.json").read_text())
+    assert record["status"] == "skipped" and record["norm"] == "custom" and "CUDA" in record["reason"], record
+    from mobilenet.bench import compare
+
+    listing = compare.markdown(compare.load_rows([tmp_path / "m"]), [])
+    assert "| torch | custom | fp32 | NCHW | False | off | synthetic | skipped |" in listing, listing
 
 
 def test_time_budget_leaves_combinations_for_the_next_invocation(tmp_path):

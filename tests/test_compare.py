@@ -39,11 +39,11 @@ def test_compare_table_csv_and_png_carry_the_logged_scalars(matrix, compared):
         speedup = scalars["perf/train_img_s"] / baseline["perf/train_img_s"]
         assert float(row["train_speedup"]) == pytest.approx(speedup, rel=1e-6)
         line = next(line for line in table.splitlines()
-                    if line.startswith(f"| torch | {row['precision']} | {row['layout']} | False | off | synthetic |"))
+                    if line.startswith(f"| torch | torch | {row['precision']} | {row['layout']} | False | off | synthetic |"))
         assert f"| {scalars['perf/train_img_s']:,.0f} | {speedup:.2f}x | {scalars['perf/infer_img_s']:,.0f} |" in line
     # Sorted by training img/s, fastest first.
     measured = [float(r["train_img_s"]) for r in rows.values() if r["status"] == "ok" and r["backend"] == "torch"]
-    order = [float(line.split("|")[7].replace(",", "")) for line in table.splitlines() if line.startswith("| torch |")]
+    order = [float(line.split("|")[8].replace(",", "")) for line in table.splitlines() if line.startswith("| torch |")]
     assert order == sorted(order, reverse=True) and len(order) == len(measured) == 4
     # The skip reasons are in the table and the CSV.
     assert "needs a CUDA GPU" in table and "## Not measured" in table
@@ -86,7 +86,7 @@ def test_a_run_without_inference_img_s_has_blank_inference_columns_and_a_note(tm
     assert "1 run(s) have no perf/infer_img_s (no-infer): train.py runs measure" in proc.stdout
     row = next(line for line in proc.stdout.splitlines() if line.startswith("| torch |"))
     cells = [c.strip() for c in row.split("|")[1:-1]]
-    assert cells[6] == "100" and cells[8] == "" and cells[9] == ""  # train img/s; infer img/s and speed-up blank
+    assert cells[7] == "100" and cells[9] == "" and cells[10] == ""  # train img/s; infer img/s and speed-up blank
 
 
 @pytest.mark.parametrize("content", ["empty", "foreign", "absent"])

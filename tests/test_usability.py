@@ -190,8 +190,8 @@ def test_compare_reads_a_train_py_grid(tmp_path):
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "2 run(s) have no perf/infer_img_s" in proc.stdout and "train.py runs measure" in proc.stdout
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("| torch | fp32 |")]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| torch | torch | fp32 |")]
     assert len(rows) == 2
     for row in rows:
         cells = [c.strip() for c in row.split("|")[1:-1]]
-        assert float(cells[6].replace(",", "")) > 0 and cells[8] == "" and cells[9] == ""  # train img/s; infer blank
+        assert float(cells[7].replace(",", "")) > 0 and cells[9] == "" and cells[10] == ""  # train img/s; infer blank

@@ -24,7 +24,7 @@ SPREAD_METRICS = ("train_img_s", "infer_img_s")  # repeated runs show the min-ma
 BACKEND_ORDER = ("torch", "cudnn", "custom", "timm")
 PRECISION_ORDER = ("fp32", "fp16", "bf16")
 LAYOUT_ORDER = ("NCHW", "channels_last")
-BASELINE = {"backend": "torch", "precision": "fp32", "layout": "NCHW", "compile": False}
+BASELINE = {"backend": "torch", "norm": "torch", "precision": "fp32", "layout": "NCHW", "compile": False}
 STATUS_FILE = "benchmark.json"  # scripts/benchmark.py's record of a combination
 
 
@@ -43,6 +43,7 @@ class Row:
     compile: bool | None = None
     cuda_graph: bool | None = None  # None: the run predates the option (it was eager)
     data: str = ""
+    norm: str = "torch"  # runs that predate the option used nn.BatchNorm2d
     batch_size: int | None = None
     resolution: int | None = None
     gpu: str = ""
@@ -56,12 +57,12 @@ class Row:
 
     @property
     def key(self) -> tuple:
-        return (self.backend, self.precision, self.layout, self.compile, self.cuda_graph, self.data)
+        return (self.backend, self.norm, self.precision, self.layout, self.compile, self.cuda_graph, self.data)
 
     @property
     def pair(self) -> tuple:
         """What a backend is compared under: everything but the backend."""
-        return (self.precision, self.layout, self.compile, self.cuda_graph, self.data)
+        return (self.norm, self.precision, self.layout, self.compile, self.cuda_graph, self.data)
 
 
 # ----------------------------------------------------------------------------------------------- reading the runs
@@ -86,6 +87,7 @@ def _settings(hp: dict) -> dict:
         "layout": "channels_last" if _bool(hp.get("channels_last", False)) else "NCHW",
         "compile": _bool(hp.get("compile", False)),
         "data": str(hp.get("data", "")),
+        "norm": str(hp.get("norm", "torch")),
     }
     if hp.get("cuda_graph") is not None:
         out["cuda_graph"] = _bool(hp["cuda_graph"])
@@ -150,7 +152,7 @@ def _index(seq: tuple, value) -> int:
 
 def _order(row: Row) -> tuple:
     return (row.data, row.compile is True, row.cuda_graph is True, _index(PRECISION_ORDER, row.precision), _index(LAYOUT_ORDER, row.layout),
-            _index(BACKEND_ORDER, row.backend), row.backend)
+            _index(BACKEND_ORDER, row.backend), row.backend, row.norm != "torch", row.norm)
 
 
 def _facts(ok: list[Row]) -> dict[str, list[str]]:
@@ -184,7 +186,7 @@ def add_speedups(rows: list[Row]) -> list[str]:
         base = next((r for r in ok if (r.data, r.cuda_graph) == (data, graph)
                      and all(getattr(r, k) == v for k, v in BASELINE.items())), None)
         if base is None:
-            notes.append(f"no baseline (backend torch, fp32, NCHW, no compile, CUDA graph {_graph(graph) or 'unknown'}) "
+            notes.append(f"no baseline (backend torch, norm torch, fp32, NCHW, no compile, CUDA graph {_graph(graph) or 'unknown'}) "
                          f"for data={data}: those speed-ups are left blank")
             continue
         for r in ok:
@@ -290,7 +292,7 @@ def markdown(rows: list[Row], notes: list[str]) -> str:
         lines.append("batch " + "/".join(facts["batch_size"]) + ", resolution " + "/".join(facts["resolution"])
                      + ", GPU " + "/".join(facts["gpu"]) + ", torch " + "/".join(facts["torch"])
                      + ", cuDNN " + "/".join(facts["cudnn"]) + ". Sorted by training img/s; speed-ups are over "
-                     "backend torch, fp32, NCHW, no compile on the same data and CUDA-graph setting. CUDA graph: the "
+                     "backend torch, norm torch, fp32, NCHW, no compile on the same data and CUDA-graph setting. CUDA graph: the "
                      "training step captured (cuda_graph); inference is eager in every row.")
         lines.append("")
     lines += [n for n in notes]
@@ -298,14 +300,14 @@ def markdown(rows: list[Row], notes: list[str]) -> str:
         lines.append("")
     if ok:
         repeated = any(r.runs > 1 for r in ok)
-        lines += ["| backend | precision | layout | compile | CUDA graph | data | train img/s | train speed-up | infer img/s "
-                  "| infer speed-up | compute img/s | step ms | max mem GB |"
+        lines += ["| backend | norm | precision | layout | compile | CUDA graph | data | train img/s | train speed-up "
+                  "| infer img/s | infer speed-up | compute img/s | step ms | max mem GB |"
                   + (" runs | train min-max | infer min-max |" if repeated else ""),
-                  "|---|---|---|---|---|---|--:|--:|--:|--:|--:|--:|--:|" + ("--:|--:|--:|" if repeated else "")]
+                  "|---|---|---|---|---|---|---|--:|--:|--:|--:|--:|--:|--:|" + ("--:|--:|--:|" if repeated else "")]
         for r in ok:
             m = r.metrics
-            line = (f"| {r.backend} | {r.precision} | {r.layout} | {r.compile} | {_graph(r.cuda_graph)} | {r.data} "
-                    f"| {_num(m['train_img_s'])} "
+            line = (f"| {r.backend} | {r.norm} | {r.precision} | {r.layout} | {r.compile} | {_graph(r.cuda_graph)} "
+                    f"| {r.data} | {_num(m['train_img_s'])} "
                     f"| {_speed(r.train_speedup)} | {_num(m.get('infer_img_s'))} | {_speed(r.infer_speedup)} "
                     f"| {_num(m.get('compute_img_s'))} | {_num(m.get('step_ms'), 1)} | {_num(m.get('max_mem_gb'), 2)} |")
             if repeated:
@@ -315,22 +317,23 @@ def markdown(rows: list[Row], notes: list[str]) -> str:
     pairs = custom_vs_cudnn(rows)
     if pairs:
         lines += ["## custom vs cudnn", "",
-                  "| precision | layout | compile | CUDA graph | data | cudnn train img/s | custom train img/s "
+                  "| norm | precision | layout | compile | CUDA graph | data | cudnn train img/s | custom train img/s "
                   "| custom / cudnn | cudnn infer img/s | custom infer img/s | custom / cudnn |",
-                  "|---|---|---|---|---|--:|--:|--:|--:|--:|--:|"]
+                  "|---|---|---|---|---|---|--:|--:|--:|--:|--:|--:|"]
         for p in pairs:
             r, c = p["row"], p["custom"]
-            lines.append(f"| {r.precision} | {r.layout} | {r.compile} | {_graph(r.cuda_graph)} | {r.data} "
+            lines.append(f"| {r.norm} | {r.precision} | {r.layout} | {r.compile} | {_graph(r.cuda_graph)} | {r.data} "
                          f"| {_num(r.metrics['train_img_s'])} "
                          f"| {_num(c.metrics['train_img_s'])} | {_speed(p['train'])} | {_num(r.metrics.get('infer_img_s'))} "
                          f"| {_num(c.metrics.get('infer_img_s'))} | {_speed(p['infer'])} |")
         lines += ["", pairs_summary(pairs)]
         lines.append("")
     if other:
-        lines += ["## Not measured", "", "| backend | precision | layout | compile | CUDA graph | data | status | reason |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += ["## Not measured", "", "| backend | norm | precision | layout | compile | CUDA graph | data | status "
+                  "| reason |", "|---|---|---|---|---|---|---|---|---|"]
         for r in other:
-            lines.append(f"| {r.backend} | {r.precision} | {r.layout} | {r.compile} | {_graph(r.cuda_graph)} | {r.data} "
+            lines.append(f"| {r.backend} | {r.norm} | {r.precision} | {r.layout} | {r.compile} | {_graph(r.cuda_graph)} "
+                         f"| {r.data} "
                          f"| {r.status} "
                          f"| {r.reason.replace('|', '/')} |")
         lines.append("")
@@ -338,7 +341,7 @@ def markdown(rows: list[Row], notes: list[str]) -> str:
 
 
 SPREAD_COLUMNS = [f"{m}_{end}" for m in SPREAD_METRICS for end in ("min", "max")]
-CSV_COLUMNS = ["run", "status", "reason", "backend", "precision", "layout", "compile", "cuda_graph", "data", "batch_size", "resolution",
+CSV_COLUMNS = ["run", "status", "reason", "backend", "norm", "precision", "layout", "compile", "cuda_graph", "data", "batch_size", "resolution",
                "gpu", "torch", "cudnn", *REQUIRED_SCALARS, *OPTIONAL_SCALARS, "train_speedup", "infer_speedup", "runs",
                *SPREAD_COLUMNS]
 

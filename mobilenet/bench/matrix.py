@@ -23,12 +23,13 @@ AXES = {
     "compile": ("false", "true"),
     "data": ("synthetic", "dali"),
     "cuda_graph": ("false", "true"),
+    "norms": ("torch", "custom", "apex"),
 }
-# Axes whose default is one value, not all of them: the captured training step is an opt-in extra axis.
-AXIS_DEFAULTS = {"cuda_graph": ["false"]}
+# Axes whose default is one value, not all of them: the captured training step and the fused norms are opt-in axes.
+AXIS_DEFAULTS = {"cuda_graph": ["false"], "norms": ["torch"]}
 # Hydra-style spellings of the axes (`backend=torch,cudnn`) -> their AXES key (also the argparse destination).
 HYDRA_AXES = {"backend": "backends", "amp": "amp", "channels_last": "channels_last", "compile": "compile", "data": "data",
-              "cuda_graph": "cuda_graph"}
+              "cuda_graph": "cuda_graph", "norm": "norms"}
 PEER_BACKEND = "timm"
 PEER_MODEL = "mobilenetv1_100"
 TIMM_MISSING = "timm not installed (pip install timm)"
@@ -46,12 +47,14 @@ class Combo:
     compile: bool
     data: str
     cuda_graph: bool = False
+    norm: str = "torch"
 
     @property
     def name(self) -> str:
-        """The run directory's name, Hydra-style (cuda_graph only where it is on, the opt-in)."""
+        """The run directory's name, Hydra-style (the opt-in axes only where they are not their default)."""
         return (f"backend={self.backend},amp={self.amp},channels_last={str(self.channels_last).lower()},"
-                f"compile={str(self.compile).lower()},data={self.data}" + (",cuda_graph=true" if self.cuda_graph else ""))
+                f"compile={str(self.compile).lower()},data={self.data}" + (",cuda_graph=true" if self.cuda_graph else "")
+                + (f",norm={self.norm}" if self.norm != "torch" else ""))
 
     @property
     def peer(self) -> bool:
@@ -82,6 +85,9 @@ def _parser(description: str | None) -> argparse.ArgumentParser:
     p.add_argument("--cuda-graph", type=lambda s: _choices(s, "cuda_graph"), default=AXIS_DEFAULTS["cuda_graph"],
                    help="comma-separated subset of false,true (default: false): train with the step captured as a "
                         "CUDA graph (cuda_graph=true); combinations that cannot be captured are skipped with the reason")
+    p.add_argument("--norms", type=lambda s: _choices(s, "norms"), default=AXIS_DEFAULTS["norms"],
+                   help="comma-separated subset of torch,custom,apex (default: torch): the BatchNorm+ReLU "
+                        "implementation (norm=...); the timm peer always runs its own nn.BatchNorm2d")
     p.add_argument("--peer", choices=("yes", "no", "only"), default="yes",
                    help=f"timm's {PEER_MODEL} rows (synthetic data only): yes (default), no, or only them")
     p.add_argument("--batch-size", type=int, default=256)
@@ -145,7 +151,8 @@ def plan(args: argparse.Namespace) -> list[Combo]:
         if args.peer != "no" and data == "synthetic":
             backends.append(PEER_BACKEND)
         for backend, amp, cl in itertools.product(backends, args.amp, args.channels_last):
-            combos.append(Combo(backend, amp, cl == "true", compile_ == "true", data, graph == "true"))
+            for norm in (["torch"] if backend == PEER_BACKEND else args.norms):
+                combos.append(Combo(backend, amp, cl == "true", compile_ == "true", data, graph == "true", norm))
     return combos
 
 
@@ -157,7 +164,7 @@ def hydra_overrides(combo: Combo, args: argparse.Namespace) -> list[str]:
     return [
         "experiment=benchmark", *data,
         # The peer runs the same config (for its loader, optimizer and checks) with the plain torch backend.
-        f"backend={'torch' if combo.peer else combo.backend}", *amp,
+        f"backend={'torch' if combo.peer else combo.backend}", f"norm={combo.norm}", *amp,
         f"channels_last={str(combo.channels_last).lower()}", f"compile={str(combo.compile).lower()}",
         f"cuda_graph={str(combo.cuda_graph).lower()}",
         f"data.batch_size={args.batch_size}", f"data.resolution={args.resolution}",
