@@ -7,13 +7,12 @@
 #include <c10/cuda/CUDAException.h>
 #include <torch/library.h>
 
-#include <array>
-#include <atomic>
 #include <cstdint>
 #include <tuple>
 #include <utility>
 
 #include "batchnorm_relu.h"
+#include "launch_plan.h"
 #include "op_layout.h"
 
 namespace mbn {
@@ -64,19 +63,7 @@ BnShape shape_of(const at::Tensor& x, c10::MemoryFormat fmt) {
 
 uintptr_t address(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()); }
 
-// SMs of the current device, read once per device (the attribute query does not synchronise, so capture is safe).
-int num_sms() {
-  static std::array<std::atomic<int>, 64> cache{};
-  int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  if (device < 0 || device >= static_cast<int>(cache.size())) device = 0;
-  int value = cache[device].load(std::memory_order_relaxed);
-  if (value == 0) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, cudaDevAttrMultiProcessorCount, device));
-    cache[device].store(value, std::memory_order_relaxed);
-  }
-  return value;
-}
+using mdw::num_sms;  // cached per device (launch_plan.cpp): no query, so no synchronisation, in a capture
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_fwd(const at::Tensor& x_in, const at::Tensor& weight,
                                                                        const at::Tensor& bias, double eps) {
