@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels.conv_arith import conv_out_size, resolve_padding, to_pair
+from kernels.conv_arith import resolve_padding, to_pair
+from kernels.depthwise_args import out_shape
 from .registry import Registry
 
 Pair = tuple[int, int]
@@ -112,11 +113,8 @@ def _cudnn_fwd(x: Tensor, weight: Tensor, stride: list[int], padding: list[int],
 
 @_cudnn_fwd.register_fake
 def _(x, weight, stride, padding, dilation):
-    n, c, h, w = x.shape
-    kh, kw = weight.shape[-2:]
-    oh = conv_out_size(h, kh, stride[0], padding[0], dilation[0])
-    ow = conv_out_size(w, kw, stride[1], padding[1], dilation[1])
-    return x.new_empty((n, c, oh, ow)).contiguous(memory_format=_memory_format(x))
+    return x.new_empty(out_shape(x.shape, weight.shape, stride, padding, dilation)).contiguous(
+        memory_format=_memory_format(x))
 
 
 _checked_wgrad_dispatch: set[tuple] = set()

@@ -277,7 +277,8 @@ def test_2_pow_31_elements_forward_and_backward_at_the_far_end(dw):
     b = torch.randn(c, device="cuda", dtype=torch.float16, generator=gen)
     x.requires_grad_(), wt.requires_grad_(), b.requires_grad_()
     y = dw(x, wt, b, 1, 1, 1)
-    go = torch.randn(y.shape, device="cuda", dtype=torch.float16, generator=gen)
+    # scaled so that the weight and bias gradients, sums of 2^31 products, stay well inside fp16's range
+    go = torch.randn(y.shape, device="cuda", dtype=torch.float16, generator=gen).mul_(1 / 64)
     gx, gw, gb = torch.autograd.grad(y, (x, wt, b), go)
 
     def slab_ref(r0, r1):
@@ -296,7 +297,7 @@ def test_2_pow_31_elements_forward_and_backward_at_the_far_end(dw):
     assert (y_last[..., -1, -1].double() - ys[..., -1, -1]).abs().max() <= 1e-2 * ys[..., -1, -1].abs().max() + 1e-2
     (gxs,) = torch.autograd.grad(ys, xs, go[:, :, h - R:].double())
     # rows h-R+1 .. h-1 of the input get every output that touches them; xs holds rows h-R-1 .. h-1 then a pad row
-    torch.testing.assert_close(gx[:, :, h - R + 1:].double(), gxs[:, :, 2:-1], rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(gx[:, :, h - R + 1:].double(), gxs[:, :, 2:-1], rtol=1e-2, atol=1e-3)
     # weight and bias gradients over everything, in slabs of output rows
     rw = torch.zeros_like(wd)
     step = 4096
