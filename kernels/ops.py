@@ -9,7 +9,9 @@ import torch
 from torch import Tensor
 
 from . import kernel_layout, load
-from .conv_arith import IntOrPair, conv_out_size, to_pair
+from .conv_arith import IntOrPair, resolve_padding, to_pair
+from .depthwise_args import check_supported as _check_supported
+from .depthwise_args import out_shape
 
 load()
 
@@ -27,11 +29,8 @@ ACTIVATIONS = {None: 0, "relu": 1, "relu6": 2}
 
 @torch.library.register_fake("mobilenet_dw::depthwise_fwd")
 def _fwd_fake(x, w, bias, stride, padding, dilation, activation=0):
-    n, c, h, wd = x.shape
-    kh, kw = w.shape[-2:]
-    oh = conv_out_size(h, kh, stride[0], padding[0], dilation[0])
-    ow = conv_out_size(wd, kw, stride[1], padding[1], dilation[1])
-    return torch.empty((n, c, oh, ow), dtype=x.dtype, device=x.device, memory_format=_layout(x))
+    return torch.empty(out_shape(x.shape, w.shape, stride, padding, dilation), dtype=x.dtype, device=x.device,
+                       memory_format=_layout(x))
 
 
 @torch.library.register_fake("mobilenet_dw::depthwise_bwd")
@@ -103,80 +102,29 @@ def depthwise_conv2d(
     dilation: IntOrPair = (1, 1),
     activation: str | None = None,
 ) -> Tensor:
-    """Depthwise conv2d (groups = C, weight (C, 1, kh, kw)) with the custom CUDA kernels; same arguments and
-    result as F.conv2d(x, weight, bias, stride, padding, dilation, groups=C), then `activation` ("relu",
-    "relu6" or None) applied in the same kernel. Output in x's memory format."""
+    """Depthwise conv2d (groups = C, weight (C * m, 1, kh, kw) for a depth multiplier m >= 1) with the custom CUDA
+    kernels; same arguments and result as F.conv2d(x, weight, bias, stride, padding, dilation, groups=C), for
+    every case F.conv2d runs, then `activation` ("relu", "relu6" or None) applied in the same kernel. Output in
+    x's memory format.
+
+    padding='same' with an even kernel pads one more at the bottom/right than at the top/left, as F.conv2d does;
+    the op takes one padding per axis, so that case runs with the larger (bottom/right) padding on both sides,
+    which computes one extra first output row/column, and drops it: exactly F.conv2d's taps, in the same order."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"depthwise_conv2d: activation {activation!r} is not supported "
                          f"(choose one of: None, 'relu', 'relu6')")
     if not isinstance(x, Tensor) or x.dim() != 4:
         raise ValueError(f"depthwise_conv2d: input must be a 4-D tensor (N, C, H, W), got {getattr(x, 'shape', x)}")
-    if weight.dim() != 4:
-        raise ValueError(f"depthwise_conv2d: weight must have shape (C, 1, kh, kw), got {tuple(weight.shape)}")
+    if not isinstance(weight, Tensor) or weight.dim() != 4:
+        raise ValueError(f"depthwise_conv2d: weight must have shape (C * m, 1, kh, kw), got "
+                         f"{tuple(getattr(weight, 'shape', ()))}")
     if not x.is_cuda:
         raise ValueError(f"depthwise_conv2d: the custom kernels need CUDA tensors, got input on {x.device}")
     stride = to_pair(stride, "depthwise_conv2d: stride")
     dilation = to_pair(dilation, "depthwise_conv2d: dilation")
-    kh, kw = weight.shape[-2:]
-    if isinstance(padding, str):
-        if padding == "valid":
-            padding = (0, 0)
-        elif padding == "same":
-            if stride != (1, 1):
-                raise ValueError("depthwise_conv2d: padding='same' is not supported for strided convolutions")
-            for k in (kh, kw):
-                if k % 2 == 0:
-                    raise ValueError(f"depthwise_conv2d: kernel size {k} is not supported (odd sizes 1-7)")
-            padding = (dilation[0] * (kh - 1) // 2, dilation[1] * (kw - 1) // 2)
-        else:
-            raise ValueError(f"depthwise_conv2d: invalid padding string {padding!r}, should be 'same' or 'valid'")
-    else:
-        padding = to_pair(padding, "depthwise_conv2d: padding")
-    _check_supported(x, weight, bias, stride, padding, dilation)
-    return _fwd(x, weight, bias, list(stride), list(padding), list(dilation), ACTIVATIONS[activation])
-
-
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-
-
-def _check_supported(x, weight, bias, stride, padding, dilation) -> None:
-    """The op checks all of this again in C++; checking here first gives a Python ValueError before any
-    C++ exception (a TORCH_CHECK thrown inside the op crashed the process on the H200 image, see
-    docs/kernel_notes.md)."""
-    c = x.shape[1]
-    if x.dtype not in _DTYPES:
-        raise ValueError(f"depthwise_conv2d: dtype {x.dtype} is not supported (float32, float16, bfloat16, float64)")
-    if weight.shape[1] != 1 or (weight.shape[0] != c and not (c and weight.shape[0] % c == 0)):
-        raise ValueError(f"depthwise_conv2d: weight must have shape (C, 1, kh, kw) with C={c}, got {tuple(weight.shape)}")
-    if weight.shape[0] != c:
-        raise ValueError(f"depthwise_conv2d: depth multiplier {weight.shape[0] // c} is not supported "
-                         f"(weight must have as many filters as input channels, {c})")
-    for k in weight.shape[-2:]:
-        if not (1 <= k <= 7 and k % 2 == 1):
-            raise ValueError(f"depthwise_conv2d: kernel size {k} is not supported (odd sizes 1-7)")
-    for v in stride:
-        if v not in (1, 2):
-            raise ValueError(f"depthwise_conv2d: stride {v} is not supported (1 or 2)")
-    for v in dilation:
-        if v not in (1, 2):
-            raise ValueError(f"depthwise_conv2d: dilation {v} is not supported (1 or 2)")
-    for v in padding:
-        if v < 0:
-            raise ValueError(f"depthwise_conv2d: padding {v} is not supported (must be >= 0)")
-    # under autocast the op's autocast kernel casts x, weight and bias to one dtype
-    same_dtype = torch.is_autocast_enabled("cuda") or weight.dtype == x.dtype
-    if weight.device != x.device or not same_dtype:
-        raise ValueError(f"depthwise_conv2d: weight ({weight.dtype}, {weight.device}) must match the input "
-                         f"({x.dtype}, {x.device})")
-    if bias is not None and (tuple(bias.shape) != (c,) or bias.device != x.device
-                             or not (torch.is_autocast_enabled("cuda") or bias.dtype == x.dtype)):
-        raise ValueError(f"depthwise_conv2d: bias must have shape ({c},) and the input's dtype and device, got "
-                         f"{tuple(bias.shape)} {bias.dtype} {bias.device}")
-    if c > 65535:
-        raise ValueError(f"depthwise_conv2d: {c} channels is not supported (at most 65535)")
-    for size, k, st, p, d in zip(x.shape[2:], weight.shape[-2:], stride, padding, dilation):
-        if conv_out_size(size, k, st, p, d) < 1:
-            raise ValueError(f"depthwise_conv2d: input {tuple(x.shape[2:])} is smaller than the dilated kernel "
-                             f"{tuple(weight.shape[-2:])} after padding {tuple(padding)}")
-    if x.numel() >= 2**31:
-        raise ValueError("depthwise_conv2d: tensors of 2^31 or more elements are not supported")
+    before, after = resolve_padding(padding, weight.shape[-2:], stride, dilation, "depthwise_conv2d")
+    _check_supported(x, weight, bias, stride, after, dilation)
+    y = _fwd(x, weight, bias, list(stride), list(after), list(dilation), ACTIVATIONS[activation])
+    if before != after:  # 'same' with an even kernel: drop the extra first row/column (see above)
+        y = y[:, :, after[0] - before[0]:, after[1] - before[1]:].contiguous(memory_format=_layout(x))
+    return y

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels.conv_arith import conv_out_size, to_pair
+from kernels.conv_arith import resolve_padding, to_pair
+from kernels.depthwise_args import out_shape
 from .registry import Registry
 
 Pair = tuple[int, int]
@@ -112,11 +113,8 @@ def _cudnn_fwd(x: Tensor, weight: Tensor, stride: list[int], padding: list[int],
 
 @_cudnn_fwd.register_fake
 def _(x, weight, stride, padding, dilation):
-    n, c, h, w = x.shape
-    kh, kw = weight.shape[-2:]
-    oh = conv_out_size(h, kh, stride[0], padding[0], dilation[0])
-    ow = conv_out_size(w, kw, stride[1], padding[1], dilation[1])
-    return x.new_empty((n, c, oh, ow)).contiguous(memory_format=_memory_format(x))
+    return x.new_empty(out_shape(x.shape, weight.shape, stride, padding, dilation)).contiguous(
+        memory_format=_memory_format(x))
 
 
 _checked_wgrad_dispatch: set[tuple] = set()
@@ -198,6 +196,12 @@ def _dispatch_is_cudnn(x: Tensor, weight: Tensor, bias, stride, padding, dilatio
 
 
 def _cudnn_conv2d(x, weight, bias, stride, padding, dilation):
+    if isinstance(padding, str):  # 'valid', or 'same' where it pads both sides alike
+        before, padding = resolve_padding(padding, weight.shape[-2:], to_pair(stride, "stride"),
+                                          to_pair(dilation, "dilation"), "backend=cudnn")
+        if before != padding:
+            raise ValueError("backend=cudnn: padding='same' with an even (dilated) kernel pads asymmetrically, "
+                             "which torch.cudnn_convolution cannot; use backend=torch or backend=custom")
     if not torch.backends.cudnn.enabled:
         raise BackendUnavailable("backend=cudnn, but torch.backends.cudnn.enabled is False")
     # Autocast does not reach custom ops: cast as F.conv2d's autocast rule would (to the autocast dtype).
@@ -266,19 +270,30 @@ register_backend(
 
 
 class DepthwiseConv2d(nn.Module):
-    """A depthwise convolution (groups = channels, depth multiplier 1) computed by the named backend."""
+    """A depthwise convolution (groups = channels; `multiplier` filters per channel, weight
+    (channels * multiplier, 1, kh, kw)) computed by the named backend. padding: an int, a pair, 'valid' or 'same'
+    as in F.conv2d; None keeps the spatial size at stride 1 for odd kernels."""
 
-    def __init__(self, channels: int, kernel_size: int | Pair = 3, stride: int | Pair = 1, padding: int | Pair | None = None,
-                 dilation: int | Pair = 1, bias: bool = False, backend: str = "torch"):
+    def __init__(self, channels: int, kernel_size: int | Pair = 3, stride: int | Pair = 1,
+                 padding: int | Pair | str | None = None, dilation: int | Pair = 1, bias: bool = False,
+                 backend: str = "torch", multiplier: int = 1):
         super().__init__()
         self.backend = get_backend(backend)
         self.kernel_size = to_pair(kernel_size, "DepthwiseConv2d: kernel_size")
         self.stride = to_pair(stride, "DepthwiseConv2d: stride")
         self.dilation = to_pair(dilation, "DepthwiseConv2d: dilation")
         # Default padding keeps the spatial size at stride 1 ("same" for odd kernels).
-        self.padding = to_pair(padding, "DepthwiseConv2d: padding") if padding is not None else tuple(d * (k - 1) // 2 for k, d in zip(self.kernel_size, self.dilation))
-        self.weight = nn.Parameter(torch.empty(channels, 1, *self.kernel_size))
-        self.bias = nn.Parameter(torch.empty(channels)) if bias else None
+        if padding is None:
+            self.padding = tuple(d * (k - 1) // 2 for k, d in zip(self.kernel_size, self.dilation))
+        elif isinstance(padding, str):
+            resolve_padding(padding, self.kernel_size, self.stride, self.dilation, "DepthwiseConv2d")  # validates
+            self.padding = padding
+        else:
+            self.padding = to_pair(padding, "DepthwiseConv2d: padding")
+        if multiplier < 1:
+            raise ValueError(f"DepthwiseConv2d: multiplier must be >= 1, got {multiplier}")
+        self.weight = nn.Parameter(torch.empty(channels * multiplier, 1, *self.kernel_size))
+        self.bias = nn.Parameter(torch.empty(channels * multiplier)) if bias else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

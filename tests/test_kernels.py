@@ -284,19 +284,20 @@ def test_profiler_shows_our_kernels_and_no_cudnn(dw):
 @pytest.mark.gpu
 @cuda
 def test_unsupported_parameters_raise_clear_errors(dw):
-    # ValueError from the Python checks (RuntimeError would come from the op's own C++ checks)
+    # What F.conv2d refuses, as a ValueError from the Python checks (a RuntimeError would come from the op's own
+    # C++ checks); what it runs (any kernel, stride, dilation, multiplier) is tests/test_depthwise_domain.py's.
     x = torch.randn(1, 4, 12, 12, device="cuda")
-    with pytest.raises((RuntimeError, ValueError), match=r"kernel size 9 is not supported \(odd sizes 1-7\)"):
-        dw(x, torch.randn(4, 1, 9, 9, device="cuda"), None, 1, 4, 1)
-    with pytest.raises((RuntimeError, ValueError), match="kernel size 4 is not supported"):
-        dw(x, torch.randn(4, 1, 4, 4, device="cuda"), None, 1, 1, 1)
-    with pytest.raises((RuntimeError, ValueError), match="stride 3 is not supported"):
-        dw(x, torch.randn(4, 1, 3, 3, device="cuda"), None, 3, 1, 1)
-    with pytest.raises((RuntimeError, ValueError), match="dilation 3 is not supported"):
-        dw(x, torch.randn(4, 1, 3, 3, device="cuda"), None, 1, 1, 3)
-    with pytest.raises((RuntimeError, ValueError), match="depth multiplier 2 is not supported"):
-        dw(x, torch.randn(8, 1, 3, 3, device="cuda"), None, 1, 1, 1)
-    with pytest.raises((RuntimeError, ValueError), match="dtype"):
+    with pytest.raises(ValueError, match=r"weight has 6 filters, which is not a multiple m >= 1"):
+        dw(x, torch.randn(6, 1, 3, 3, device="cuda"), None, 1, 1, 1)
+    with pytest.raises(ValueError, match=r"stride 0 is not supported \(must be >= 1\)"):
+        dw(x, torch.randn(4, 1, 3, 3, device="cuda"), None, 0, 1, 1)
+    with pytest.raises(ValueError, match=r"dilation 0 is not supported"):
+        dw(x, torch.randn(4, 1, 3, 3, device="cuda"), None, 1, 1, 0)
+    with pytest.raises(ValueError, match=r"padding -1 is not supported"):
+        dw(x, torch.randn(4, 1, 3, 3, device="cuda"), None, 1, -1, 1)
+    with pytest.raises(ValueError, match="smaller than the dilated kernel"):
+        dw(x, torch.randn(4, 1, 13, 13, device="cuda"), None, 1, 0, 1)
+    with pytest.raises(ValueError, match="dtype"):
         dw(x.to(torch.int32), torch.randn(4, 1, 3, 3, device="cuda").to(torch.int32), None, 1, 1, 1)
     with pytest.raises(ValueError, match="padding='same' is not supported for strided"):
         dw(x, torch.randn(4, 1, 3, 3, device="cuda"), None, 2, "same", 1)

@@ -3,13 +3,15 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <cuda_runtime_api.h>
 
 namespace mdw {
 
 enum class DType { F32, F16, BF16, F64 };
 
-// One depthwise convolution; every tensor is contiguous in the layout named by channels_last.
+// One depthwise convolution; every tensor is contiguous in the layout named by channels_last. The shape the
+// specialised kernels take (32-bit sizes, one filter per channel); the op describes a call by DepthwiseShape.
 struct ConvShape {
   int N, C, H, W;    // input
   int OH, OW;        // output
@@ -21,23 +23,38 @@ struct ConvShape {
   int act;           // forward epilogue, after the bias: Act below (the gradients always run with kNone)
 };
 
+// Any depthwise convolution F.conv2d(groups=C) runs: 64-bit sizes and a depth multiplier M, with C * M output
+// channels (output channel oc reads input channel oc / M; weight (C * M, 1, KH, KW)). The dispatch narrows it to a
+// ConvShape for the specialised kernels where it fits them (depthwise_dispatch.cpp), else runs the generic ones.
+struct DepthwiseShape {
+  int64_t N, C, M;     // input (N, C, H, W); output channels C * M
+  int64_t H, W;        // input
+  int64_t OH, OW;      // output
+  int64_t KH, KW;      // kernel
+  int64_t SH, SW;      // stride
+  int64_t PH, PW;      // padding (top and left; the output size says how much the bottom and right have)
+  int64_t DH, DW;      // dilation
+  bool channels_last;
+  int act;
+};
+
 // The activations the forward epilogue can apply; values match the op schema's `activation` argument.
 enum Act : int { kActNone = 0, kActReLU = 1, kActReLU6 = 2 };
 
 // y = act(conv(x, w) + bias); bias may be null, act is s.act.
-void launch_forward(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
+void launch_forward(const DepthwiseShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                     cudaStream_t stream);
 
 // grad_input from grad_out (gather over the taps that touch each input pixel).
-void launch_dgrad(const ConvShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,
+void launch_dgrad(const DepthwiseShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,
                   cudaStream_t stream);
 
 // Weight/bias gradients are reduced in two fixed-order stages through a workspace of partial sums
 // (fp32, or fp64 for double inputs); this says how many elements of that type the workspace needs.
-size_t wgrad_workspace_elems(const ConvShape& s, DType dt, const void* grad_out, const void* x);
+size_t wgrad_workspace_elems(const DepthwiseShape& s, DType dt, const void* grad_out, const void* x);
 
 // grad_weight and/or grad_bias (either may be null). `workspace` has wgrad_workspace_elems() elements.
-void launch_wgrad(const ConvShape& s, DType dt, const void* grad_out, const void* x, void* workspace,
+void launch_wgrad(const DepthwiseShape& s, DType dt, const void* grad_out, const void* x, void* workspace,
                   void* grad_weight, void* grad_bias, cudaStream_t stream);
 
 }  // namespace mdw

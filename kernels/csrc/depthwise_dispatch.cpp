@@ -52,16 +52,36 @@ WgradTechnique weight_grad_technique(const ConvShape& s, DType dt, const void* g
   return WgradTechnique::kGeneric;
 }
 
+// The domain the op accepted before the generic kernels took every case F.conv2d(groups=C) runs: one filter per
+// channel, odd kernels 1-7, stride 1 or 2, dilation 1 or 2, padding up to 2^20, at most 65535 channels, input and
+// output below 2^31 elements. Inside it the tables below are the ones the specialised kernels were tuned under, as
+// they were; outside it every pass runs its generic kernel. Fills *s with the 32-bit shape when inside.
+bool narrow_shape(const DepthwiseShape& g, ConvShape* s) {
+  auto odd_1_7 = [](int64_t k) { return k >= 1 && k <= 7 && k % 2 == 1; };
+  auto one_or_two = [](int64_t v) { return v == 1 || v == 2; };
+  const int64_t lim = int64_t(1) << 31;
+  if (g.M != 1 || !odd_1_7(g.KH) || !odd_1_7(g.KW) || !one_or_two(g.SH) || !one_or_two(g.SW) || !one_or_two(g.DH) ||
+      !one_or_two(g.DW) || g.PH > (1 << 20) || g.PW > (1 << 20) || g.C > 65535 || g.N * g.C * g.H * g.W >= lim ||
+      g.N * g.C * g.OH * g.OW >= lim)
+    return false;
+  *s = ConvShape{static_cast<int>(g.N),  static_cast<int>(g.C),  static_cast<int>(g.H),  static_cast<int>(g.W),
+                 static_cast<int>(g.OH), static_cast<int>(g.OW), static_cast<int>(g.KH), static_cast<int>(g.KW),
+                 static_cast<int>(g.SH), static_cast<int>(g.SW), static_cast<int>(g.PH), static_cast<int>(g.PW),
+                 static_cast<int>(g.DH), static_cast<int>(g.DW), g.channels_last,         g.act};
+  return true;
+}
+
 }  // namespace
 
 // Forward (depthwise_forward.cu):
-//   outside the tiled kernels' cases (see tiled_fits)                    generic
+//   outside narrow_shape's domain, or the tiled kernels' cases (see tiled_fits)   generic
 //   NHWC 3x3 s1/s2, whole 32-bit words of channels, FWD_COLUMN >= 1     column walk
 //   NCHW 3x3 s1 p1, 16-bit, rows of whole aligned 16-byte vectors       vector loads (the launcher checks)
 //   the rest of the tiled cases                                          tiled
-void launch_forward(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
+void launch_forward(const DepthwiseShape& g, DType dt, const void* x, const void* w, const void* bias, void* y,
                     cudaStream_t stream) {
-  if (!tiled_fits(s, dt, x, y, nhwc_vec(dt))) return forward_generic(s, dt, x, w, bias, y, stream);
+  ConvShape s;
+  if (!narrow_shape(g, &s) || !tiled_fits(s, dt, x, y, nhwc_vec(dt))) return forward_generic(g, dt, x, w, bias, y, stream);
   if (knob(Knob::kFwdColumn, dt) >= 1 && column_fits(s, dt, x, y))
     return forward_nhwc_column(s, dt, x, w, bias, y, stream);
   if (forward_nchw_vec3x3(s, dt, x, w, bias, y, stream)) return;
@@ -69,37 +89,42 @@ void launch_forward(const ConvShape& s, DType dt, const void* x, const void* w, 
 }
 
 // Input gradient (depthwise_input_grad.cu):
-//   outside the tiled kernels' cases (see tiled_fits)                    generic
+//   outside narrow_shape's domain, or the tiled kernels' cases (see tiled_fits)   generic
 //   NHWC 3x3 s1, whole 32-bit words of channels, FWD_COLUMN >= 2        column walk, kernel rotated
 //   NCHW 3x3 s1 p1, 16-bit, rows of whole aligned 16-byte vectors       vector loads, kernel rotated (the launcher checks)
 //   the rest of the tiled cases                                          tiled
-void launch_dgrad(const ConvShape& s, DType dt, const void* go, const void* w, void* gx, cudaStream_t stream) {
-  if (!tiled_fits(s, dt, go, gx, nhwc_vec(dt))) return input_grad_generic(s, dt, go, w, gx, stream);
+void launch_dgrad(const DepthwiseShape& g, DType dt, const void* go, const void* w, void* gx, cudaStream_t stream) {
+  ConvShape s;
+  if (!narrow_shape(g, &s) || !tiled_fits(s, dt, go, gx, nhwc_vec(dt))) return input_grad_generic(g, dt, go, w, gx, stream);
   if (knob(Knob::kFwdColumn, dt) >= 2 && input_grad_column_fits(s, dt, go, gx))
     return input_grad_nhwc_column(s, dt, go, w, gx, stream);
   if (input_grad_nchw_vec3x3(s, dt, go, w, gx, stream)) return;
   input_grad_tiled(s, dt, go, w, gx, stream);
 }
 
-// Weight gradient (depthwise_weight_grad.cu): weight_grad_technique's table above, then the fixed-order sum of the
-// partials.
-size_t wgrad_workspace_elems(const ConvShape& s, DType dt, const void* go, const void* x) {
-  int chunks = 0;
-  switch (weight_grad_technique(s, dt, go, x)) {
+// Weight gradient (depthwise_weight_grad.cu): outside narrow_shape's domain the generic technique (which runs its
+// own stage 2), else weight_grad_technique's table above, then the fixed-order sum of the partials.
+size_t wgrad_workspace_elems(const DepthwiseShape& g, DType dt, const void* go, const void* x) {
+  ConvShape s;
+  const WgradTechnique tech = narrow_shape(g, &s) ? weight_grad_technique(s, dt, go, x) : WgradTechnique::kGeneric;
+  long long chunks = 0;
+  switch (tech) {
     case WgradTechnique::kColumn: chunks = weight_grad_column_chunks(s, dt); break;
     case WgradTechnique::kTiled: chunks = weight_grad_tiled_chunks(s, dt); break;
-    case WgradTechnique::kGeneric: chunks = weight_grad_generic_chunks(s); break;
+    case WgradTechnique::kGeneric: chunks = weight_grad_generic_chunks(g); break;
   }
-  return static_cast<size_t>(chunks) * s.C * (s.KH * s.KW + 1);
+  return static_cast<size_t>(chunks) * g.C * g.M * (g.KH * g.KW + 1);
 }
 
-void launch_wgrad(const ConvShape& s, DType dt, const void* go, const void* x, void* ws, void* gw, void* gb,
+void launch_wgrad(const DepthwiseShape& g, DType dt, const void* go, const void* x, void* ws, void* gw, void* gb,
                   cudaStream_t stream) {
+  ConvShape s;
+  const WgradTechnique tech = narrow_shape(g, &s) ? weight_grad_technique(s, dt, go, x) : WgradTechnique::kGeneric;
   int chunks = 0;
-  switch (weight_grad_technique(s, dt, go, x)) {
+  switch (tech) {
     case WgradTechnique::kColumn: chunks = weight_grad_column(s, dt, go, x, ws, stream); break;
     case WgradTechnique::kTiled: chunks = weight_grad_tiled(s, dt, go, x, ws, stream); break;
-    case WgradTechnique::kGeneric: chunks = weight_grad_generic(s, dt, go, x, ws, stream); break;
+    case WgradTechnique::kGeneric: return weight_grad_generic(g, dt, go, x, ws, gw, gb, stream);
   }
   weight_grad_finalize(s, dt, ws, chunks, gw, gb, stream);
 }

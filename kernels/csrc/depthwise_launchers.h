@@ -20,8 +20,9 @@ bool forward_nchw_vec3x3(const ConvShape& s, DType dt, const void* x, const void
 // 3/5/7 square, stride 1 or 2, dilation 1, 16/32-bit, either layout: register tiles of a few columns per lane.
 void forward_tiled(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                    cudaStream_t stream);
-// Any shape, dtype and layout the op accepts: one output element per thread.
-void forward_generic(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
+// Any shape, dtype and layout the op accepts (any kernel, stride, padding, dilation, depth multiplier, 64-bit
+// sizes): one output element per thread, 32-bit index math where the case fits it.
+void forward_generic(const DepthwiseShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                      cudaStream_t stream);
 
 // Input gradient.
@@ -34,8 +35,8 @@ bool input_grad_nchw_vec3x3(const ConvShape& s, DType dt, const void* grad_out, 
 // 3/5/7 square, stride 1 or 2, dilation 1, 16/32-bit, either layout: register tiles of a few columns per lane.
 void input_grad_tiled(const ConvShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,
                       cudaStream_t stream);
-// Any shape, dtype and layout: one input element per thread.
-void input_grad_generic(const ConvShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,
+// Any shape, dtype and layout the op accepts: one input element per thread, summing over its M filters.
+void input_grad_generic(const DepthwiseShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,
                         cudaStream_t stream);
 
 // Weight and bias gradients, stage 1: a technique writes partial sums ws[chunk][C][KH*KW+1] (last slot: bias) for
@@ -49,10 +50,10 @@ int weight_grad_column(const ConvShape& s, DType dt, const void* grad_out, const
 int weight_grad_tiled_chunks(const ConvShape& s, DType dt);
 int weight_grad_tiled(const ConvShape& s, DType dt, const void* grad_out, const void* x, void* ws,
                       cudaStream_t stream);
-// Any shape, dtype and layout.
-int weight_grad_generic_chunks(const ConvShape& s);
-int weight_grad_generic(const ConvShape& s, DType dt, const void* grad_out, const void* x, void* ws,
-                        cudaStream_t stream);
+// Any shape, dtype and layout the op accepts; partials ws[chunk][C * M][KH*KW+1], and it runs its own stage 2.
+int weight_grad_generic_chunks(const DepthwiseShape& s);
+void weight_grad_generic(const DepthwiseShape& s, DType dt, const void* grad_out, const void* x, void* ws,
+                         void* grad_weight, void* grad_bias, cudaStream_t stream);
 // Stage 2: grad_weight[c][k] = sum over chunks of ws (fixed order), grad_bias[c] likewise from slot KH*KW.
 void weight_grad_finalize(const ConvShape& s, DType dt, const void* ws, int chunks, void* grad_weight,
                           void* grad_bias, cudaStream_t stream);

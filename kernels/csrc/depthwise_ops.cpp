@@ -33,57 +33,50 @@ DType to_dtype(c10::ScalarType t) {
 // The Python twin is conv_out_size() in kernels/conv_arith.py.
 int64_t out_size(int64_t in, int64_t k, int64_t s, int64_t p, int64_t d) { return (in + 2 * p - d * (k - 1) - 1) / s + 1; }
 
-ConvShape check_and_shape(const at::Tensor& x, const at::Tensor& w, at::IntArrayRef stride, at::IntArrayRef padding,
-                          at::IntArrayRef dilation, c10::MemoryFormat fmt) {
+// What F.conv2d(groups=C) itself refuses, refused here too; everything it runs, the kernels run (the generic ones
+// outside the specialised kernels' cases). kernels/ops.py _check_supported() is the Python twin, which runs first.
+DepthwiseShape check_and_shape(const at::Tensor& x, const at::Tensor& w, at::IntArrayRef stride,
+                               at::IntArrayRef padding, at::IntArrayRef dilation, c10::MemoryFormat fmt) {
   TORCH_CHECK(x.dim() == 4, "depthwise_conv2d: input must be 4-D (N, C, H, W), got ", x.dim(), "-D");
   TORCH_CHECK(x.is_cuda(), "depthwise_conv2d: input must be a CUDA tensor, got ", x.device());
   TORCH_CHECK(w.device() == x.device(), "depthwise_conv2d: weight is on ", w.device(), " but input is on ", x.device());
   TORCH_CHECK(w.scalar_type() == x.scalar_type(), "depthwise_conv2d: weight dtype ", w.scalar_type(),
               " differs from input dtype ", x.scalar_type());
   to_dtype(x.scalar_type());
-  TORCH_CHECK(w.dim() == 4 && w.size(1) == 1, "depthwise_conv2d: weight must have shape (C, 1, kh, kw), got ",
+  TORCH_CHECK(w.dim() == 4 && w.size(1) == 1, "depthwise_conv2d: weight must have shape (C * m, 1, kh, kw), got ",
               w.sizes());
   const int64_t C = x.size(1);
-  TORCH_CHECK(!(C > 0 && w.size(0) != C && w.size(0) % C == 0),
-              "depthwise_conv2d: depth multiplier ", C > 0 ? w.size(0) / C : 0,
-              " is not supported (weight must have as many filters as input channels, ", C, ")");
-  TORCH_CHECK(w.size(0) == C, "depthwise_conv2d: weight has ", w.size(0), " filters but the input has ", C,
-              " channels");
-  TORCH_CHECK(C <= 65535, "depthwise_conv2d: ", C, " channels is not supported (at most 65535)");
+  TORCH_CHECK(C > 0 ? w.size(0) >= C && w.size(0) % C == 0 : w.size(0) == 0, "depthwise_conv2d: weight has ",
+              w.size(0), " filters, which is not a multiple m >= 1 of the input's ", C, " channels");
   TORCH_CHECK(stride.size() == 2 && padding.size() == 2 && dilation.size() == 2,
               "depthwise_conv2d: stride, padding and dilation must have two values each");
   const int64_t k[2] = {w.size(2), w.size(3)};
   for (int i = 0; i < 2; ++i) {
-    TORCH_CHECK(k[i] >= 1 && k[i] <= 7 && k[i] % 2 == 1, "depthwise_conv2d: kernel size ", k[i],
-                " is not supported (odd sizes 1-7)");
-    TORCH_CHECK(stride[i] == 1 || stride[i] == 2, "depthwise_conv2d: stride ", stride[i],
-                " is not supported (1 or 2)");
-    TORCH_CHECK(dilation[i] == 1 || dilation[i] == 2, "depthwise_conv2d: dilation ", dilation[i],
-                " is not supported (1 or 2)");
-    TORCH_CHECK(padding[i] >= 0 && padding[i] <= 1 << 20, "depthwise_conv2d: padding ", padding[i],
-                " is not supported (must be >= 0)");
+    TORCH_CHECK(k[i] >= 1, "depthwise_conv2d: kernel size ", k[i], " is not supported (must be >= 1)");
+    TORCH_CHECK(stride[i] >= 1, "depthwise_conv2d: stride ", stride[i], " is not supported (must be >= 1)");
+    TORCH_CHECK(dilation[i] >= 1, "depthwise_conv2d: dilation ", dilation[i], " is not supported (must be >= 1)");
+    TORCH_CHECK(padding[i] >= 0, "depthwise_conv2d: padding ", padding[i], " is not supported (must be >= 0)");
   }
   const int64_t OH = out_size(x.size(2), k[0], stride[0], padding[0], dilation[0]);
   const int64_t OW = out_size(x.size(3), k[1], stride[1], padding[1], dilation[1]);
   TORCH_CHECK(OH >= 1 && OW >= 1, "depthwise_conv2d: input ", x.size(2), "x", x.size(3),
               " is smaller than the dilated kernel after padding (output would be ", OH, "x", OW, ")");
-  TORCH_CHECK(x.numel() < (int64_t(1) << 31) && x.size(0) * C * OH * OW < (int64_t(1) << 31),
-              "depthwise_conv2d: tensors of 2^31 or more elements are not supported");
-  ConvShape s{};
-  s.N = static_cast<int>(x.size(0));
-  s.C = static_cast<int>(C);
-  s.H = static_cast<int>(x.size(2));
-  s.W = static_cast<int>(x.size(3));
-  s.OH = static_cast<int>(OH);
-  s.OW = static_cast<int>(OW);
-  s.KH = static_cast<int>(k[0]);
-  s.KW = static_cast<int>(k[1]);
-  s.SH = static_cast<int>(stride[0]);
-  s.SW = static_cast<int>(stride[1]);
-  s.PH = static_cast<int>(padding[0]);
-  s.PW = static_cast<int>(padding[1]);
-  s.DH = static_cast<int>(dilation[0]);
-  s.DW = static_cast<int>(dilation[1]);
+  DepthwiseShape s{};
+  s.N = x.size(0);
+  s.C = C;
+  s.M = C > 0 ? w.size(0) / C : 1;
+  s.H = x.size(2);
+  s.W = x.size(3);
+  s.OH = OH;
+  s.OW = OW;
+  s.KH = k[0];
+  s.KW = k[1];
+  s.SH = stride[0];
+  s.SW = stride[1];
+  s.PH = padding[0];
+  s.PW = padding[1];
+  s.DH = dilation[0];
+  s.DW = dilation[1];
   s.channels_last = fmt == c10::MemoryFormat::ChannelsLast;
   return s;
 }
@@ -92,7 +85,7 @@ at::Tensor depthwise_fwd(const at::Tensor& x_in, const at::Tensor& w_in, const s
                          at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
                          int64_t activation) {
   const c10::MemoryFormat fmt = layout_of(x_in);
-  ConvShape s = check_and_shape(x_in, w_in, stride, padding, dilation, fmt);
+  DepthwiseShape s = check_and_shape(x_in, w_in, stride, padding, dilation, fmt);
   TORCH_CHECK(activation == kActNone || activation == kActReLU || activation == kActReLU6,
               "depthwise_conv2d: activation ", activation, " is not supported (0: none, 1: ReLU, 2: ReLU6)");
   s.act = static_cast<int>(activation);
@@ -101,13 +94,13 @@ at::Tensor depthwise_fwd(const at::Tensor& x_in, const at::Tensor& w_in, const s
   const at::Tensor w = w_in.contiguous();
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == s.C, "depthwise_conv2d: bias must have shape (", s.C,
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == s.C * s.M, "depthwise_conv2d: bias must have shape (", s.C * s.M,
                 ",), got ", bias->sizes());
     TORCH_CHECK(bias->device() == x.device() && bias->scalar_type() == x.scalar_type(),
                 "depthwise_conv2d: bias must be on the input's device with the input's dtype");
     b = bias->contiguous();
   }
-  at::Tensor y = at::empty({s.N, s.C, s.OH, s.OW}, x.options().memory_format(fmt));
+  at::Tensor y = at::empty({s.N, s.C * s.M, s.OH, s.OW}, x.options().memory_format(fmt));
   if (y.numel() == 0) return y;
   launch_forward(s, to_dtype(x.scalar_type()), x.const_data_ptr(), w.const_data_ptr(),
                  b.defined() ? b.const_data_ptr() : nullptr, y.mutable_data_ptr(),
@@ -120,10 +113,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_bwd(const at::Tensor& g
                                                              at::IntArrayRef padding, at::IntArrayRef dilation,
                                                              std::array<bool, 3> output_mask) {
   const c10::MemoryFormat fmt = layout_of(x_in);
-  const ConvShape s = check_and_shape(x_in, w_in, stride, padding, dilation, fmt);
-  TORCH_CHECK(grad_out.dim() == 4 && grad_out.size(0) == s.N && grad_out.size(1) == s.C &&
+  const DepthwiseShape s = check_and_shape(x_in, w_in, stride, padding, dilation, fmt);
+  TORCH_CHECK(grad_out.dim() == 4 && grad_out.size(0) == s.N && grad_out.size(1) == s.C * s.M &&
                   grad_out.size(2) == s.OH && grad_out.size(3) == s.OW,
-              "depthwise_conv2d backward: grad_out must have shape (", s.N, ", ", s.C, ", ", s.OH, ", ", s.OW,
+              "depthwise_conv2d backward: grad_out must have shape (", s.N, ", ", s.C * s.M, ", ", s.OH, ", ", s.OW,
               "), got ", grad_out.sizes());
   TORCH_CHECK(grad_out.device() == x_in.device() && grad_out.scalar_type() == x_in.scalar_type(),
               "depthwise_conv2d backward: grad_out must be on the input's device with the input's dtype");
@@ -146,7 +139,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_bwd(const at::Tensor& g
   }
   grad_weight = output_mask[1] ? (empty ? at::zeros(w.sizes(), w.options()) : at::empty(w.sizes(), w.options()))
                                : at::empty({0}, w.options());
-  grad_bias = output_mask[2] ? (empty ? at::zeros({s.C}, w.options()) : at::empty({s.C}, w.options()))
+  grad_bias = output_mask[2] ? (empty ? at::zeros({s.C * s.M}, w.options()) : at::empty({s.C * s.M}, w.options()))
                              : at::empty({0}, w.options());
   if ((output_mask[1] || output_mask[2]) && !empty) {
     const size_t elems = wgrad_workspace_elems(s, dt, go.const_data_ptr(), x.const_data_ptr());

@@ -500,82 +500,145 @@ int run_planned(const ConvShape& s, DType dt, const WgradPlan& p, bool column, c
 
 // ---- generic ----
 
-constexpr int kMaxK = 7;
+// Taps per side of the register tile a generic block accumulates: a kernel larger than 7x7 is cut into
+// 7x7 tiles of taps, one tile per block along the grid's z (grid-stride), each rereading its elements.
+constexpr int kTapTile = 7;
 
 // Lanes of a generic wgrad block: channels x elements of (n, oh, ow). NHWC puts 32 channels side by
 // side (coalesced); NCHW gives the whole block to one channel and runs along its plane.
-inline int generic_channel_lanes(const ConvShape& s) { return s.channels_last ? 32 : 1; }
+inline int generic_channel_lanes(const DepthwiseShape& s) { return s.channels_last ? 32 : 1; }
 
-template <class TT>
+inline long long ceil_div64(long long a, long long b) { return (a + b - 1) / b; }
+
+inline long long generic_tap_tiles_w(const DepthwiseShape& s) { return ceil_div64(s.KW, kTapTile); }
+inline long long generic_tap_tiles(const DepthwiseShape& s) {
+  return ceil_div64(s.KH, kTapTile) * generic_tap_tiles_w(s);
+}
+
+// Any kernel size, stride, padding, dilation and depth multiplier: the partials of output channel oc (its own
+// filter) from input channel oc / M. Channel groups (grid y) and tap tiles (grid z) are grid-stride loops, so
+// any channel count and kernel size fit the grid; every (chunk, oc, tap) partial is written by one block.
+template <class TT, class I>
 __global__ void __launch_bounds__(256)
     wgrad_generic_kernel(const typename TT::S* __restrict__ go, const typename TT::S* __restrict__ x,
-                         typename TT::Acc* __restrict__ ws, ConvShape s, int channel_lanes) {
+                         typename TT::Acc* __restrict__ ws, GenericShape<I> s, int channel_lanes, I tiles_w,
+                         I tiles) {
   using Acc = typename TT::Acc;
   __shared__ Acc buf[256];
   const int elem_lanes = blockDim.x / channel_lanes;
   const int tx = threadIdx.x % channel_lanes, ty = threadIdx.x / channel_lanes;
-  const int c = blockIdx.y * channel_lanes + tx;
-  const long long total = static_cast<long long>(s.N) * s.OH * s.OW;
-  Acc acc[kMaxK][kMaxK];
-  Acc acc_b = Acc(0);
+  const I OC = s.OC(), KK = s.KH * s.KW;
+  const I total = s.N * s.OH * s.OW;
+  const I groups = (OC + channel_lanes - 1) / channel_lanes;
+  for (I group = blockIdx.y; group < groups; group += gridDim.y) {
+    const I oc = group * channel_lanes + tx;
+    const I c = oc / s.M;
+    for (I tile = blockIdx.z; tile < tiles; tile += gridDim.z) {
+      const I kh0 = tile / tiles_w * kTapTile, kw0 = tile % tiles_w * kTapTile;
+      Acc acc[kTapTile][kTapTile];
+      Acc acc_b = Acc(0);
 #pragma unroll
-  for (int kh = 0; kh < kMaxK; ++kh)
+      for (int kh = 0; kh < kTapTile; ++kh)
 #pragma unroll
-    for (int kw = 0; kw < kMaxK; ++kw) acc[kh][kw] = Acc(0);
-  if (c < s.C) {
-    for (long long m = static_cast<long long>(blockIdx.x) * elem_lanes + ty; m < total;
-         m += static_cast<long long>(gridDim.x) * elem_lanes) {
-      const int ow = static_cast<int>(m % s.OW);
-      const int oh = static_cast<int>((m / s.OW) % s.OH);
-      const int n = static_cast<int>(m / (static_cast<long long>(s.OW) * s.OH));
-      const Acc g = TT::to_acc(go[offset(n, c, oh, ow, s.C, s.OH, s.OW, s.channels_last)]);
-      acc_b += g;
+        for (int kw = 0; kw < kTapTile; ++kw) acc[kh][kw] = Acc(0);
+      if (oc < OC) {
+        for (I m = static_cast<I>(blockIdx.x) * elem_lanes + ty; m < total;
+             m += static_cast<I>(gridDim.x) * elem_lanes) {
+          const I ow = m % s.OW;
+          const I oh = m / s.OW % s.OH;
+          const I n = m / (s.OW * s.OH);
+          const Acc g = TT::to_acc(go[offset<I>(n, oc, oh, ow, OC, s.OH, s.OW, s.channels_last)]);
+          acc_b += g;
 #pragma unroll
-      for (int kh = 0; kh < kMaxK; ++kh) {
-        const int ih = oh * s.SH - s.PH + kh * s.DH;
-        if (kh >= s.KH || ih < 0 || ih >= s.H) continue;
+          for (int kh = 0; kh < kTapTile; ++kh) {
+            const I ih = oh * s.SH - s.PH + (kh0 + kh) * s.DH;
+            if (kh0 + kh >= s.KH || ih < 0 || ih >= s.H) continue;
 #pragma unroll
-        for (int kw = 0; kw < kMaxK; ++kw) {
-          const int iw = ow * s.SW - s.PW + kw * s.DW;
-          if (kw >= s.KW || iw < 0 || iw >= s.W) continue;
-          acc[kh][kw] += g * TT::to_acc(x[offset(n, c, ih, iw, s.C, s.H, s.W, s.channels_last)]);
+            for (int kw = 0; kw < kTapTile; ++kw) {
+              const I iw = ow * s.SW - s.PW + (kw0 + kw) * s.DW;
+              if (kw0 + kw >= s.KW || iw < 0 || iw >= s.W) continue;
+              acc[kh][kw] += g * TT::to_acc(x[offset<I>(n, c, ih, iw, s.C, s.H, s.W, s.channels_last)]);
+            }
+          }
         }
       }
+      // Fixed-order reduction over the element lanes, one tap at a time.
+      auto reduce_slot = [&](Acc v, I slot) {
+        buf[threadIdx.x] = v;
+        __syncthreads();
+        if (ty == 0 && oc < OC) {
+          Acc sum = Acc(0);
+          for (int e = 0; e < elem_lanes; ++e) sum += buf[e * channel_lanes + tx];
+          ws[(static_cast<I>(blockIdx.x) * OC + oc) * (KK + 1) + slot] = sum;
+        }
+        __syncthreads();
+      };
+#pragma unroll
+      for (int kh = 0; kh < kTapTile; ++kh)
+#pragma unroll
+        for (int kw = 0; kw < kTapTile; ++kw)
+          if (kh0 + kh < s.KH && kw0 + kw < s.KW) reduce_slot(acc[kh][kw], (kh0 + kh) * s.KW + kw0 + kw);
+      if (tile == 0) reduce_slot(acc_b, KK);
     }
   }
-  // Fixed-order reduction over the element lanes, one tap at a time.
-  const int KK = s.KH * s.KW;
-  auto reduce_slot = [&](Acc v, int slot) {
-    buf[threadIdx.x] = v;
-    __syncthreads();
-    if (ty == 0 && c < s.C) {
-      Acc sum = Acc(0);
-      for (int e = 0; e < elem_lanes; ++e) sum += buf[e * channel_lanes + tx];
-      ws[(static_cast<size_t>(blockIdx.x) * s.C + c) * (KK + 1) + slot] = sum;
-    }
-    __syncthreads();
-  };
-#pragma unroll
-  for (int kh = 0; kh < kMaxK; ++kh)
-#pragma unroll
-    for (int kw = 0; kw < kMaxK; ++kw)
-      if (kh < s.KH && kw < s.KW) reduce_slot(acc[kh][kw], kh * s.KW + kw);
-  reduce_slot(acc_b, KK);
 }
 
+// Stage 2 of the generic path where a 32-bit index does not reach every weight: grid-stride over (oc, slot).
 template <class TT>
-void wgrad_generic_t(const ConvShape& s, const void* go, const void* x, void* ws, int chunks, cudaStream_t st) {
+__global__ void wgrad_finalize_wide_kernel(const typename TT::Acc* __restrict__ ws, int chunks, long long OC,
+                                           long long KK, typename TT::S* __restrict__ gw,
+                                           typename TT::S* __restrict__ gb) {
+  using Acc = typename TT::Acc;
+  const long long slots = KK + 1;
+  for (long long idx = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; idx < OC * slots;
+       idx += static_cast<long long>(gridDim.x) * blockDim.x) {
+    Acc sum = Acc(0);
+    for (int g = 0; g < chunks; ++g) sum += ws[g * OC * slots + idx];
+    const long long oc = idx / slots, k = idx - oc * slots;
+    if (k < KK) {
+      if (gw) gw[oc * KK + k] = TT::from_acc(sum);
+    } else if (gb) {
+      gb[oc] = TT::from_acc(sum);
+    }
+  }
+}
+
+template <class TT, class I>
+void wgrad_generic_i(const DepthwiseShape& d, const void* go, const void* x, void* ws, int chunks, cudaStream_t st) {
   using Sx = typename TT::S;
-  const int lanes = generic_channel_lanes(s);
-  const dim3 grid(chunks, ceil_div(s.C, lanes));
-  wgrad_generic_kernel<TT><<<grid, 256, 0, st>>>(static_cast<const Sx*>(go), static_cast<const Sx*>(x),
-                                                 static_cast<typename TT::Acc*>(ws), s, lanes);
+  const int lanes = generic_channel_lanes(d);
+  const long long groups = ceil_div64(d.C * d.M, lanes), tiles = generic_tap_tiles(d);
+  const dim3 grid(chunks, static_cast<unsigned>(groups < 65535 ? groups : 65535),
+                  static_cast<unsigned>(tiles < 65535 ? tiles : 65535));
+  wgrad_generic_kernel<TT, I><<<grid, 256, 0, st>>>(static_cast<const Sx*>(go), static_cast<const Sx*>(x),
+                                                    static_cast<typename TT::Acc*>(ws), generic_shape<I>(d), lanes,
+                                                    static_cast<I>(generic_tap_tiles_w(d)), static_cast<I>(tiles));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void generic_partials(const ConvShape& s, DType dt, const void* go, const void* x, void* ws, int chunks,
+template <class TT>
+void wgrad_finalize_wide_t(const DepthwiseShape& d, const void* ws, int chunks, void* gw, void* gb, cudaStream_t st) {
+  using Sx = typename TT::S;
+  const long long OC = d.C * d.M, KK = d.KH * d.KW;
+  wgrad_finalize_wide_kernel<TT><<<grid_for(OC * (KK + 1), 256), 256, 0, st>>>(
+      static_cast<const typename TT::Acc*>(ws), chunks, OC, KK, static_cast<Sx*>(gw), static_cast<Sx*>(gb));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <class TT>
+void wgrad_generic_t(const DepthwiseShape& d, const void* go, const void* x, void* ws, int chunks, cudaStream_t st) {
+  const bool narrow = generic_fits_int(d, static_cast<long long>(chunks) * d.C * d.M * (d.KH * d.KW + 1));
+  (narrow ? wgrad_generic_i<TT, int> : wgrad_generic_i<TT, long long>)(d, go, x, ws, chunks, st);
+}
+
+void generic_partials(const DepthwiseShape& s, DType dt, const void* go, const void* x, void* ws, int chunks,
                       cudaStream_t stream) {
   MDW_DISPATCH(dt, wgrad_generic_t, s, go, x, ws, chunks, stream)
+}
+
+void generic_finalize_wide(const DepthwiseShape& s, DType dt, const void* ws, int chunks, void* gw, void* gb,
+                           cudaStream_t stream) {
+  MDW_DISPATCH(dt, wgrad_finalize_wide_t, s, ws, chunks, gw, gb, stream)
 }
 
 // ---- finalize ----
@@ -621,20 +684,31 @@ int weight_grad_column(const ConvShape& s, DType dt, const void* go, const void*
   return run_planned(s, dt, plan_column(s, dt), /*column=*/true, go, x, ws, stream);
 }
 
-int weight_grad_generic_chunks(const ConvShape& s) {
+int weight_grad_generic_chunks(const DepthwiseShape& s) {
   const int lanes = generic_channel_lanes(s);
   const int elem_lanes = 256 / lanes;
-  const long long total = static_cast<long long>(s.N) * s.OH * s.OW;
-  const int max_chunks = ceil_div(total, elem_lanes);
-  int chunks = ceil_div(num_sms() * 8, ceil_div(s.C, lanes));
+  const long long total = s.N * s.OH * s.OW;
+  const long long max_chunks = ceil_div64(total, elem_lanes);
+  long long chunks = ceil_div64(static_cast<long long>(num_sms()) * 8, ceil_div64(s.C * s.M, lanes));
   if (chunks > max_chunks) chunks = max_chunks;
-  return chunks < 1 ? 1 : chunks;
+  return chunks < 1 ? 1 : static_cast<int>(chunks);
 }
 
-int weight_grad_generic(const ConvShape& s, DType dt, const void* go, const void* x, void* ws, cudaStream_t stream) {
+void weight_grad_generic(const DepthwiseShape& s, DType dt, const void* go, const void* x, void* ws, void* gw,
+                         void* gb, cudaStream_t stream) {
   const int chunks = weight_grad_generic_chunks(s);
   generic_partials(s, dt, go, x, ws, chunks, stream);
-  return chunks;
+  const long long oc = s.C * s.M, slots = s.KH * s.KW + 1;
+  if (oc * slots < (1LL << 31) - (1LL << 26)) {
+    // the finalize every technique runs, on the shape with OC channels
+    ConvShape f{};
+    f.C = static_cast<int>(oc);
+    f.KH = static_cast<int>(s.KH);
+    f.KW = static_cast<int>(s.KW);
+    weight_grad_finalize(f, dt, ws, chunks, gw, gb, stream);
+  } else {
+    generic_finalize_wide(s, dt, ws, chunks, gw, gb, stream);
+  }
 }
 
 void weight_grad_finalize(const ConvShape& s, DType dt, const void* ws, int chunks, void* gw, void* gb,

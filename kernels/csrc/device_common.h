@@ -306,29 +306,64 @@ __device__ __forceinline__ void fill(float (&a)[A][B], float value) {
     for (int j = 0; j < B; ++j) a[i][j] = value;
 }
 
-// The generic kernels run over a tensor's elements in memory order, in either layout.
+// The generic kernels take the whole DepthwiseShape in index type I: int where every size and index of the case
+// fits 32 bits (generic_fits_int), else long long. They run over a tensor's elements in memory order, in either
+// layout.
+template <class I>
+struct GenericShape {
+  I N, C, M, H, W, OH, OW, KH, KW, SH, SW, PH, PW, DH, DW;
+  bool channels_last;
+  int act;
+  __host__ __device__ I OC() const { return C * M; }
+};
+
+template <class I>
+inline GenericShape<I> generic_shape(const DepthwiseShape& d) {
+  return {static_cast<I>(d.N),  static_cast<I>(d.C),  static_cast<I>(d.M),  static_cast<I>(d.H),
+          static_cast<I>(d.W),  static_cast<I>(d.OH), static_cast<I>(d.OW), static_cast<I>(d.KH),
+          static_cast<I>(d.KW), static_cast<I>(d.SH), static_cast<I>(d.SW), static_cast<I>(d.PH),
+          static_cast<I>(d.PW), static_cast<I>(d.DH), static_cast<I>(d.DW), d.channels_last, d.act};
+}
+
+// Whether 32-bit index math is exact for the case: every tensor (input, output, weight, the weight-gradient
+// workspace of `ws_elems`) below 2^31 - 2^26 elements (the margin keeps a grid-stride loop's last step, at most
+// grid_for()'s 32 blocks per SM x 256 threads, from overflowing), and every intermediate row/column index
+// (o * S - P + k * D, and the input gradient's i + P - k * D) below that too.
+inline bool generic_fits_int(const DepthwiseShape& d, long long ws_elems = 0) {
+  const long long lim = (1LL << 31) - (1LL << 26);
+  const long long oc = d.C * d.M;
+  auto span = [](long long in, long long out, long long k, long long s, long long p, long long dl) {
+    return in + out * s + p + k * dl;  // bounds |o * S - P + k * D| and |i + P - k * D|
+  };
+  return d.N * d.C * d.H * d.W < lim && d.N * oc * d.OH * d.OW < lim && oc * d.KH * d.KW < lim &&
+         oc * (d.KH * d.KW + 1) < lim && ws_elems < lim && span(d.H, d.OH, d.KH, d.SH, d.PH, d.DH) < lim &&
+         span(d.W, d.OW, d.KW, d.SW, d.PW, d.DW) < lim && d.N * d.OH * d.OW < lim;
+}
+
+template <class I>
 struct Index4 {
-  int n, c, h, w;
+  I n, c, h, w;
 };
 
 // Decode a linear index of an (N, C, H, W) tensor stored in the given layout.
-__device__ __forceinline__ Index4 decode(long long idx, int C, int H, int W, bool channels_last) {
-  Index4 r;
+template <class I>
+__device__ __forceinline__ Index4<I> decode(I idx, I C, I H, I W, bool channels_last) {
+  Index4<I> r;
   if (channels_last) {
-    r.c = static_cast<int>(idx % C); idx /= C;
-    r.w = static_cast<int>(idx % W); idx /= W;
-    r.h = static_cast<int>(idx % H); r.n = static_cast<int>(idx / H);
+    r.c = idx % C; idx /= C;
+    r.w = idx % W; idx /= W;
+    r.h = idx % H; r.n = idx / H;
   } else {
-    r.w = static_cast<int>(idx % W); idx /= W;
-    r.h = static_cast<int>(idx % H); idx /= H;
-    r.c = static_cast<int>(idx % C); r.n = static_cast<int>(idx / C);
+    r.w = idx % W; idx /= W;
+    r.h = idx % H; idx /= H;
+    r.c = idx % C; r.n = idx / C;
   }
   return r;
 }
 
-__device__ __forceinline__ size_t offset(int n, int c, int h, int w, int C, int H, int W, bool channels_last) {
-  return channels_last ? ((static_cast<size_t>(n) * H + h) * W + w) * C + c
-                       : ((static_cast<size_t>(n) * C + c) * H + h) * W + w;
+template <class I>
+__device__ __forceinline__ I offset(I n, I c, I h, I w, I C, I H, I W, bool channels_last) {
+  return channels_last ? ((n * H + h) * W + w) * C + c : ((n * C + c) * H + h) * W + w;
 }
 
 }  // namespace mdw
