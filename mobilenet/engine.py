@@ -224,7 +224,6 @@ class Trainer:
             self.model = convert_sync_batchnorm(self.model)  # keeps each fused norm_relu's ReLU
         self.backend_label = backend_label or cfg.backend.name
         # Figures measured outside fit() (e.g. inference img/s) to log as perf/<name> and hparam/<name>.
-        self.extra_metrics: dict[str, float] = {}
         self.forward = _forward_for_run(self.model, cfg, self.device, self.dist)
         self._build_optimization(cfg, use_graph)
         self.env = environment(self.device)
@@ -336,11 +335,13 @@ class Trainer:
             if bar is not None:
                 bar.set_postfix(loss=f"{value:.3f}", refresh=False)
 
-    def fit(self) -> RunResult:
+    def fit(self, extra_metrics: dict[str, float] | None = None) -> RunResult:
+        """Train. extra_metrics: figures of this run measured outside the loop (the throughput matrix's inference
+        img/s), logged as perf/ scalars and with the run's hparams."""
         with streams.issued_on(self.stream):
-            return profile_training(self) if self.cfg.profile else self._fit()
+            return profile_training(self) if self.cfg.profile else self._fit(extra_metrics or {})
 
-    def _fit(self) -> RunResult:
+    def _fit(self, extra_metrics: dict[str, float]) -> RunResult:
         result = RunResult(run_dir=str(self.run_dir))
         self._first_epoch = self.epoch
         if self.device.type == "cuda":
@@ -361,7 +362,7 @@ class Trainer:
             self.tb.writer and self.tb.writer.flush()
         result.epochs_done = self.epoch
         result.global_step = self.global_step
-        self._finish(result)
+        self._finish(result, extra_metrics)
         return result
 
     def _evaluate(self, result: RunResult) -> None:
@@ -375,15 +376,15 @@ class Trainer:
     def summary_rows(self, result: RunResult) -> dict[str, Any]:
         return self.run_record().summary_rows(result)
 
-    def _finish(self, result: RunResult) -> None:
+    def _finish(self, result: RunResult, extra_metrics: dict[str, float]) -> None:
         if not self.dist.is_main:
             return
         record = self.run_record()
         self.tb.text("summary", print_summary(f"run {self.overrides or 'default'}", record.summary_rows(result)))
         metrics = {"hparam/train_img_s": result.train.img_s if result.train else float("nan"),
                    "hparam/val_top1": result.val_top1}
-        self.tb.scalars({f"perf/{k}": v for k, v in self.extra_metrics.items()}, self.global_step)
-        metrics.update({f"hparam/{k}": v for k, v in self.extra_metrics.items()})
+        self.tb.scalars({f"perf/{k}": v for k, v in extra_metrics.items()}, self.global_step)
+        metrics.update({f"hparam/{k}": v for k, v in extra_metrics.items()})
         self.tb.hparams(record.hparams(), metrics)
         self.tb.close()
 

@@ -293,7 +293,8 @@ def markdown(rows: list[Row], notes: list[str]) -> str:
                      + ", GPU " + "/".join(facts["gpu"]) + ", torch " + "/".join(facts["torch"])
                      + ", cuDNN " + "/".join(facts["cudnn"]) + ". Sorted by training img/s; speed-ups are over "
                      "backend torch, norm torch, fp32, NCHW, no compile on the same data and CUDA-graph setting. CUDA graph: the "
-                     "training step captured (cuda_graph); inference is eager in every row.")
+                     "training step captured (cuda_graph). Inference: the project's model on infer.py's path for the row's "
+                     "settings (BatchNorm folded, fused epilogues), the timm peer eager in eval mode.")
         lines.append("")
     lines += [n for n in notes]
     if notes:

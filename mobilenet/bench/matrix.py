@@ -399,8 +399,7 @@ def run_project(cfg, run_dir: Path, spec: dict, model=None, backend_label: str |
         else:
             infer = measure(trainer.forward, trainer.model, cfg, trainer.device, spec["infer_warmup"],
                             spec["infer_steps"])
-    trainer.extra_metrics = {"infer_img_s": infer.img_s, "infer_step_ms": infer.step_ms}
-    result = trainer.fit()
+    result = trainer.fit(extra_metrics={"infer_img_s": infer.img_s, "infer_step_ms": infer.step_ms})
     return {"train_img_s": result.train.img_s, "infer_img_s": infer.img_s}
 
 
