@@ -21,6 +21,7 @@ import csv
 import math
 import shlex
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -175,7 +176,7 @@ def main(argv=None) -> int:
         return 2
     env = environment(torch.device("cuda"))
     head = (f"# BatchNorm+ReLU layers of MobileNetV1 in training: {', '.join(args.norms.split(','))}\n\n"
-            f"{machine_line(env)}\n\nCommand: `{' '.join(shlex.quote(a) for a in ['python', 'scripts/bench_norm.py', *argv])}`"
+            f"{machine_line(env)}\n\n{time.strftime('%Y-%m-%d', time.gmtime())}. Command: `{' '.join(shlex.quote(a) for a in ['python', 'scripts/bench_norm.py', *argv])}`"
             "\n\nms per layer (median of graph replays; the norms alternate case by case). fwd: the module's forward in "
             "training (statistics, normalize + ReLU, running-statistics update); fwdbwd: forward and backward. floor: "
             "forward reads x and writes y, backward reads grad_y and x and writes grad_x, at the copy bandwidth "
