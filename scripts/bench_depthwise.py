@@ -6,8 +6,8 @@ default, MobileNetV1's 13), mobilenet_v3 (MobileNetV3-Large, 15), efficientnet_b
 large_k7 (four 7x7 layers at 224^2 and 112^2). Layers of identical shape are measured once and counted as often as
 the network has them.
 
-For every dtype x layout: per-layer rows and the suite's count-weighted sums, with the HBM floor (the fewest bytes the
-pass must move over the device-to-device copy bandwidth measured in this run). Timing: CUDA events around
+For every dtype x layout: per-layer rows and the suite's count-weighted sums, with the HBM floor (the fewest bytes
+the pass must move over the device-to-device copy bandwidth measured in this run). Timing: CUDA events around
 CUDA-graph replays (launch overhead out of the numbers; eager fallback if capture fails, marked in the table),
 warm-up, median of repeats, and a rotation over several input sets totalling well above the 60 MB L2 so that no
 pass reads its inputs from L2. cuDNN autotunes its algorithm per shape, as in train.py and infer.py
@@ -66,8 +66,8 @@ def bench_layer(backends, dtype, fmt, n, layer: Layer, modes, repeats, check, wa
     set_bytes = n * (c * layer.H * layer.W + layer.out_channels * oh * ow) * elem
     n_sets = max(2, min(16, math.ceil(ROTATION_BYTES / set_bytes)))
     gen = torch.Generator(device="cuda").manual_seed(1234 + c + layer.H)
-    xs = [torch.randn(n, c, layer.H, layer.W, device="cuda", dtype=dtype, generator=gen).contiguous(memory_format=fmt)
-          for _ in range(n_sets)]
+    xs = [torch.randn(n, c, layer.H, layer.W, device="cuda", dtype=dtype, generator=gen).contiguous(
+        memory_format=fmt) for _ in range(n_sets)]
     gos = [torch.randn(n, layer.out_channels, oh, ow, device="cuda", dtype=dtype, generator=gen).contiguous(
         memory_format=fmt) for _ in range(n_sets)]
     w = (torch.randn(layer.weight_shape, device="cuda", dtype=dtype, generator=gen) / layer.k).requires_grad_()

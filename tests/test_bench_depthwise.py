@@ -19,8 +19,8 @@ INFO = {"gpu": "Test GPU", "driver": "1.0", "torch": "2.x", "cuda": "13.0", "cud
 
 def _row(layer, mode, cudnn_ms, custom_ms, custom_timing="graph"):
     return {"dtype": "fp16", "layout": "nhwc", "mode": mode, "suite": "mobilenet_v1", "layer": layer,
-            **SUITES["mobilenet_v1"].layers[layer].fields(), "floor_ms": 0.05, "cudnn_ms": cudnn_ms, "cudnn_timing": "graph", "custom_ms": custom_ms,
-            "custom_timing": custom_timing}
+            **SUITES["mobilenet_v1"].layers[layer].fields(), "floor_ms": 0.05, "cudnn_ms": cudnn_ms,
+            "cudnn_timing": "graph", "custom_ms": custom_ms, "custom_timing": custom_timing}
 
 
 def test_cudnn_autotunes_by_default_as_the_model_does():
