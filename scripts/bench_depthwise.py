@@ -1,20 +1,28 @@
 #!/usr/bin/env python
-"""Benchmark MobileNetV1's 13 depthwise layers: torch vs cudnn vs custom, forward and forward+backward.
+"""Benchmark a network's depthwise layers: torch vs cudnn vs custom, forward and forward+backward.
 
-For every dtype x layout: per-layer rows and the 13-layer sums, with the HBM floor (the fewest bytes the
-pass must move over the device-to-device copy bandwidth measured in this run). Timing: CUDA events around
+--suite picks the layers (mobilenet/bench/depthwise_suites.py, each from its paper's table): mobilenet_v1 (the
+default, MobileNetV1's 13), mobilenet_v3 (MobileNetV3-Large, 15), efficientnet_b0 (16), convnext_t (18 7x7),
+large_k7 (four 7x7 layers at 224^2 and 112^2). Layers of identical shape are measured once and counted as often as
+the network has them.
+
+For every dtype x layout: per-layer rows and the suite's count-weighted sums, with the HBM floor (the fewest bytes
+the pass must move over the device-to-device copy bandwidth measured in this run). Timing: CUDA events around
 CUDA-graph replays (launch overhead out of the numbers; eager fallback if capture fails, marked in the table),
 warm-up, median of repeats, and a rotation over several input sets totalling well above the 60 MB L2 so that no
 pass reads its inputs from L2. cuDNN autotunes its algorithm per shape, as in train.py and infer.py
 (--no-cudnn-benchmark: its heuristic choice, which is slower than the autotuned one on some layers; docs/kernel_notes.md,
 "cuDNN autotuned in the benchmark").
-Writes docs/results/depthwise_<gpu>.md and .csv.
+Writes docs/results/depthwise_<gpu>.md and .csv for mobilenet_v1, docs/results/depthwise_<suite>_<gpu>.md and .csv
+for the others; the markdown ends each dtype x layout with the suite's acceptance quantity, the best of the other
+backends' sums over custom's, forward and forward+backward.
 
 --l2 warm measures the layers as they run inside the model instead: before each pass a producer kernel (a ReLU
 from another tensor, standing in for the model's BatchNorm + ReLU) writes the input, so its last-written part is
 still in L2. The time reported is (producer + pass) - producer, each a median of graph replays.
 
   python scripts/bench_depthwise.py                      # everything (a few minutes on an H200)
+  python scripts/bench_depthwise.py --suite convnext_t   # ConvNeXt-T's 7x7 layers -> depthwise_convnext_t_<gpu>
   python scripts/bench_depthwise.py --dtypes fp16 --layouts nhwc --backends cudnn,custom --batch 64
   python scripts/bench_depthwise.py --dtypes fp16 --layouts nhwc --backends cudnn,custom --modes fwd --l2 warm
 """
@@ -37,15 +45,14 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from mobilenet.bench.depthwise_suites import DEFAULT_SUITE, SUITES, Layer, floor_bytes, weighted_sum  # noqa: E402
 from mobilenet.bench.timing import device_copy_bandwidth, time_case  # noqa: E402
 from mobilenet.depthwise import get_backend  # noqa: E402
 from mobilenet.reporting import environment, gpu_slug  # noqa: E402
 
-# (C, H, stride) at 224x224 input; 3x3, padding 1.
-LAYERS = [(32, 112, 1), (64, 112, 2), (128, 56, 1), (128, 56, 2), (256, 28, 1), (256, 28, 2)] + [(512, 14, 1)] * 5 + [
-    (512, 14, 2), (1024, 7, 1)]
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 LAYOUTS = {"nchw": torch.contiguous_format, "nhwc": torch.channels_last}
+MODE_TITLE = {"fwd": "forward", "fwdbwd": "forward+backward"}
 ROTATION_BYTES = 512 << 20  # input sets per case total at least this: > 8x the H200's 60 MB L2
 
 
@@ -53,27 +60,18 @@ def conv_fn(backend: str):
     return get_backend(backend).conv2d
 
 
-def layer_bytes(n, c, h, stride, elem, mode):
-    oh = (h + 2 - 3) // stride + 1
-    x = n * c * h * h * elem
-    y = n * c * oh * oh * elem
-    w = c * 9 * elem
-    fwd = x + y + w
-    # backward: read grad_out and x, write grad_input (and the tiny weight gradient)
-    return fwd if mode == "fwd" else fwd + y + x + x + w
-
-
-def bench_layer(backends, dtype, fmt, n, c, h, stride, modes, repeats, check, warm=False):
+def bench_layer(backends, dtype, fmt, n, layer: Layer, modes, repeats, check, warm=False):
     elem = torch.finfo(dtype).bits // 8
-    oh = (h + 2 - 3) // stride + 1
-    set_bytes = n * c * (h * h + oh * oh) * elem
+    c, (oh, ow) = layer.C, layer.out_hw
+    set_bytes = n * (c * layer.H * layer.W + layer.out_channels * oh * ow) * elem
     n_sets = max(2, min(16, math.ceil(ROTATION_BYTES / set_bytes)))
-    gen = torch.Generator(device="cuda").manual_seed(1234 + c + h)
-    xs = [torch.randn(n, c, h, h, device="cuda", dtype=dtype, generator=gen).contiguous(memory_format=fmt)
-          for _ in range(n_sets)]
-    gos = [torch.randn(n, c, oh, oh, device="cuda", dtype=dtype, generator=gen).contiguous(memory_format=fmt)
-           for _ in range(n_sets)]
-    w = (torch.randn(c, 1, 3, 3, device="cuda", dtype=dtype, generator=gen) / 3).requires_grad_()
+    gen = torch.Generator(device="cuda").manual_seed(1234 + c + layer.H)
+    xs = [torch.randn(n, c, layer.H, layer.W, device="cuda", dtype=dtype, generator=gen).contiguous(
+        memory_format=fmt) for _ in range(n_sets)]
+    gos = [torch.randn(n, layer.out_channels, oh, ow, device="cuda", dtype=dtype, generator=gen).contiguous(
+        memory_format=fmt) for _ in range(n_sets)]
+    w = (torch.randn(layer.weight_shape, device="cuda", dtype=dtype, generator=gen) / layer.k).requires_grad_()
+    stride, padding, dilation = layer.conv_args()  # the same arguments for every backend and the reference
     # From the seeded generator, not the default one: a failed capture can leave that one unusable.
     srcs = [torch.randn(x.shape, device="cuda", dtype=dtype, generator=gen).contiguous(memory_format=fmt) for x in xs
             ] if warm else []
@@ -90,9 +88,9 @@ def bench_layer(backends, dtype, fmt, n, c, h, stride, modes, repeats, check, wa
     for name, fn in backends.items():
         if check:
             with torch.no_grad():
-                y = fn(xs[0], w, None, (stride, stride), (1, 1), (1, 1)).double()
+                y = fn(xs[0], w, None, stride, padding, dilation).double()
                 if ref is None:  # under no_grad: a graph kept alive here holds the leaves' AccumulateGrad nodes
-                    ref = F.conv2d(xs[0].double(), w.double(), None, stride, 1, 1, c)
+                    ref = F.conv2d(xs[0].double(), w.double(), None, stride, padding, dilation, c)
             err = ((y - ref).norm() / ref.norm()).item()
             if not err <= (1e-5 if dtype == torch.float32 else 1e-2):
                 print(f"    WARNING {name}: forward rel. error {err:.2e} vs float64", flush=True)
@@ -102,12 +100,12 @@ def bench_layer(backends, dtype, fmt, n, c, h, stride, modes, repeats, check, wa
                     if warm:
                         produce(i)
                     with torch.no_grad():
-                        fn(xs[i], w, None, (stride, stride), (1, 1), (1, 1))
+                        fn(xs[i], w, None, stride, padding, dilation)
             else:
                 def step(i, fn=fn):
                     if warm:
                         produce(i)
-                    y = fn(xs[i], w, None, (stride, stride), (1, 1), (1, 1))
+                    y = fn(xs[i], w, None, stride, padding, dilation)
                     torch.autograd.grad(y, (xs[i], w), gos[i])
             try:
                 ms, how = time_case(step, n_sets, repeats)
@@ -138,8 +136,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--layouts", default="nchw,nhwc")
     ap.add_argument("--backends", default="torch,cudnn,custom")
     ap.add_argument("--modes", default="fwd,fwdbwd", help="fwd and/or fwdbwd")
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--layers", default="", help="comma-separated layer indices 0-12 (default: all)")
+    ap.add_argument("--suite", choices=list(SUITES), default=DEFAULT_SUITE,
+                    help="which network's depthwise layers (mobilenet/bench/depthwise_suites.py names the papers)")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="default: the suite's (256; large_k7: 64)")
+    ap.add_argument("--layers", default="",
+                    help="comma-separated indices into the suite's distinct layers, as the tables number them "
+                         "(default: all)")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--no-check", action="store_true", help="skip the forward correctness check")
     ap.add_argument("--l2", choices=("cold", "warm"), default="cold",
@@ -147,8 +150,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--cudnn-benchmark", action=argparse.BooleanOptionalAction, default=True,
                     help="let cuDNN autotune its algorithm per shape (torch.backends.cudnn.benchmark), as train.py and "
                          "infer.py do (default); --no-cudnn-benchmark: cuDNN's heuristic choice")
-    ap.add_argument("--out", default=None, help="output stem (default docs/results/depthwise_<gpu>)")
-    return ap.parse_args(argv)
+    ap.add_argument("--out", default=None, help="output stem (default docs/results/depthwise_<gpu> for mobilenet_v1, "
+                                                 "else docs/results/depthwise_<suite>_<gpu>)")
+    args = ap.parse_args(argv)
+    suite = SUITES[args.suite]
+    if args.batch is None:
+        args.batch = suite.default_batch
+    try:
+        args.layer_ids = [int(i) for i in args.layers.split(",")] if args.layers else list(range(len(suite.layers)))
+    except ValueError:
+        ap.error(f"--layers: comma-separated integers, got {args.layers!r}")
+    if not all(0 <= i < len(suite.layers) for i in args.layer_ids):
+        ap.error(f"--layers: suite {args.suite} has layers 0-{len(suite.layers) - 1}, got {args.layers}")
+    return args
 
 
 def main(argv=None):
@@ -162,7 +176,7 @@ def main(argv=None):
     layouts = [l for l in args.layouts.split(",") if l]
     modes = [m for m in args.modes.split(",") if m]
     backends = {b: conv_fn(b) for b in args.backends.split(",") if b}
-    layer_ids = [int(i) for i in args.layers.split(",")] if args.layers else list(range(len(LAYERS)))
+    layers = SUITES[args.suite].layers
     info = env_info(argv)
     bw = device_copy_bandwidth()
     print(f"{info['gpu']}  torch {info['torch']}  CUDA {info['cuda']}  cuDNN {info['cudnn']}  "
@@ -172,46 +186,50 @@ def main(argv=None):
     t_start = time.time()
     for dname in dtypes:
         for lname in layouts:
-            for li in layer_ids:
-                c, h, s = LAYERS[li]
-                res = bench_layer(backends, DTYPES[dname], LAYOUTS[lname], args.batch, c, h, s, modes, args.repeats,
+            for li in args.layer_ids:
+                layer = layers[li]
+                res = bench_layer(backends, DTYPES[dname], LAYOUTS[lname], args.batch, layer, modes, args.repeats,
                                   not args.no_check, warm=args.l2 == "warm")
                 for mode in modes:
                     elem = torch.finfo(DTYPES[dname]).bits // 8
-                    floor = layer_bytes(args.batch, c, h, s, elem, mode) / bw * 1e3
-                    row = {"dtype": dname, "layout": lname, "mode": mode, "layer": li, "C": c, "H": h, "stride": s,
-                           "floor_ms": floor}
+                    floor = floor_bytes(layer, args.batch, elem, mode) / bw * 1e3
+                    row = {"dtype": dname, "layout": lname, "mode": mode, "suite": args.suite, "layer": li,
+                           **layer.fields(), "floor_ms": floor}
                     for b in backends:
                         row[f"{b}_ms"], row[f"{b}_timing"] = res[(b, mode)]
                     rows.append(row)
                     print("  " + " ".join(f"{k}={fmt_ms(v) if isinstance(v, float) else v}" for k, v in row.items()
                                           if not k.endswith("_timing")), flush=True)
     print(f"benchmark took {time.time() - t_start:.0f} s", flush=True)
-    write_results(rows, backends, dtypes, layouts, modes, layer_ids, info, bw, args)
+    write_results(rows, backends, dtypes, layouts, modes, info, bw, args)
 
 
-def write_results(rows, backends, dtypes, layouts, modes, layer_ids, info, bw, args):
-    stem = Path(args.out) if args.out else ROOT / "docs" / "results" / ("depthwise_" + gpu_slug(info["gpu"]))
+def write_results(rows, backends, dtypes, layouts, modes, info, bw, args):
+    suite = SUITES[args.suite]
+    name = "depthwise_" + ("" if args.suite == DEFAULT_SUITE else args.suite + "_") + gpu_slug(info["gpu"])
+    stem = Path(args.out) if args.out else ROOT / "docs" / "results" / name
     stem.parent.mkdir(parents=True, exist_ok=True)
     names = list(backends)
     others = [b for b in names if b != "custom"]
-    mode_title = {"fwd": "forward", "fwdbwd": "forward+backward"}
 
     def ratio_cols(times, floor):
         cust = times.get("custom", float("nan"))
         best_other = min((times[b] for b in others if times[b] == times[b]), default=float("nan"))
         return cust / floor if cust == cust else float("nan"), best_other / cust if cust == cust else float("nan")
 
-    md = [f"# Depthwise convolution benchmark: {info['gpu']}", "",
+    md = [f"# Depthwise convolution benchmark: {suite.title}, {info['gpu']}", "",
           f"- GPU: {info['gpu']}, driver {info['driver']}",
           f"- torch {info['torch']}, CUDA {info['cuda']}, cuDNN {info['cudnn']}, Python {info['python']}",
           f"- command: `{info['command']}`",
           f"- custom-kernel launch knobs from the environment: {info['knobs']}",
           "- cuDNN algorithms: " + ("autotuned per shape (`--cudnn-benchmark`)" if args.cudnn_benchmark
                                     else "cuDNN's heuristic choice (`torch.backends.cudnn.benchmark` off)"),
-          f"- batch {args.batch}; MobileNetV1's 13 depthwise layers (3x3, padding 1) at 224x224 input",
+          f"- batch {args.batch}; suite `{args.suite}`: {suite.title}'s {suite.n_layers} depthwise layers "
+          f"({len(suite.layers)} distinct shapes) at 224x224 input, from {suite.source} "
+          "(mobilenet/bench/depthwise_suites.py); a layer's times are for one layer, the sums weight them by `count`",
           f"- device-to-device copy bandwidth measured in this run: {bw / 1e12:.2f} TB/s (bytes read + written); "
-          "HBM floor = (input + output [+ grad_out + input + grad_input]) bytes / that bandwidth",
+          "HBM floor = (input + output + weight [+ grad_out + input + grad_input + weight grad]) bytes / that "
+          "bandwidth",
           "- times: median over repeats of CUDA-graph replays, each replay running the pass once per input set of a "
           f"rotation totalling >= {ROTATION_BYTES >> 20} MB; ms per pass; "
           + ("inputs never sit in L2" if args.l2 == "cold" else
@@ -230,34 +248,34 @@ def write_results(rows, backends, dtypes, layouts, modes, layer_ids, info, bw, a
                 sel = [r for r in rows if r["dtype"] == dname and r["layout"] == lname and r["mode"] == mode]
                 if not sel:
                     continue
-                md += [f"## {dname} {lname.upper()} {mode_title[mode]}", "",
-                       "| layer | C | H | stride | " + " | ".join(f"{b} ms" for b in names)
+                md += [f"## {dname} {lname.upper()} {MODE_TITLE[mode]}", "",
+                       "| layer | C x H x W | k | stride | padding | count | " + " | ".join(f"{b} ms" for b in names)
                        + " | HBM floor ms | custom / floor | speed-up |",
-                       "|" + "---|" * (4 + len(names) + 3)]
-                sums = {b: 0.0 for b in names}
-                floor_sum = 0.0
+                       "|" + "---|" * (6 + len(names) + 3)]
                 for r in sel:
                     times = {b: r[f"{b}_ms"] for b in names}
                     cf, sp = ratio_cols(times, r["floor_ms"])  # NaN without a custom column
-                    md.append(f"| {r['layer']} | {r['C']} | {r['H']} | {r['stride']} | "
+                    layer = Layer(**{f: r[f] for f in Layer.__dataclass_fields__})
+                    md.append(f"| {r['layer']} | {layer.shape()} | {layer.k} | {layer.stride} | {layer.padding} | "
+                              f"{layer.count} | "
                               + " | ".join(fmt_ms(times[b]) + (" (eager)" if r[f"{b}_timing"] == "eager" else "")
                                            for b in names)
                               + f" | {fmt_ms(r['floor_ms'])} | {cf:.2f} | {sp:.2f} |")
-                    for b in names:
-                        sums[b] += times[b]
-                    floor_sum += r["floor_ms"]
+                sums = {b: weighted_sum(sel, f"{b}_ms") for b in names}
+                floor_sum = weighted_sum(sel, "floor_ms")
                 cf, sp = ratio_cols(sums, floor_sum)
-                label = "sum (13 layers)" if len(sel) == len(LAYERS) else f"sum ({len(sel)} layers)"
-                md.append(f"| **{label}** | | | | " + " | ".join(f"**{fmt_ms(sums[b])}**" for b in names)
+                label = f"sum ({sum(r['count'] for r in sel)} layers)"
+                md.append(f"| **{label}** | | | | | | " + " | ".join(f"**{fmt_ms(sums[b])}**" for b in names)
                           + f" | **{fmt_ms(floor_sum)}** | **{cf:.2f}** | **{sp:.2f}** |")
                 md.append("")
                 summary.append((dname, lname, mode, sums, floor_sum, cf, sp))
-    head = ["## Summary: sums over the layers (ms)", "",
+    head = ["## Summary: sums over the layers, weighted by count (ms)", "",
             "| dtype | layout | pass | " + " | ".join(names) + " | HBM floor | custom / floor | speed-up |",
             "|" + "---|" * (3 + len(names) + 3)]
     for dname, lname, mode, sums, floor_sum, cf, sp in summary:
-        head.append(f"| {dname} | {lname.upper()} | {mode_title[mode]} | " + " | ".join(fmt_ms(sums[b]) for b in names)
+        head.append(f"| {dname} | {lname.upper()} | {MODE_TITLE[mode]} | " + " | ".join(fmt_ms(sums[b]) for b in names)
                     + f" | {fmt_ms(floor_sum)} | {cf:.2f} | {sp:.2f} |")
+    head += acceptance_lines(summary, others)
     md = md[:intro_len] + head + [""] + md[intro_len:]
     stem.with_suffix(".md").write_text("\n".join(md) + "\n")
     with open(stem.with_suffix(".csv"), "w", newline="") as f:
@@ -269,6 +287,22 @@ def write_results(rows, backends, dtypes, layouts, modes, layer_ids, info, bw, a
                          "cuda": info["cuda"], "cudnn": info["cudnn"], "copy_TBps": f"{bw / 1e12:.3f}"})
     print("\n".join(head))
     print(f"wrote {stem.with_suffix('.md')} and .csv")
+
+
+def acceptance_lines(summary, others) -> list[str]:
+    """Per dtype x layout: the best of the other backends' sums over custom's, forward and forward+backward (the
+    issue's acceptance: >= 1.00 in every line)."""
+    if not summary or not others or "custom" not in summary[0][3]:
+        return []
+    out = ["", f"Custom against the best of {', '.join(others)}, sums over the suite's layers: best / custom (>= 1.00: "
+           "custom at least as fast)", ""]
+    by_case = {}
+    for dname, lname, mode, sums, _, _, sp in summary:
+        best = min(others, key=lambda b: sums[b] if sums[b] == sums[b] else float("inf"))
+        by_case.setdefault((dname, lname), []).append(
+            f"{MODE_TITLE[mode]} {sp:.2f}x ({best} {fmt_ms(sums[best])} ms / custom {fmt_ms(sums['custom'])} ms)")
+    out += [f"- {dname} {lname.upper()}: " + "; ".join(parts) for (dname, lname), parts in by_case.items()]
+    return out
 
 
 if __name__ == "__main__":

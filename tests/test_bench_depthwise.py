@@ -5,7 +5,11 @@ from __future__ import annotations
 import csv
 import math
 
+import pytest
+
 from scripts_under_test import load_script
+
+from mobilenet.bench.depthwise_suites import SUITES
 
 bench = load_script("bench_depthwise")
 
@@ -14,10 +18,9 @@ INFO = {"gpu": "Test GPU", "driver": "1.0", "torch": "2.x", "cuda": "13.0", "cud
 
 
 def _row(layer, mode, cudnn_ms, custom_ms, custom_timing="graph"):
-    c, h, s = bench.LAYERS[layer]
-    return {"dtype": "fp16", "layout": "nhwc", "mode": mode, "layer": layer, "C": c, "H": h, "stride": s,
-            "floor_ms": 0.05, "cudnn_ms": cudnn_ms, "cudnn_timing": "graph", "custom_ms": custom_ms,
-            "custom_timing": custom_timing}
+    return {"dtype": "fp16", "layout": "nhwc", "mode": mode, "suite": "mobilenet_v1", "layer": layer,
+            **SUITES["mobilenet_v1"].layers[layer].fields(), "floor_ms": 0.05, "cudnn_ms": cudnn_ms,
+            "cudnn_timing": "graph", "custom_ms": custom_ms, "custom_timing": custom_timing}
 
 
 def test_cudnn_autotunes_by_default_as_the_model_does():
@@ -30,16 +33,19 @@ def test_tables_mark_eager_timings_and_sum_the_layers(tmp_path):
                              "--out", str(tmp_path / "dw")])
     rows = [_row(0, "fwd", 0.135, 0.150), _row(2, "fwd", 0.110, 0.100),
             _row(0, "fwdbwd", 0.54, 0.50, custom_timing="eager"), _row(2, "fwdbwd", 0.40, 0.30)]
-    bench.write_results(rows, {"cudnn": None, "custom": None}, ["fp16"], ["nhwc"], ["fwd", "fwdbwd"], [0, 2], INFO,
-                        4.0e12, args)
+    bench.write_results(rows, {"cudnn": None, "custom": None}, ["fp16"], ["nhwc"], ["fwd", "fwdbwd"], INFO, 4.0e12,
+                        args)
     md = (tmp_path / "dw.md").read_text()
     assert "autotuned per shape" in md
-    assert "| 0 | 32 | 112 | 1 | 0.540 | 0.500 (eager) |" in md
-    assert "| 2 | 128 | 56 | 1 | 0.110 | 0.100 |" in md  # graph-timed cells carry no mark
+    assert "| 0 | 32x112x112 | 3 | 1 | 1 | 1 | 0.540 | 0.500 (eager) |" in md
+    assert "| 2 | 128x56x56 | 3 | 1 | 1 | 1 | 0.110 | 0.100 |" in md  # graph-timed cells carry no mark
     assert "a time marked (eager)" in md
     # the summary: sums over the measured layers, speed-up = cudnn / custom
     assert "| fp16 | NHWC | forward | 0.245 | 0.250 | 0.100 | 2.50 | 0.98 |" in md
-    assert "| **sum (2 layers)** | | | | **0.940** | **0.800** |" in md
+    assert "| **sum (2 layers)** | | | | | | **0.940** | **0.800** |" in md
+    # the acceptance quantity per dtype x layout: the best other backend's sum over custom's
+    assert ("- fp16 NHWC: forward 0.98x (cudnn 0.245 ms / custom 0.250 ms); "
+            "forward+backward 1.18x (cudnn 0.940 ms / custom 0.800 ms)") in md
     with open(tmp_path / "dw.csv") as f:
         recs = list(csv.DictReader(f))
     assert [r["custom_timing"] for r in recs] == ["graph", "graph", "eager", "graph"]
@@ -49,7 +55,44 @@ def test_tables_mark_eager_timings_and_sum_the_layers(tmp_path):
 def test_tables_without_eager_timings_have_no_eager_note(tmp_path):
     args = bench.parse_args(["--out", str(tmp_path / "dw"), "--no-cudnn-benchmark"])
     bench.write_results([_row(0, "fwd", 0.17, 0.15)], {"cudnn": None, "custom": None}, ["fp16"], ["nhwc"], ["fwd"],
-                        [0], INFO, 4.0e12, args)
+                        INFO, 4.0e12, args)
     md = (tmp_path / "dw.md").read_text()
     assert "(eager)" not in md
     assert "heuristic choice" in md
+
+
+def test_sums_weight_layers_by_their_count(tmp_path):
+    # mobilenet_v1's layer 6 is the five 512 x 14 x 14 layers: measured once, counted five times
+    args = bench.parse_args(["--dtypes", "fp16", "--layouts", "nhwc", "--backends", "cudnn,custom", "--layers", "0,6",
+                             "--modes", "fwd", "--out", str(tmp_path / "dw")])
+    rows = [_row(0, "fwd", 0.2, 0.1), _row(6, "fwd", 0.03, 0.02)]
+    bench.write_results(rows, {"cudnn": None, "custom": None}, ["fp16"], ["nhwc"], ["fwd"], INFO, 4.0e12, args)
+    md = (tmp_path / "dw.md").read_text()
+    assert "| 6 | 512x14x14 | 3 | 1 | 1 | 5 | 0.030 | 0.020 |" in md
+    assert "| **sum (6 layers)** | | | | | | **0.350** | **0.200** | **0.300** |" in md
+
+
+def test_suite_picks_output_name_batch_and_layer_range(tmp_path, monkeypatch):
+    assert bench.parse_args([]).suite == "mobilenet_v1"
+    assert bench.parse_args([]).batch == 256
+    assert bench.parse_args(["--suite", "large_k7"]).batch == SUITES["large_k7"].default_batch
+    assert bench.parse_args(["--suite", "large_k7", "--batch", "8"]).batch == 8
+    assert bench.parse_args(["--suite", "convnext_t"]).layer_ids == [0, 1, 2, 3]
+    monkeypatch.setattr(bench, "ROOT", tmp_path)
+    for suite, name in (("mobilenet_v1", "depthwise_test-gpu"), ("convnext_t", "depthwise_convnext_t_test-gpu")):
+        args = bench.parse_args(["--suite", suite, "--layers", "0", "--modes", "fwd"])
+        row = {**_row(0, "fwd", 0.2, 0.1), "suite": suite, **SUITES[suite].layers[0].fields()}
+        bench.write_results([row], {"cudnn": None, "custom": None}, ["fp16"], ["nhwc"], ["fwd"], INFO, 4.0e12, args)
+        assert (tmp_path / "docs" / "results" / f"{name}.md").exists()
+        assert (tmp_path / "docs" / "results" / f"{name}.csv").exists()
+
+
+def test_suite_option_refuses_unknown_names_and_out_of_range_layers(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--suite", "resnet50"])
+    err = capsys.readouterr().err
+    assert "invalid choice: 'resnet50'" in err
+    assert all(name in err for name in SUITES)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--suite", "convnext_t", "--layers", "4"])
+    assert "convnext_t has layers 0-3" in capsys.readouterr().err
