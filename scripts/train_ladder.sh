@@ -3,6 +3,7 @@
 # (batch 256, 224px, 150 steps of one epoch, img/s as train.py reports it: images over time after its warm-up).
 #
 #   bash scripts/train_ladder.sh [ROUNDS]     # ROUNDS (default 2) alternating rounds of the norm comparison
+#   bash scripts/train_ladder.sh | tee ladder.md && python scripts/plot_ladder.py ladder.md --out ladder.png
 #
 # Ladder: fp32 NCHW -> AMP fp16 -> channels_last -> custom depthwise -> custom BatchNorm+ReLU -> captured step,
 # each step adding one switch to the one before (the first five eager, cuda_graph=false). Then the comparison the

@@ -1,0 +1,54 @@
+"""scripts/plot_ladder.py: train_ladder.sh's table becomes the ladder's steps and a waterfall PNG; a table that lacks
+a step, or holds a failed one, is a clear error."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mobilenet.bench.ladder import LADDER_STEPS, parse_ladder
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# As train_ladder.sh prints it, with the rounds after the ladder (not steps of it).
+TABLE = """| step | overrides | train img/s |
+|---|---|--:|
+| fp32 NCHW | `backend=torch amp=false channels_last=false cuda_graph=false` | 3,549 |
+| AMP fp16 | `backend=torch amp=true channels_last=false cuda_graph=false` | 4,711 |
+| channels_last | `backend=torch amp=true channels_last=true cuda_graph=false` | 15,055 |
+| custom depthwise | `backend=custom amp=true channels_last=true cuda_graph=false` | 15,320 |
+| custom BatchNorm+ReLU | `backend=custom norm=custom amp=true channels_last=true cuda_graph=false` | 13,986 |
+| captured step | `backend=custom norm=custom amp=true channels_last=true cuda_graph=true` | 18,703 |
+| round 1: custom + norm=custom | `backend=custom norm=custom amp=true channels_last=true` | 18,687 |
+"""
+
+
+def test_the_ladder_table_gives_its_six_steps_in_order():
+    steps = parse_ladder(TABLE)
+    assert [s.label for s in steps] == list(LADDER_STEPS)
+    assert [s.img_s for s in steps] == [3549, 4711, 15055, 15320, 13986, 18703]
+    assert steps[4].overrides == "backend=custom norm=custom amp=true channels_last=true cuda_graph=false"
+
+
+def test_a_missing_or_failed_step_is_a_clear_error():
+    with pytest.raises(ValueError, match="lacks the step\\(s\\) captured step"):
+        parse_ladder("\n".join(line for line in TABLE.splitlines() if not line.startswith("| captured step")))
+    with pytest.raises(ValueError, match="'AMP fp16': train img/s is 'failed', not a number"):
+        parse_ladder(TABLE.replace("| 4,711 |", "| failed |"))
+
+
+def test_plot_ladder_writes_a_png_and_refuses_a_bad_table(tmp_path):
+    table = tmp_path / "ladder.md"
+    table.write_text(TABLE)
+    out = tmp_path / "ladder.png"
+    proc = subprocess.run([sys.executable, "scripts/plot_ladder.py", str(table), "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    table.write_text("| step | overrides | train img/s |\n")
+    proc = subprocess.run([sys.executable, "scripts/plot_ladder.py", str(table), "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "lacks the step(s) fp32 NCHW" in proc.stderr and "Traceback" not in proc.stderr
