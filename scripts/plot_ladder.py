@@ -14,6 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mobilenet.bench.ladder import parse_ladder, write_waterfall  # noqa: E402
+from mobilenet.errors import MissingDependency  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -28,7 +29,11 @@ def main(argv=None) -> int:
     except (OSError, ValueError) as e:
         print(f"plot_ladder: {e}", file=sys.stderr)
         return 2
-    write_waterfall(steps, args.out, args.title)
+    try:
+        write_waterfall(steps, args.out, args.title)
+    except MissingDependency as e:
+        print(f"plot_ladder: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {args.out}")
     return 0
 

@@ -52,3 +52,16 @@ def test_plot_ladder_writes_a_png_and_refuses_a_bad_table(tmp_path):
     proc = subprocess.run([sys.executable, "scripts/plot_ladder.py", str(table), "--out", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "lacks the step(s) fp32 NCHW" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_without_matplotlib_plot_ladder_says_which_extra_to_install(tmp_path):
+    # A Python whose matplotlib cannot be imported (an optional dependency, as on a `make train` install).
+    table = tmp_path / "ladder.md"
+    table.write_text(TABLE)
+    code = ("import sys; sys.modules['matplotlib'] = None; sys.argv = ['plot_ladder.py', sys.argv[1], '--out', "
+            "sys.argv[2]]; import runpy; runpy.run_path('scripts/plot_ladder.py', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code, str(table), str(tmp_path / "x.png")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "needs matplotlib: pip install -e '.[bench]'" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "x.png").exists()

@@ -13,7 +13,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import MissingDependency
 from ..reporting import read_tensorboard
+from .plotting import pyplot
 
 REQUIRED_SCALARS = {"train_img_s": "perf/train_img_s"}
 # Measured by scripts/benchmark.py only; a train.py run's inference columns stay blank.
@@ -363,11 +365,7 @@ def write_csv(rows: list[Row], path: Path) -> None:
 
 def write_plot(rows: list[Row], path: Path) -> None:
     """One panel per (data, compile) and metric; groups are precision x layout, one bar per backend."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     ok = [r for r in rows if r.status == "ok"]
     facets = sorted({(r.data, r.compile, r.cuda_graph) for r in ok}, key=str)
     backends = sorted({r.backend for r in ok}, key=lambda b: (_index(BACKEND_ORDER, b), b))
@@ -439,7 +437,12 @@ def compare_runs(runs_dirs: list[Path], out: Path | None = None, name: str = "ma
     table = markdown(rows, notes)
     (out / f"{name}.md").write_text(table + "\n")
     write_csv(rows, out / f"{name}.csv")
-    write_plot(rows, out / f"{name}.png")
+    try:
+        write_plot(rows, out / f"{name}.png")
+    except MissingDependency as e:  # the table and CSV are written; say why the chart is not
+        print(table)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(table)
     print(f"wrote {out / name}.md, .csv, .png")
     if mixed and not allow_mixed:

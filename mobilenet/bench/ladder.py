@@ -7,6 +7,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from .plotting import pyplot
+
 __all__ = ["LadderStep", "LADDER_STEPS", "parse_ladder", "write_waterfall"]
 
 # The ladder's steps in order, as train_ladder.sh labels them; the rows after them (the alternating rounds, bf16,
@@ -47,11 +49,7 @@ def parse_ladder(text: str) -> list[LadderStep]:
 def write_waterfall(steps: list[LadderStep], path: Path, title: str) -> None:
     """A waterfall PNG: the first step a full bar, each later step a bar from the previous value to its own (green
     up, red down), labelled with its img/s and its gain; the last a full bar again."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 4.2))
     previous = 0.0
     for i, step in enumerate(steps):
