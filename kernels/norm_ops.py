@@ -6,7 +6,11 @@ kernels.KernelUnavailable where the kernels cannot run.
       y = relu((x - mean) * invstd * weight + bias) in x's dtype and layout; batch statistics per channel in fp32
       (var biased, invstd = 1 / sqrt(var + eps)). x fp32/fp16/bf16; weight and bias fp32.
   bn_relu_bwd(grad_y, x, weight, bias, mean, invstd) -> (grad_x, grad_weight, grad_bias)
-      the ReLU's backward folded in (grad_y where y > 0); grad_x in x's dtype and layout, the others fp32.
+      the ReLU's backward folded in (grad_y where y > 0, the mask recomputed from x); grad_x in x's dtype and layout,
+      the others fp32.
+  bn_update_running_stats(running_mean!, running_var!, num_batches_tracked!, mean, var, momentum, count)
+      nn.BatchNorm2d's running-statistics update in one kernel (momentum < 0: the cumulative average); public as
+      `update_running_stats`.
 """
 
 from __future__ import annotations
