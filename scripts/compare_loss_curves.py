@@ -1,9 +1,12 @@
-"""Do two depthwise backends train the same? Loss curves of the same seed, step by step, against the noise floor.
+"""Do two depthwise backends, or two norms, train the same? Loss curves of the same seed, step by step, against the
+noise floor.
 
     python scripts/compare_loss_curves.py [--backends custom,cudnn] [--steps 100] [--out FILE] [HYDRA OVERRIDES ...]
+    python scripts/compare_loss_curves.py --norms custom,torch --steps 300 backend=custom amp=true channels_last=true
 
-Each backend trains `--steps` steps from the same seed (same initial weights, same batches) in one process. The
-reference backend runs twice, the second time with every initial weight perturbed by a random relative 2^-11 (half
+Each candidate trains `--steps` steps from the same seed (same initial weights, same batches) in one process.
+`--backends` varies `backend` (the overrides fix the norm), `--norms` varies `norm` (the overrides fix the backend).
+The reference runs twice, the second time with every initial weight perturbed by a random relative 2^-11 (half
 an fp16 ulp): how far that moves the loss curve is the noise floor, what rounding alone does to this training. The
 candidate matches when its gap to the reference stays within `--tolerance` times that floor (plus a small
 absolute slack for the first steps, where both gaps are ~0).
@@ -27,10 +30,11 @@ from mobilenet.reporting import environment, machine_line, publish  # noqa: E402
 DEFAULT = ["data=synthetic", "amp=true", "channels_last=true"]
 
 
-def losses(overrides: list[str], backend: str, steps: int, log_root: Path, perturb: float = 0.0) -> list[float]:
-    cfg = compose([*overrides, f"backend={backend}", f"data.steps_per_epoch={steps}", "epochs=1", "evaluate=false",
+def losses(overrides: list[str], choice: str, steps: int, log_root: Path, perturb: float = 0.0) -> list[float]:
+    """`choice` is one override, e.g. backend=custom or norm=torch."""
+    cfg = compose([*overrides, choice, f"data.steps_per_epoch={steps}", "epochs=1", "evaluate=false",
                    "save_checkpoints=false", "progress=false", "perf.log_every=1", "perf.warmup_steps=0"])
-    trainer = Trainer(cfg, log_root / f"{backend}-{time.strftime('%H%M%S')}")
+    trainer = Trainer(cfg, log_root / f"{choice.replace('=', '-')}-{time.strftime('%H%M%S')}")
     if perturb:
         gen = torch.Generator().manual_seed(12345)
         with torch.no_grad():
@@ -43,13 +47,21 @@ def losses(overrides: list[str], backend: str, steps: int, log_root: Path, pertu
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backends", default="custom,cudnn", help="CANDIDATE,REFERENCE (default custom,cudnn)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--backends", help="CANDIDATE,REFERENCE depthwise backends (the default: custom,cudnn)")
+    which.add_argument("--norms", help="CANDIDATE,REFERENCE norms, e.g. custom,torch")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--tolerance", type=float, default=3.0, help="allowed multiple of the reference's own run-to-run gap")
     p.add_argument("--slack", type=float, default=1e-3, help="absolute loss slack added to the allowed gap")
     p.add_argument("--out", type=Path)
     args, overrides = p.parse_known_args()
-    candidate, reference = args.backends.split(",")
+    axis, values = ("norm", args.norms) if args.norms else ("backend", args.backends or "custom,cudnn")
+    pair = values.split(",")
+    if len(pair) != 2 or not all(pair):
+        p.error(f"--{axis}s takes CANDIDATE,REFERENCE (two names and a comma), got {values!r}")
+    if any(o.split("=", 1)[0] == axis for o in overrides):
+        p.error(f"{axis} is what --{axis}s varies: leave it out of the overrides")
+    candidate, reference = (f"{axis}={v}" for v in pair)
     overrides = overrides or DEFAULT
     log_root = Path("runs") / "loss_curves"
     ref1 = losses(overrides, reference, args.steps, log_root)
@@ -61,7 +73,7 @@ def main() -> int:
     ok = gap <= allowed and len(cand) == len(ref1) == args.steps
     env = environment(resolve_device("auto"))
     lines = [
-        f"# Loss curves: backend={candidate} vs backend={reference}, same seed, {args.steps} steps",
+        f"# Loss curves: {candidate} vs {reference}, same seed, {args.steps} steps",
         "",
         f"Command: `python scripts/compare_loss_curves.py {' '.join(sys.argv[1:])}`",
         f"Overrides: `{' '.join(overrides)}`",

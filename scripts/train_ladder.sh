@@ -8,7 +8,8 @@
 # Ladder: fp32 NCHW -> AMP fp16 -> channels_last -> custom depthwise -> custom BatchNorm+ReLU -> captured step,
 # each step adding one switch to the one before (the first five eager, cuda_graph=false). Then the comparison the
 # fused-norm issue asks for, alternating processes: backend=custom norm=custom against backend=cudnn norm=torch
-# (default capture), ROUNDS times; then the bf16 and fp32 channels_last rows of norm=custom.
+# (default capture), and backend=custom norm=apex where apex is installed, ROUNDS times; then the bf16 and fp32
+# channels_last rows of norm=custom.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${1:-2}
@@ -30,9 +31,17 @@ run "channels_last" backend=torch amp=true channels_last=true cuda_graph=false
 run "custom depthwise" backend=custom amp=true channels_last=true cuda_graph=false
 run "custom BatchNorm+ReLU" backend=custom norm=custom amp=true channels_last=true cuda_graph=false
 run "captured step" backend=custom norm=custom amp=true channels_last=true cuda_graph=true
+# The apex peer (NVIDIA apex's NHWC BatchNorm with fused ReLU) joins the rounds where apex is importable; otherwise
+# its row says so rather than disappearing.
+APEX=0
+python -c "from apex.contrib.groupbn import BatchNorm2d_NHWC" >/dev/null 2>&1 && APEX=1
 for r in $(seq "$ROUNDS"); do
   run "round $r: custom + norm=custom" backend=custom norm=custom amp=true channels_last=true
   run "round $r: cudnn + norm=torch" backend=cudnn norm=torch amp=true channels_last=true
+  if [ "$APEX" = 1 ]; then
+    run "round $r: custom + norm=apex" backend=custom norm=apex amp=true channels_last=true
+  fi
 done
+[ "$APEX" = 1 ] || printf '| custom + norm=apex | `backend=custom norm=apex` | not run: apex.contrib.groupbn is not importable |\n'
 run "custom + norm=custom, bf16" backend=custom norm=custom amp=true amp_dtype=bf16 channels_last=true
 run "custom + norm=custom, fp32" backend=custom norm=custom amp=false channels_last=true

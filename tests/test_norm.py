@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -372,6 +373,52 @@ def test_bitwise_repeatable(ops, dtype, channels_last):
         runs.append((y, mean, invstd, var, *torch.ops.mobilenet_bn.bn_relu_bwd.default(grad, x, weight, bias, mean, invstd)))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+# A chain of layers, each one's input the previous one's output, forward then backward: with the kernels launched
+# as programmatic dependents (the default), a kernel that read its input before waiting for the kernel writing it
+# would see stale or half-written data.
+_CHAIN = r"""
+import sys, torch
+import kernels.norm_ops
+fwd, bwd = torch.ops.mobilenet_bn.bn_relu_fwd.default, torch.ops.mobilenet_bn.bn_relu_bwd.default
+g = torch.Generator(device="cuda").manual_seed(7)
+out = []
+for fmt in (torch.channels_last, torch.contiguous_format):
+    x = torch.randn(32, 64, 28, 28, device="cuda", generator=g).half().contiguous(memory_format=fmt)
+    saved = []
+    for i in range(8):
+        w = torch.rand(64, device="cuda", generator=g) + 0.5
+        b = torch.randn(64, device="cuda", generator=g) * 0.5
+        y, mean, invstd, var = fwd(x, w, b, 1e-5)
+        saved.append((x, w, b, mean, invstd))
+        out += [mean, var]
+        x = y
+    grad = torch.randn(x.shape, device="cuda", generator=g).half().contiguous(memory_format=fmt)
+    for x, w, b, mean, invstd in reversed(saved):
+        grad, gw, gb = bwd(grad, x, w, b, mean, invstd)
+        out += [gw, gb]
+    out.append(grad)
+torch.save([t.cpu() for t in out], sys.argv[1])
+"""
+
+
+@gpu
+def test_dependent_launches_give_the_bits_of_plain_launches(tmp_path):
+    import os
+    import subprocess
+
+    results = {}
+    for pdl in ("1", "0"):
+        path = tmp_path / f"chain_pdl{pdl}.pt"
+        env = {**os.environ, "MBN_PDL": pdl}
+        proc = subprocess.run([sys.executable, "-c", _CHAIN, str(path)], env=env, capture_output=True, text=True,
+                              timeout=300, cwd=str(Path(__file__).resolve().parents[1]))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        results[pdl] = torch.load(path)
+    assert len(results["1"]) == len(results["0"]) == 2 * (8 * 4 + 1)
+    for a, b in zip(results["1"], results["0"]):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
 
 
 @gpu

@@ -10,6 +10,9 @@
 
 #include <c10/cuda/CUDAException.h>
 
+#include <cstdlib>
+#include <utility>
+
 #include "device_common.h"
 
 namespace mbn {
@@ -49,6 +52,17 @@ __device__ __forceinline__ Pack<typename TT::S, V> load_pack(const typename TT::
 
 // NaN stays NaN, as in torch.relu (a NaN output is how GradScaler and the loss see a bad step).
 __device__ __forceinline__ float relu(float v) { return v < 0.f ? 0.f : v; }
+
+// Programmatic dependent launch (sm_90, see launch() below): a kernel may be scheduled while the kernel before it
+// in the stream is still running, so every kernel here first waits until the grids it depends on have completed
+// and their writes are visible (a no-op when launched without the attribute). It then lets its own dependents be
+// scheduled: they wait in the same way, so this only hides their launch and block scheduling behind this kernel.
+__device__ __forceinline__ void wait_for_prior_grids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
 
 // --- per-element operations of the reduce passes: sums a (first) and b (second) per channel ----------------------
 
@@ -263,6 +277,7 @@ __device__ __forceinline__ RowRange chunk_range(int total, int per_chunk) {
 template <int V, class Op>
 __global__ void __launch_bounds__(kThreads, Op::kMinBlocks)
     reduce_nhwc(Op op, int M, int C, int rows_per_chunk, float* partial) {
+  wait_for_prior_grids();
   __shared__ float sums[2][kThreads * kMaxVec];
   using Loaded = typename Op::template Loaded<V>;
   const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * V;
@@ -310,6 +325,7 @@ __global__ void __launch_bounds__(kThreads, Op::kMinBlocks)
 
 template <int V, class Op>
 __global__ void __launch_bounds__(kThreads, Op::kMinBlocks) apply_nhwc(Op op, int M, int C, int rows_per_chunk) {
+  wait_for_prior_grids();
   using Loaded = typename Op::template Loaded<V>;
   const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * V;
   if (c0 >= C) return;
@@ -358,6 +374,7 @@ __device__ __forceinline__ void block_sum2(float& a, float& b) {
 template <int V, class Op>
 __global__ void __launch_bounds__(kThreads, Op::kMinBlocks)
     reduce_nchw(Op op, int C, int plane_vecs, FastDiv div, int units, int units_per_chunk, float* partial) {
+  wait_for_prior_grids();
   using Loaded = typename Op::template Loaded<V>;
   const int c = blockIdx.x;
   float k[Op::K][V], a[V], b[V];
@@ -386,6 +403,7 @@ __global__ void __launch_bounds__(kThreads, Op::kMinBlocks)
 template <int V, class Op>
 __global__ void __launch_bounds__(kThreads, Op::kMinBlocks)
     apply_nchw(Op op, int C, int plane_vecs, FastDiv div, int units, int units_per_chunk) {
+  wait_for_prior_grids();
   using Loaded = typename Op::template Loaded<V>;
   const int c = blockIdx.x;
   float k[Op::K][V];
@@ -429,6 +447,7 @@ template <class TT>
 __global__ void __launch_bounds__(kFinalizeWarps * 32)
     finalize_stats(const float* partial, int chunks, int C, double count, const typename TT::S* x, int pivot_stride,
                    const float* weight, float eps, float* mean, float* invstd, float* var, float* scale) {
+  wait_for_prior_grids();
   const int c = finalize_channel();
   if (c >= C) return;  // a whole warp: the shuffles in sum_chunks see full warps only
   const ChannelSums s = sum_chunks(partial, chunks, C, c);
@@ -450,6 +469,7 @@ __global__ void __launch_bounds__(kFinalizeWarps * 32)
 __global__ void __launch_bounds__(kFinalizeWarps * 32)
     finalize_backward(const float* partial, int chunks, int C, double count, const float* weight, const float* invstd,
                       float* grad_weight, float* grad_bias, float* c_g, float* c_x, float* c_0, float* scale) {
+  wait_for_prior_grids();
   const int c = finalize_channel();
   if (c >= C) return;
   const ChannelSums s = sum_chunks(partial, chunks, C, c);
@@ -470,6 +490,7 @@ __global__ void __launch_bounds__(kFinalizeWarps * 32)
 __global__ void __launch_bounds__(256)
     update_running_stats(int C, const float* mean, const float* var, float unbias, float momentum, float keep,
                          float* running_mean, float* running_var, int64_t* num_batches_tracked) {
+  wait_for_prior_grids();
   const int64_t batches = *num_batches_tracked + 1;
   __syncthreads();
   if (threadIdx.x == 0) *num_batches_tracked = batches;
@@ -483,6 +504,33 @@ __global__ void __launch_bounds__(256)
 }
 
 // --- host side ----------------------------------------------------------------------------------------------------
+
+// MBN_PDL=0 launches every kernel plainly; by default they are launched with programmatic stream serialization,
+// which lets the GPU schedule a kernel before the previous one in the stream has finished (the kernels wait for it
+// on the device, see wait_for_prior_grids). A chain of small kernels per layer otherwise pays a launch gap at
+// every boundary, in a captured graph too. Read once per process.
+bool pdl_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("MBN_PDL");
+    return !(v != nullptr && v[0] == '0');
+  }();
+  return on;
+}
+
+template <class... Params, class... Args>
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream, Args&&... args) {
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
 
 constexpr int kWorkspaceConstants = 4;  // per-channel constants of the passes, [C] each
 
@@ -503,26 +551,24 @@ template <int V, class Op>
 void launch_reduce(const BnShape& s, const BnPlan& p, const Op& op, float* partial, cudaStream_t stream) {
   const dim3 grid(p.groups, p.reduce.chunks);
   if (s.nhwc) {
-    reduce_nhwc<V, Op><<<grid, dim3(p.lanes, p.rows), 0, stream>>>(op, s.N * s.HW, s.C, p.reduce.per_chunk, partial);
+    launch(reduce_nhwc<V, Op>, grid, dim3(p.lanes, p.rows), stream, op, s.N * s.HW, s.C, p.reduce.per_chunk, partial);
   } else {
     const int plane_vecs = s.HW / V;
-    reduce_nchw<V, Op><<<grid, p.lanes, 0, stream>>>(op, s.C, plane_vecs, make_fast_div(plane_vecs),
-                                                     s.N * plane_vecs, p.reduce.per_chunk, partial);
+    launch(reduce_nchw<V, Op>, grid, dim3(p.lanes), stream, op, s.C, plane_vecs, make_fast_div(plane_vecs),
+           s.N * plane_vecs, p.reduce.per_chunk, partial);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <int V, class Op>
 void launch_apply(const BnShape& s, const BnPlan& p, const Op& op, cudaStream_t stream) {
   const dim3 grid(p.groups, p.apply.chunks);
   if (s.nhwc) {
-    apply_nhwc<V, Op><<<grid, dim3(p.lanes, p.rows), 0, stream>>>(op, s.N * s.HW, s.C, p.apply.per_chunk);
+    launch(apply_nhwc<V, Op>, grid, dim3(p.lanes, p.rows), stream, op, s.N * s.HW, s.C, p.apply.per_chunk);
   } else {
     const int plane_vecs = s.HW / V;
-    apply_nchw<V, Op><<<grid, p.lanes, 0, stream>>>(op, s.C, plane_vecs, make_fast_div(plane_vecs), s.N * plane_vecs,
-                                                    p.apply.per_chunk);
+    launch(apply_nchw<V, Op>, grid, dim3(p.lanes), stream, op, s.C, plane_vecs, make_fast_div(plane_vecs),
+           s.N * plane_vecs, p.apply.per_chunk);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 constexpr int kFinalizeBlock = kFinalizeWarps * 32;
@@ -537,10 +583,8 @@ void forward_typed(const BnShape& s, const BnPlan& p, const void* x_, const floa
   const Workspace ws = split_workspace(workspace, s, p);
   const int pivot_stride = s.nhwc ? 1 : s.HW;
   launch_reduce<V>(s, p, StatsOp<TT>{x, pivot_stride}, ws.partial, stream);
-  finalize_stats<TT><<<finalize_blocks(s.C), kFinalizeBlock, 0, stream>>>(
-      ws.partial, p.reduce.chunks, s.C, static_cast<double>(s.N) * s.HW, x, pivot_stride, weight, eps, mean, invstd,
-      var, ws.k[0]);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch(finalize_stats<TT>, dim3(finalize_blocks(s.C)), dim3(kFinalizeBlock), stream, ws.partial, p.reduce.chunks,
+         s.C, static_cast<double>(s.N) * s.HW, x, pivot_stride, weight, eps, mean, invstd, var, ws.k[0]);
   launch_apply<V>(s, p, NormalizeOp<TT>{x, static_cast<S*>(y_), {mean, ws.k[0], bias}}, stream);
 }
 
@@ -553,10 +597,9 @@ void backward_typed(const BnShape& s, const BnPlan& p, const void* grad_y_, cons
   const S* x = static_cast<const S*>(x_);
   const Workspace ws = split_workspace(workspace, s, p);
   launch_reduce<V>(s, p, GradSumsOp<TT>{grad_y, x, mean, weight, bias, invstd}, ws.partial, stream);
-  finalize_backward<<<finalize_blocks(s.C), kFinalizeBlock, 0, stream>>>(
-      ws.partial, p.reduce.chunks, s.C, static_cast<double>(s.N) * s.HW, weight, invstd, grad_weight, grad_bias, ws.k[0],
-      ws.k[1], ws.k[2], ws.k[3]);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch(finalize_backward, dim3(finalize_blocks(s.C)), dim3(kFinalizeBlock), stream, ws.partial, p.reduce.chunks,
+         s.C, static_cast<double>(s.N) * s.HW, weight, invstd, grad_weight, grad_bias, ws.k[0], ws.k[1], ws.k[2],
+         ws.k[3]);
   const InputGradOp<TT> op{grad_y, x, static_cast<S*>(grad_x), {mean, ws.k[0], ws.k[1], ws.k[2], ws.k[3], bias}};
   launch_apply<V>(s, p, op, stream);
 }
@@ -672,9 +715,8 @@ void launch_update_running_stats(int C, const float* mean, const float* var, int
   const float unbias = static_cast<float>(static_cast<double>(count) / static_cast<double>(count - 1));
   // 1 - momentum in double, then rounded, as torch turns the Python scalar of mul_(1 - momentum) into a float.
   const float keep = static_cast<float>(1.0 - momentum);
-  update_running_stats<<<1, 256, 0, stream>>>(C, mean, var, unbias, static_cast<float>(momentum), keep, running_mean,
-                                               running_var, num_batches_tracked);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch(update_running_stats, dim3(1), dim3(256), stream, C, mean, var, unbias, static_cast<float>(momentum), keep,
+         running_mean, running_var, num_batches_tracked);
 }
 
 }  // namespace mbn
