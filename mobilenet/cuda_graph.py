@@ -143,7 +143,7 @@ class CapturedStep:
         # clone() keeps the memory format: a channels_last batch gets a channels_last input buffer.
         self.static_images, self.static_labels = images.clone(), labels.clone()
         # Gradients are allocated by the captured backward, from the graph's memory pool (torch's recipe).
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()  # set_to_none, torch's default; apex's optimizers are built to match
         graph = torch.cuda.CUDAGraph()
         # thread_local: DALI's worker threads keep making their own (synchronising) CUDA calls during the capture.
         with torch.cuda.graph(graph, stream=self._side, capture_error_mode="thread_local"):

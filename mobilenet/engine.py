@@ -282,7 +282,7 @@ class Trainer:
                                 cache_enabled=self.graphed is None):
                 loss = self.criterion(self.forward(images), labels)
         with self._range("backward"):
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad()  # set_to_none, torch's default; apex's optimizers are built to match
             self.scaler.scale(loss).backward()
         with self._range("optimizer"):
             self.scaler.step(self.optimizer)

@@ -46,10 +46,12 @@ def _apex_optimizer(name: str, groups: list[dict], lr: float, momentum: float, n
         from apex.optimizers import FusedLAMB, FusedSGD
     except ImportError as e:
         raise MissingDependency(f"optim.impl=apex: {APEX_HINT} ({e})") from e
+    # set_grad_none: apex's zero_grad() takes no set_to_none argument; this makes it drop the gradients as torch's
+    # optimizers do by default, so the captured backward allocates them from the graph's pool.
     if name == "sgd":
-        return FusedSGD(groups, lr=lr, momentum=momentum, nesterov=nesterov)
+        return FusedSGD(groups, lr=lr, momentum=momentum, nesterov=nesterov, set_grad_none=True)
     if name == "lamb":
-        return FusedLAMB(groups, lr=lr)
+        return FusedLAMB(groups, lr=lr, set_grad_none=True)
     raise ConfigError(f"optim.impl=apex offers optim=sgd (FusedSGD) and optim.name=lamb (FusedLAMB), not {name!r}")
 
 

@@ -6,9 +6,16 @@
 //   NCHW: a block owns one channel; its threads walk that channel's planes `vec` elements at a time, so
 //         consecutive threads read consecutive elements of a plane row.
 // Per-channel constants (pivot, mean, scale, ...) are loaded once per thread, outside the streaming loops.
+//
+// Each direction runs as one cooperative kernel where its grid fits on the GPU at once (always for NHWC): the block
+// passes below, separated by grid-wide barriers, in place of three kernels. A layer of MobileNetV1 then pays one
+// kernel's launch, ramp-up and tail instead of three, which is most of the cost of the small layers (14x14, 7x7),
+// and the tensor the apply pass re-reads was read moments before, by the same block, so it is often still in L2.
+// Same blocks, same chunks, same order of additions: the results are the bits of the three-kernel path.
 #include "batchnorm_relu.h"
 
 #include <c10/cuda/CUDAException.h>
+#include <cooperative_groups.h>
 
 #include <cstdlib>
 #include <utility>
@@ -52,17 +59,6 @@ __device__ __forceinline__ Pack<typename TT::S, V> load_pack(const typename TT::
 
 // NaN stays NaN, as in torch.relu (a NaN output is how GradScaler and the loss see a bad step).
 __device__ __forceinline__ float relu(float v) { return v < 0.f ? 0.f : v; }
-
-// Programmatic dependent launch (sm_90, see launch() below): a kernel may be scheduled while the kernel before it
-// in the stream is still running, so every kernel here first waits until the grids it depends on have completed
-// and their writes are visible (a no-op when launched without the attribute). It then lets its own dependents be
-// scheduled: they wait in the same way, so this only hides their launch and block scheduling behind this kernel.
-__device__ __forceinline__ void wait_for_prior_grids() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" :::);
-#endif
-}
 
 // --- per-element operations of the reduce passes: sums a (first) and b (second) per channel ----------------------
 
@@ -192,7 +188,7 @@ struct NormalizeOp {
   }
 };
 
-// grad_x = c_g * g + c_x * (x - mean) + c_0, with g = grad_y where y > 0 else 0 (finalize_backward's coefficients;
+// grad_x = c_g * g + c_x * (x - mean) + c_0, with g = grad_y where y > 0 else 0 (BackwardFinalize's coefficients;
 // the mask from x, as in GradSumsOp).
 template <class TT>
 struct InputGradOp {
@@ -275,9 +271,7 @@ __device__ __forceinline__ RowRange chunk_range(int total, int per_chunk) {
 }
 
 template <int V, class Op>
-__global__ void __launch_bounds__(kThreads, Op::kMinBlocks)
-    reduce_nhwc(Op op, int M, int C, int rows_per_chunk, float* partial) {
-  wait_for_prior_grids();
+__device__ __forceinline__ void reduce_nhwc_block(const Op& op, int M, int C, int rows_per_chunk, float* partial) {
   __shared__ float sums[2][kThreads * kMaxVec];
   using Loaded = typename Op::template Loaded<V>;
   const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * V;
@@ -324,8 +318,13 @@ __global__ void __launch_bounds__(kThreads, Op::kMinBlocks)
 }
 
 template <int V, class Op>
-__global__ void __launch_bounds__(kThreads, Op::kMinBlocks) apply_nhwc(Op op, int M, int C, int rows_per_chunk) {
-  wait_for_prior_grids();
+__global__ void __launch_bounds__(kThreads, Op::kMinBlocks)
+    reduce_nhwc(Op op, int M, int C, int rows_per_chunk, float* partial) {
+  reduce_nhwc_block<V>(op, M, C, rows_per_chunk, partial);
+}
+
+template <int V, class Op>
+__device__ __forceinline__ void apply_nhwc_block(const Op& op, int M, int C, int rows_per_chunk) {
   using Loaded = typename Op::template Loaded<V>;
   const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * V;
   if (c0 >= C) return;
@@ -336,6 +335,11 @@ __global__ void __launch_bounds__(kThreads, Op::kMinBlocks) apply_nhwc(Op op, in
       rr.begin + threadIdx.y, rr.end, blockDim.y,
       [&](int r, Loaded& l) { op.load(static_cast<size_t>(r) * C + c0, l); },
       [&](int r, const Loaded& l) { op.apply(static_cast<size_t>(r) * C + c0, l, k); });
+}
+
+template <int V, class Op>
+__global__ void __launch_bounds__(kThreads, Op::kMinBlocks) apply_nhwc(Op op, int M, int C, int rows_per_chunk) {
+  apply_nhwc_block<V>(op, M, C, rows_per_chunk);
 }
 
 // --- NCHW kernels -------------------------------------------------------------------------------------------------
@@ -372,9 +376,8 @@ __device__ __forceinline__ void block_sum2(float& a, float& b) {
 }
 
 template <int V, class Op>
-__global__ void __launch_bounds__(kThreads, Op::kMinBlocks)
-    reduce_nchw(Op op, int C, int plane_vecs, FastDiv div, int units, int units_per_chunk, float* partial) {
-  wait_for_prior_grids();
+__device__ __forceinline__ void reduce_nchw_block(const Op& op, int C, int plane_vecs, FastDiv div, int units,
+                                                  int units_per_chunk, float* partial) {
   using Loaded = typename Op::template Loaded<V>;
   const int c = blockIdx.x;
   float k[Op::K][V], a[V], b[V];
@@ -402,8 +405,13 @@ __global__ void __launch_bounds__(kThreads, Op::kMinBlocks)
 
 template <int V, class Op>
 __global__ void __launch_bounds__(kThreads, Op::kMinBlocks)
-    apply_nchw(Op op, int C, int plane_vecs, FastDiv div, int units, int units_per_chunk) {
-  wait_for_prior_grids();
+    reduce_nchw(Op op, int C, int plane_vecs, FastDiv div, int units, int units_per_chunk, float* partial) {
+  reduce_nchw_block<V>(op, C, plane_vecs, div, units, units_per_chunk, partial);
+}
+
+template <int V, class Op>
+__device__ __forceinline__ void apply_nchw_block(const Op& op, int C, int plane_vecs, FastDiv div, int units,
+                                                 int units_per_chunk) {
   using Loaded = typename Op::template Loaded<V>;
   const int c = blockIdx.x;
   float k[Op::K][V];
@@ -415,6 +423,12 @@ __global__ void __launch_bounds__(kThreads, Op::kMinBlocks)
       [&](int u, const Loaded& l) { op.apply(nchw_offset<V>(u, c, C, plane_vecs, div), l, k); });
 }
 
+template <int V, class Op>
+__global__ void __launch_bounds__(kThreads, Op::kMinBlocks)
+    apply_nchw(Op op, int C, int plane_vecs, FastDiv div, int units, int units_per_chunk) {
+  apply_nchw_block<V>(op, C, plane_vecs, div, units, units_per_chunk);
+}
+
 // --- finalize: per channel, the chunks' partial sums added in fp64, in a fixed order --------------------------------
 
 constexpr int kFinalizeWarps = 8;  // channels per finalize block, one warp each
@@ -423,12 +437,14 @@ struct ChannelSums {
   double a, b;
 };
 
+// The lane of this thread in its warp, for blocks of any shape (warps are cut from the linear thread index).
+__device__ __forceinline__ int lane_id() { return (threadIdx.y * blockDim.x + threadIdx.x) % 32; }
+
 // Channel c's sums over all chunks: the warp's lanes stride over the chunks, then a butterfly; the order of the
 // additions is fixed by (chunks, C) alone. Valid in every lane.
 __device__ __forceinline__ ChannelSums sum_chunks(const float* partial, int chunks, int C, int c) {
-  const int lane = threadIdx.x % 32;
   double a = 0.0, b = 0.0;
-  for (int i = lane; i < chunks; i += 32) {
+  for (int i = lane_id(); i < chunks; i += 32) {
     a += partial[static_cast<size_t>(i) * 2 * C + c];
     b += partial[static_cast<size_t>(i) * 2 * C + C + c];
   }
@@ -440,48 +456,94 @@ __device__ __forceinline__ ChannelSums sum_chunks(const float* partial, int chun
   return {a, b};
 }
 
-__device__ __forceinline__ int finalize_channel() { return blockIdx.x * kFinalizeWarps + threadIdx.x / 32; }
-
-// Batch statistics from the pivot-shifted sums, and the forward's scale (weight * invstd).
+// Batch statistics from the pivot-shifted sums, and the forward's scale (weight * invstd). Called by a whole warp
+// per channel.
 template <class TT>
-__global__ void __launch_bounds__(kFinalizeWarps * 32)
-    finalize_stats(const float* partial, int chunks, int C, double count, const typename TT::S* x, int pivot_stride,
-                   const float* weight, float eps, float* mean, float* invstd, float* var, float* scale) {
-  wait_for_prior_grids();
-  const int c = finalize_channel();
-  if (c >= C) return;  // a whole warp: the shuffles in sum_chunks see full warps only
-  const ChannelSums s = sum_chunks(partial, chunks, C, c);
-  if (threadIdx.x % 32 != 0) return;
-  const double shifted_mean = s.a / count;
-  const double v = fmax(s.b / count - shifted_mean * shifted_mean, 0.0);
-  const double m = static_cast<double>(TT::to_acc(x[static_cast<size_t>(c) * pivot_stride])) + shifted_mean;
-  const double is = 1.0 / sqrt(v + static_cast<double>(eps));
-  const float mf = static_cast<float>(m), isf = static_cast<float>(is);
-  mean[c] = mf;
-  invstd[c] = isf;
-  var[c] = static_cast<float>(v);
-  scale[c] = bn_scale(weight[c], isf);
-}
+struct StatsFinalize {
+  const float* partial;
+  int chunks, C;
+  double count;
+  const typename TT::S* x;
+  int pivot_stride;
+  const float* weight;
+  float eps;
+  float *mean, *invstd, *var, *scale;
+  __device__ __forceinline__ void operator()(int c) const {
+    const ChannelSums s = sum_chunks(partial, chunks, C, c);
+    if (lane_id() != 0) return;
+    const double shifted_mean = s.a / count;
+    const double v = fmax(s.b / count - shifted_mean * shifted_mean, 0.0);
+    const double m = static_cast<double>(TT::to_acc(x[static_cast<size_t>(c) * pivot_stride])) + shifted_mean;
+    const double is = 1.0 / sqrt(v + static_cast<double>(eps));
+    const float mf = static_cast<float>(m), isf = static_cast<float>(is);
+    mean[c] = mf;
+    invstd[c] = isf;
+    var[c] = static_cast<float>(v);
+    scale[c] = bn_scale(weight[c], isf);
+  }
+};
 
 // grad_bias = sum(g), grad_weight = sum(g * xhat), and the input gradient's coefficients:
 // grad_x = w * invstd * (g - mean(g) - xhat * mean(g * xhat)) = c_g * g + c_x * (x - mean) + c_0; and the forward's
-// scale again, for the input gradient's ReLU mask.
-__global__ void __launch_bounds__(kFinalizeWarps * 32)
-    finalize_backward(const float* partial, int chunks, int C, double count, const float* weight, const float* invstd,
-                      float* grad_weight, float* grad_bias, float* c_g, float* c_x, float* c_0, float* scale) {
-  wait_for_prior_grids();
-  const int c = finalize_channel();
-  if (c >= C) return;
-  const ChannelSums s = sum_chunks(partial, chunks, C, c);
-  if (threadIdx.x % 32 != 0) return;
-  const double is = invstd[c], w = weight[c];
-  const double gw = s.b * is;
-  grad_bias[c] = static_cast<float>(s.a);
-  grad_weight[c] = static_cast<float>(gw);
-  c_g[c] = static_cast<float>(w * is);
-  c_x[c] = static_cast<float>(-w * is * is * (gw / count));
-  c_0[c] = static_cast<float>(-w * is * (s.a / count));
-  scale[c] = bn_scale(weight[c], invstd[c]);
+// scale again, for the input gradient's ReLU mask. Called by a whole warp per channel.
+struct BackwardFinalize {
+  const float* partial;
+  int chunks, C;
+  double count;
+  const float *weight, *invstd;
+  float *grad_weight, *grad_bias, *c_g, *c_x, *c_0, *scale;
+  __device__ __forceinline__ void operator()(int c) const {
+    const ChannelSums s = sum_chunks(partial, chunks, C, c);
+    if (lane_id() != 0) return;
+    const double is = invstd[c], w = weight[c];
+    const double gw = s.b * is;
+    grad_bias[c] = static_cast<float>(s.a);
+    grad_weight[c] = static_cast<float>(gw);
+    c_g[c] = static_cast<float>(w * is);
+    c_x[c] = static_cast<float>(-w * is * is * (gw / count));
+    c_0[c] = static_cast<float>(-w * is * (s.a / count));
+    scale[c] = bn_scale(weight[c], invstd[c]);
+  }
+};
+
+template <class Fin>
+__global__ void __launch_bounds__(kFinalizeWarps * 32) finalize(Fin fin) {
+  const int c = blockIdx.x * kFinalizeWarps + threadIdx.x / 32;
+  if (c < fin.C) fin(c);  // a whole warp: the shuffles in sum_chunks see full warps only
+}
+
+// The finalize step inside a cooperative kernel: the grid's warps take the channels in turn.
+template <class Fin>
+__device__ __forceinline__ void finalize_by_grid(const Fin& fin) {
+  const int warps = blockDim.x * blockDim.y / 32;
+  const int warp = (threadIdx.y * blockDim.x + threadIdx.x) / 32;
+  const int stride = gridDim.x * gridDim.y * warps;
+  for (int c = (blockIdx.y * gridDim.x + blockIdx.x) * warps + warp; c < fin.C; c += stride) fin(c);
+}
+
+// --- one cooperative kernel per direction: reduce, grid barrier, finalize, grid barrier, apply ------------------
+
+template <int V, int MinBlocks, class Reduce, class Fin, class Apply>
+__global__ void __launch_bounds__(kThreads, MinBlocks)
+    fused_nhwc(Reduce reduce, Fin fin, Apply apply, int M, int C, int rows_per_chunk, float* partial) {
+  namespace cg = cooperative_groups;
+  reduce_nhwc_block<V>(reduce, M, C, rows_per_chunk, partial);
+  cg::this_grid().sync();
+  finalize_by_grid(fin);
+  cg::this_grid().sync();
+  apply_nhwc_block<V>(apply, M, C, rows_per_chunk);
+}
+
+template <int V, int MinBlocks, class Reduce, class Fin, class Apply>
+__global__ void __launch_bounds__(kThreads, MinBlocks)
+    fused_nchw(Reduce reduce, Fin fin, Apply apply, int C, int plane_vecs, FastDiv div, int units,
+               int units_per_chunk, float* partial) {
+  namespace cg = cooperative_groups;
+  reduce_nchw_block<V>(reduce, C, plane_vecs, div, units, units_per_chunk, partial);
+  cg::this_grid().sync();
+  finalize_by_grid(fin);
+  cg::this_grid().sync();
+  apply_nchw_block<V>(apply, C, plane_vecs, div, units, units_per_chunk);
 }
 
 // running = (1 - f) * running + f * batch, with the unbiased variance, in the operations and roundings of
@@ -490,7 +552,6 @@ __global__ void __launch_bounds__(kFinalizeWarps * 32)
 __global__ void __launch_bounds__(256)
     update_running_stats(int C, const float* mean, const float* var, float unbias, float momentum, float keep,
                          float* running_mean, float* running_var, int64_t* num_batches_tracked) {
-  wait_for_prior_grids();
   const int64_t batches = *num_batches_tracked + 1;
   __syncthreads();
   if (threadIdx.x == 0) *num_batches_tracked = batches;
@@ -504,33 +565,6 @@ __global__ void __launch_bounds__(256)
 }
 
 // --- host side ----------------------------------------------------------------------------------------------------
-
-// MBN_PDL=0 launches every kernel plainly; by default they are launched with programmatic stream serialization,
-// which lets the GPU schedule a kernel before the previous one in the stream has finished (the kernels wait for it
-// on the device, see wait_for_prior_grids). A chain of small kernels per layer otherwise pays a launch gap at
-// every boundary, in a captured graph too. Read once per process.
-bool pdl_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("MBN_PDL");
-    return !(v != nullptr && v[0] == '0');
-  }();
-  return on;
-}
-
-template <class... Params, class... Args>
-void launch(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream, Args&&... args) {
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = stream;
-  cfg.attrs = &attr;
-  cfg.numAttrs = pdl_enabled() ? 1 : 0;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
-}
 
 constexpr int kWorkspaceConstants = 4;  // per-channel constants of the passes, [C] each
 
@@ -551,28 +585,88 @@ template <int V, class Op>
 void launch_reduce(const BnShape& s, const BnPlan& p, const Op& op, float* partial, cudaStream_t stream) {
   const dim3 grid(p.groups, p.reduce.chunks);
   if (s.nhwc) {
-    launch(reduce_nhwc<V, Op>, grid, dim3(p.lanes, p.rows), stream, op, s.N * s.HW, s.C, p.reduce.per_chunk, partial);
+    reduce_nhwc<V, Op><<<grid, dim3(p.lanes, p.rows), 0, stream>>>(op, s.N * s.HW, s.C, p.reduce.per_chunk, partial);
   } else {
     const int plane_vecs = s.HW / V;
-    launch(reduce_nchw<V, Op>, grid, dim3(p.lanes), stream, op, s.C, plane_vecs, make_fast_div(plane_vecs),
-           s.N * plane_vecs, p.reduce.per_chunk, partial);
+    reduce_nchw<V, Op><<<grid, p.lanes, 0, stream>>>(op, s.C, plane_vecs, make_fast_div(plane_vecs),
+                                                     s.N * plane_vecs, p.reduce.per_chunk, partial);
   }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <int V, class Op>
 void launch_apply(const BnShape& s, const BnPlan& p, const Op& op, cudaStream_t stream) {
   const dim3 grid(p.groups, p.apply.chunks);
   if (s.nhwc) {
-    launch(apply_nhwc<V, Op>, grid, dim3(p.lanes, p.rows), stream, op, s.N * s.HW, s.C, p.apply.per_chunk);
+    apply_nhwc<V, Op><<<grid, dim3(p.lanes, p.rows), 0, stream>>>(op, s.N * s.HW, s.C, p.apply.per_chunk);
   } else {
     const int plane_vecs = s.HW / V;
-    launch(apply_nchw<V, Op>, grid, dim3(p.lanes), stream, op, s.C, plane_vecs, make_fast_div(plane_vecs),
-           s.N * plane_vecs, p.apply.per_chunk);
+    apply_nchw<V, Op><<<grid, p.lanes, 0, stream>>>(op, s.C, plane_vecs, make_fast_div(plane_vecs), s.N * plane_vecs,
+                                                    p.apply.per_chunk);
   }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 constexpr int kFinalizeBlock = kFinalizeWarps * 32;
-int finalize_blocks(int C) { return ceil_div(C, kFinalizeWarps); }
+
+// MBN_FUSED=0 runs each direction as its three kernels even where the cooperative kernel fits (the A/B of the two,
+// which give the same bits). Read once per process.
+bool fused_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("MBN_FUSED");
+    return !(v != nullptr && v[0] == '0');
+  }();
+  return on;
+}
+
+template <class... Params, class... Args>
+void launch_cooperative(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream, Args&&... args) {
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeCooperative;
+  attr.val.cooperative = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.stream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
+template <class Kernel>
+int resident_blocks_per_sm(Kernel kernel) {
+  int n = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, 0));
+  return n;
+}
+
+// One direction: reduce -> finalize -> apply, as one cooperative kernel where the reduce pass's grid (at most one
+// wave by its plan) can be resident at once, else as three kernels. The cooperative kernel's apply pass covers the
+// reduce pass's chunks: elementwise, so the bits do not depend on the chunking.
+template <int V, int MinBlocks, class Reduce, class Fin, class Apply>
+void run_direction(const BnShape& s, const BnPlan& p, const Reduce& reduce, const Fin& fin, const Apply& apply,
+                   float* partial, cudaStream_t stream) {
+  const dim3 grid(p.groups, p.reduce.chunks);
+  const long long blocks = static_cast<long long>(p.groups) * p.reduce.chunks;
+  if (s.nhwc) {
+    const auto kernel = fused_nhwc<V, MinBlocks, Reduce, Fin, Apply>;
+    static const int resident = resident_blocks_per_sm(kernel);
+    if (fused_enabled() && blocks <= static_cast<long long>(resident) * p.sms)
+      return launch_cooperative(kernel, grid, dim3(p.lanes, p.rows), stream, reduce, fin, apply, s.N * s.HW, s.C,
+                                p.reduce.per_chunk, partial);
+  } else {
+    const auto kernel = fused_nchw<V, MinBlocks, Reduce, Fin, Apply>;
+    static const int resident = resident_blocks_per_sm(kernel);
+    const int plane_vecs = s.HW / V;
+    if (fused_enabled() && blocks <= static_cast<long long>(resident) * p.sms)
+      return launch_cooperative(kernel, grid, dim3(p.lanes), stream, reduce, fin, apply, s.C, plane_vecs,
+                                make_fast_div(plane_vecs), s.N * plane_vecs, p.reduce.per_chunk, partial);
+  }
+  launch_reduce<V>(s, p, reduce, partial, stream);
+  finalize<<<ceil_div(s.C, kFinalizeWarps), kFinalizeBlock, 0, stream>>>(fin);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_apply<V>(s, p, apply, stream);
+}
 
 template <class TT, int V>
 void forward_typed(const BnShape& s, const BnPlan& p, const void* x_, const float* weight, const float* bias,
@@ -582,10 +676,11 @@ void forward_typed(const BnShape& s, const BnPlan& p, const void* x_, const floa
   const S* x = static_cast<const S*>(x_);
   const Workspace ws = split_workspace(workspace, s, p);
   const int pivot_stride = s.nhwc ? 1 : s.HW;
-  launch_reduce<V>(s, p, StatsOp<TT>{x, pivot_stride}, ws.partial, stream);
-  launch(finalize_stats<TT>, dim3(finalize_blocks(s.C)), dim3(kFinalizeBlock), stream, ws.partial, p.reduce.chunks,
-         s.C, static_cast<double>(s.N) * s.HW, x, pivot_stride, weight, eps, mean, invstd, var, ws.k[0]);
-  launch_apply<V>(s, p, NormalizeOp<TT>{x, static_cast<S*>(y_), {mean, ws.k[0], bias}}, stream);
+  const StatsFinalize<TT> fin{ws.partial, p.reduce.chunks, s.C, static_cast<double>(s.N) * s.HW, x, pivot_stride,
+                              weight, eps, mean, invstd, var, ws.k[0]};
+  run_direction<V, StatsOp<TT>::kMinBlocks>(s, p, StatsOp<TT>{x, pivot_stride}, fin,
+                                            NormalizeOp<TT>{x, static_cast<S*>(y_), {mean, ws.k[0], bias}},
+                                            ws.partial, stream);
 }
 
 template <class TT, int V>
@@ -596,12 +691,11 @@ void backward_typed(const BnShape& s, const BnPlan& p, const void* grad_y_, cons
   const S* grad_y = static_cast<const S*>(grad_y_);
   const S* x = static_cast<const S*>(x_);
   const Workspace ws = split_workspace(workspace, s, p);
-  launch_reduce<V>(s, p, GradSumsOp<TT>{grad_y, x, mean, weight, bias, invstd}, ws.partial, stream);
-  launch(finalize_backward, dim3(finalize_blocks(s.C)), dim3(kFinalizeBlock), stream, ws.partial, p.reduce.chunks,
-         s.C, static_cast<double>(s.N) * s.HW, weight, invstd, grad_weight, grad_bias, ws.k[0], ws.k[1], ws.k[2],
-         ws.k[3]);
-  const InputGradOp<TT> op{grad_y, x, static_cast<S*>(grad_x), {mean, ws.k[0], ws.k[1], ws.k[2], ws.k[3], bias}};
-  launch_apply<V>(s, p, op, stream);
+  const BackwardFinalize fin{ws.partial, p.reduce.chunks, s.C, static_cast<double>(s.N) * s.HW, weight, invstd,
+                             grad_weight, grad_bias, ws.k[0], ws.k[1], ws.k[2], ws.k[3]};
+  const InputGradOp<TT> apply{grad_y, x, static_cast<S*>(grad_x), {mean, ws.k[0], ws.k[1], ws.k[2], ws.k[3], bias}};
+  run_direction<V, GradSumsOp<TT>::kMinBlocks>(s, p, GradSumsOp<TT>{grad_y, x, mean, weight, bias, invstd}, fin,
+                                               apply, ws.partial, stream);
 }
 
 // The typed launchers as class templates, so that one dispatch serves both directions.
@@ -644,8 +738,9 @@ namespace {
 
 // Chunks of a pass: as many blocks as fill one wave (every SM holding `blocks_per_sm` of them), each with at least
 // `min_per_chunk` rows or units; a second, partial wave would leave most SMs idle at the end of the pass.
+// At most one wave (rounded down), so that the reduce pass's grid can also run as one cooperative kernel.
 Chunking make_chunking(long long work, int groups, int num_sms, int blocks_per_sm, int min_per_chunk) {
-  int chunks = ceil_div(static_cast<long long>(num_sms) * blocks_per_sm, groups);
+  int chunks = num_sms * blocks_per_sm / groups;
   const int max_chunks = ceil_div(work, min_per_chunk);
   if (chunks > max_chunks) chunks = max_chunks;
   if (chunks > 65535) chunks = 65535;
@@ -665,6 +760,7 @@ BnPlan make_plan(const BnShape& s, DType dt, uintptr_t address_bits, int num_sms
   while (vec > 1 && (extent % vec != 0 || address_bits % (static_cast<uintptr_t>(vec) * elem) != 0)) vec /= 2;
   BnPlan p{};
   p.vec = vec;
+  p.sms = num_sms;
   long long work;  // rows (NHWC) or units (NCHW) per channel group
   int per_round;   // rows or units a block covers per loop round
   if (s.nhwc) {
@@ -715,8 +811,9 @@ void launch_update_running_stats(int C, const float* mean, const float* var, int
   const float unbias = static_cast<float>(static_cast<double>(count) / static_cast<double>(count - 1));
   // 1 - momentum in double, then rounded, as torch turns the Python scalar of mul_(1 - momentum) into a float.
   const float keep = static_cast<float>(1.0 - momentum);
-  launch(update_running_stats, dim3(1), dim3(256), stream, C, mean, var, unbias, static_cast<float>(momentum), keep,
-         running_mean, running_var, num_batches_tracked);
+  update_running_stats<<<1, 256, 0, stream>>>(C, mean, var, unbias, static_cast<float>(momentum), keep, running_mean,
+                                               running_var, num_batches_tracked);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace mbn
