@@ -6,19 +6,9 @@
 //   NCHW: a block owns one channel; its threads walk that channel's planes `vec` elements at a time, so
 //         consecutive threads read consecutive elements of a plane row.
 // Per-channel constants (pivot, mean, scale, ...) are loaded once per thread, outside the streaming loops.
-//
-// Each direction runs as one cooperative kernel where its grid fits on the GPU at once (always for NHWC): the block
-// passes below, separated by grid-wide barriers, in place of three kernels. A layer of MobileNetV1 then pays one
-// kernel's launch, ramp-up and tail instead of three, which is most of the cost of the small layers (14x14, 7x7),
-// and the tensor the apply pass re-reads was read moments before, by the same block, so it is often still in L2.
-// Same blocks, same chunks, same order of additions: the results are the bits of the three-kernel path.
 #include "batchnorm_relu.h"
 
 #include <c10/cuda/CUDAException.h>
-#include <cooperative_groups.h>
-
-#include <cstdlib>
-#include <utility>
 
 #include "device_common.h"
 
@@ -188,7 +178,7 @@ struct NormalizeOp {
   }
 };
 
-// grad_x = c_g * g + c_x * (x - mean) + c_0, with g = grad_y where y > 0 else 0 (BackwardFinalize's coefficients;
+// grad_x = c_g * g + c_x * (x - mean) + c_0, with g = grad_y where y > 0 else 0 (finalize_backward's coefficients;
 // the mask from x, as in GradSumsOp).
 template <class TT>
 struct InputGradOp {
@@ -271,7 +261,8 @@ __device__ __forceinline__ RowRange chunk_range(int total, int per_chunk) {
 }
 
 template <int V, class Op>
-__device__ __forceinline__ void reduce_nhwc_block(const Op& op, int M, int C, int rows_per_chunk, float* partial) {
+__global__ void __launch_bounds__(kThreads, Op::kMinBlocks)
+    reduce_nhwc(Op op, int M, int C, int rows_per_chunk, float* partial) {
   __shared__ float sums[2][kThreads * kMaxVec];
   using Loaded = typename Op::template Loaded<V>;
   const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * V;
@@ -318,13 +309,7 @@ __device__ __forceinline__ void reduce_nhwc_block(const Op& op, int M, int C, in
 }
 
 template <int V, class Op>
-__global__ void __launch_bounds__(kThreads, Op::kMinBlocks)
-    reduce_nhwc(Op op, int M, int C, int rows_per_chunk, float* partial) {
-  reduce_nhwc_block<V>(op, M, C, rows_per_chunk, partial);
-}
-
-template <int V, class Op>
-__device__ __forceinline__ void apply_nhwc_block(const Op& op, int M, int C, int rows_per_chunk) {
+__global__ void __launch_bounds__(kThreads, Op::kMinBlocks) apply_nhwc(Op op, int M, int C, int rows_per_chunk) {
   using Loaded = typename Op::template Loaded<V>;
   const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * V;
   if (c0 >= C) return;
@@ -335,11 +320,6 @@ __device__ __forceinline__ void apply_nhwc_block(const Op& op, int M, int C, int
       rr.begin + threadIdx.y, rr.end, blockDim.y,
       [&](int r, Loaded& l) { op.load(static_cast<size_t>(r) * C + c0, l); },
       [&](int r, const Loaded& l) { op.apply(static_cast<size_t>(r) * C + c0, l, k); });
-}
-
-template <int V, class Op>
-__global__ void __launch_bounds__(kThreads, Op::kMinBlocks) apply_nhwc(Op op, int M, int C, int rows_per_chunk) {
-  apply_nhwc_block<V>(op, M, C, rows_per_chunk);
 }
 
 // --- NCHW kernels -------------------------------------------------------------------------------------------------
@@ -376,8 +356,8 @@ __device__ __forceinline__ void block_sum2(float& a, float& b) {
 }
 
 template <int V, class Op>
-__device__ __forceinline__ void reduce_nchw_block(const Op& op, int C, int plane_vecs, FastDiv div, int units,
-                                                  int units_per_chunk, float* partial) {
+__global__ void __launch_bounds__(kThreads, Op::kMinBlocks)
+    reduce_nchw(Op op, int C, int plane_vecs, FastDiv div, int units, int units_per_chunk, float* partial) {
   using Loaded = typename Op::template Loaded<V>;
   const int c = blockIdx.x;
   float k[Op::K][V], a[V], b[V];
@@ -405,13 +385,7 @@ __device__ __forceinline__ void reduce_nchw_block(const Op& op, int C, int plane
 
 template <int V, class Op>
 __global__ void __launch_bounds__(kThreads, Op::kMinBlocks)
-    reduce_nchw(Op op, int C, int plane_vecs, FastDiv div, int units, int units_per_chunk, float* partial) {
-  reduce_nchw_block<V>(op, C, plane_vecs, div, units, units_per_chunk, partial);
-}
-
-template <int V, class Op>
-__device__ __forceinline__ void apply_nchw_block(const Op& op, int C, int plane_vecs, FastDiv div, int units,
-                                                 int units_per_chunk) {
+    apply_nchw(Op op, int C, int plane_vecs, FastDiv div, int units, int units_per_chunk) {
   using Loaded = typename Op::template Loaded<V>;
   const int c = blockIdx.x;
   float k[Op::K][V];
@@ -423,12 +397,6 @@ __device__ __forceinline__ void apply_nchw_block(const Op& op, int C, int plane_
       [&](int u, const Loaded& l) { op.apply(nchw_offset<V>(u, c, C, plane_vecs, div), l, k); });
 }
 
-template <int V, class Op>
-__global__ void __launch_bounds__(kThreads, Op::kMinBlocks)
-    apply_nchw(Op op, int C, int plane_vecs, FastDiv div, int units, int units_per_chunk) {
-  apply_nchw_block<V>(op, C, plane_vecs, div, units, units_per_chunk);
-}
-
 // --- finalize: per channel, the chunks' partial sums added in fp64, in a fixed order --------------------------------
 
 constexpr int kFinalizeWarps = 8;  // channels per finalize block, one warp each
@@ -437,14 +405,12 @@ struct ChannelSums {
   double a, b;
 };
 
-// The lane of this thread in its warp, for blocks of any shape (warps are cut from the linear thread index).
-__device__ __forceinline__ int lane_id() { return (threadIdx.y * blockDim.x + threadIdx.x) % 32; }
-
 // Channel c's sums over all chunks: the warp's lanes stride over the chunks, then a butterfly; the order of the
 // additions is fixed by (chunks, C) alone. Valid in every lane.
 __device__ __forceinline__ ChannelSums sum_chunks(const float* partial, int chunks, int C, int c) {
+  const int lane = threadIdx.x % 32;
   double a = 0.0, b = 0.0;
-  for (int i = lane_id(); i < chunks; i += 32) {
+  for (int i = lane; i < chunks; i += 32) {
     a += partial[static_cast<size_t>(i) * 2 * C + c];
     b += partial[static_cast<size_t>(i) * 2 * C + C + c];
   }
@@ -456,94 +422,46 @@ __device__ __forceinline__ ChannelSums sum_chunks(const float* partial, int chun
   return {a, b};
 }
 
-// Batch statistics from the pivot-shifted sums, and the forward's scale (weight * invstd). Called by a whole warp
-// per channel.
+__device__ __forceinline__ int finalize_channel() { return blockIdx.x * kFinalizeWarps + threadIdx.x / 32; }
+
+// Batch statistics from the pivot-shifted sums, and the forward's scale (weight * invstd).
 template <class TT>
-struct StatsFinalize {
-  const float* partial;
-  int chunks, C;
-  double count;
-  const typename TT::S* x;
-  int pivot_stride;
-  const float* weight;
-  float eps;
-  float *mean, *invstd, *var, *scale;
-  __device__ __forceinline__ void operator()(int c) const {
-    const ChannelSums s = sum_chunks(partial, chunks, C, c);
-    if (lane_id() != 0) return;
-    const double shifted_mean = s.a / count;
-    const double v = fmax(s.b / count - shifted_mean * shifted_mean, 0.0);
-    const double m = static_cast<double>(TT::to_acc(x[static_cast<size_t>(c) * pivot_stride])) + shifted_mean;
-    const double is = 1.0 / sqrt(v + static_cast<double>(eps));
-    const float mf = static_cast<float>(m), isf = static_cast<float>(is);
-    mean[c] = mf;
-    invstd[c] = isf;
-    var[c] = static_cast<float>(v);
-    scale[c] = bn_scale(weight[c], isf);
-  }
-};
+__global__ void __launch_bounds__(kFinalizeWarps * 32)
+    finalize_stats(const float* partial, int chunks, int C, double count, const typename TT::S* x, int pivot_stride,
+                   const float* weight, float eps, float* mean, float* invstd, float* var, float* scale) {
+  const int c = finalize_channel();
+  if (c >= C) return;  // a whole warp: the shuffles in sum_chunks see full warps only
+  const ChannelSums s = sum_chunks(partial, chunks, C, c);
+  if (threadIdx.x % 32 != 0) return;
+  const double shifted_mean = s.a / count;
+  const double v = fmax(s.b / count - shifted_mean * shifted_mean, 0.0);
+  const double m = static_cast<double>(TT::to_acc(x[static_cast<size_t>(c) * pivot_stride])) + shifted_mean;
+  const double is = 1.0 / sqrt(v + static_cast<double>(eps));
+  const float mf = static_cast<float>(m), isf = static_cast<float>(is);
+  mean[c] = mf;
+  invstd[c] = isf;
+  var[c] = static_cast<float>(v);
+  scale[c] = bn_scale(weight[c], isf);
+}
 
 // grad_bias = sum(g), grad_weight = sum(g * xhat), and the input gradient's coefficients:
 // grad_x = w * invstd * (g - mean(g) - xhat * mean(g * xhat)) = c_g * g + c_x * (x - mean) + c_0; and the forward's
-// scale again, for the input gradient's ReLU mask. Called by a whole warp per channel.
-struct BackwardFinalize {
-  const float* partial;
-  int chunks, C;
-  double count;
-  const float *weight, *invstd;
-  float *grad_weight, *grad_bias, *c_g, *c_x, *c_0, *scale;
-  __device__ __forceinline__ void operator()(int c) const {
-    const ChannelSums s = sum_chunks(partial, chunks, C, c);
-    if (lane_id() != 0) return;
-    const double is = invstd[c], w = weight[c];
-    const double gw = s.b * is;
-    grad_bias[c] = static_cast<float>(s.a);
-    grad_weight[c] = static_cast<float>(gw);
-    c_g[c] = static_cast<float>(w * is);
-    c_x[c] = static_cast<float>(-w * is * is * (gw / count));
-    c_0[c] = static_cast<float>(-w * is * (s.a / count));
-    scale[c] = bn_scale(weight[c], invstd[c]);
-  }
-};
-
-template <class Fin>
-__global__ void __launch_bounds__(kFinalizeWarps * 32) finalize(Fin fin) {
-  const int c = blockIdx.x * kFinalizeWarps + threadIdx.x / 32;
-  if (c < fin.C) fin(c);  // a whole warp: the shuffles in sum_chunks see full warps only
-}
-
-// The finalize step inside a cooperative kernel: the grid's warps take the channels in turn.
-template <class Fin>
-__device__ __forceinline__ void finalize_by_grid(const Fin& fin) {
-  const int warps = blockDim.x * blockDim.y / 32;
-  const int warp = (threadIdx.y * blockDim.x + threadIdx.x) / 32;
-  const int stride = gridDim.x * gridDim.y * warps;
-  for (int c = (blockIdx.y * gridDim.x + blockIdx.x) * warps + warp; c < fin.C; c += stride) fin(c);
-}
-
-// --- one cooperative kernel per direction: reduce, grid barrier, finalize, grid barrier, apply ------------------
-
-template <int V, int MinBlocks, class Reduce, class Fin, class Apply>
-__global__ void __launch_bounds__(kThreads, MinBlocks)
-    fused_nhwc(Reduce reduce, Fin fin, Apply apply, int M, int C, int rows_per_chunk, float* partial) {
-  namespace cg = cooperative_groups;
-  reduce_nhwc_block<V>(reduce, M, C, rows_per_chunk, partial);
-  cg::this_grid().sync();
-  finalize_by_grid(fin);
-  cg::this_grid().sync();
-  apply_nhwc_block<V>(apply, M, C, rows_per_chunk);
-}
-
-template <int V, int MinBlocks, class Reduce, class Fin, class Apply>
-__global__ void __launch_bounds__(kThreads, MinBlocks)
-    fused_nchw(Reduce reduce, Fin fin, Apply apply, int C, int plane_vecs, FastDiv div, int units,
-               int units_per_chunk, float* partial) {
-  namespace cg = cooperative_groups;
-  reduce_nchw_block<V>(reduce, C, plane_vecs, div, units, units_per_chunk, partial);
-  cg::this_grid().sync();
-  finalize_by_grid(fin);
-  cg::this_grid().sync();
-  apply_nchw_block<V>(apply, C, plane_vecs, div, units, units_per_chunk);
+// scale again, for the input gradient's ReLU mask.
+__global__ void __launch_bounds__(kFinalizeWarps * 32)
+    finalize_backward(const float* partial, int chunks, int C, double count, const float* weight, const float* invstd,
+                      float* grad_weight, float* grad_bias, float* c_g, float* c_x, float* c_0, float* scale) {
+  const int c = finalize_channel();
+  if (c >= C) return;
+  const ChannelSums s = sum_chunks(partial, chunks, C, c);
+  if (threadIdx.x % 32 != 0) return;
+  const double is = invstd[c], w = weight[c];
+  const double gw = s.b * is;
+  grad_bias[c] = static_cast<float>(s.a);
+  grad_weight[c] = static_cast<float>(gw);
+  c_g[c] = static_cast<float>(w * is);
+  c_x[c] = static_cast<float>(-w * is * is * (gw / count));
+  c_0[c] = static_cast<float>(-w * is * (s.a / count));
+  scale[c] = bn_scale(weight[c], invstd[c]);
 }
 
 // running = (1 - f) * running + f * batch, with the unbiased variance, in the operations and roundings of
@@ -608,65 +526,7 @@ void launch_apply(const BnShape& s, const BnPlan& p, const Op& op, cudaStream_t 
 }
 
 constexpr int kFinalizeBlock = kFinalizeWarps * 32;
-
-// MBN_FUSED=0 runs each direction as its three kernels even where the cooperative kernel fits (the A/B of the two,
-// which give the same bits). Read once per process.
-bool fused_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("MBN_FUSED");
-    return !(v != nullptr && v[0] == '0');
-  }();
-  return on;
-}
-
-template <class... Params, class... Args>
-void launch_cooperative(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream, Args&&... args) {
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeCooperative;
-  attr.val.cooperative = 1;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.stream = stream;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
-}
-
-template <class Kernel>
-int resident_blocks_per_sm(Kernel kernel) {
-  int n = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, 0));
-  return n;
-}
-
-// One direction: reduce -> finalize -> apply, as one cooperative kernel where the reduce pass's grid (at most one
-// wave by its plan) can be resident at once, else as three kernels. The cooperative kernel's apply pass covers the
-// reduce pass's chunks: elementwise, so the bits do not depend on the chunking.
-template <int V, int MinBlocks, class Reduce, class Fin, class Apply>
-void run_direction(const BnShape& s, const BnPlan& p, const Reduce& reduce, const Fin& fin, const Apply& apply,
-                   float* partial, cudaStream_t stream) {
-  const dim3 grid(p.groups, p.reduce.chunks);
-  const long long blocks = static_cast<long long>(p.groups) * p.reduce.chunks;
-  if (s.nhwc) {
-    const auto kernel = fused_nhwc<V, MinBlocks, Reduce, Fin, Apply>;
-    static const int resident = resident_blocks_per_sm(kernel);
-    if (fused_enabled() && blocks <= static_cast<long long>(resident) * p.sms)
-      return launch_cooperative(kernel, grid, dim3(p.lanes, p.rows), stream, reduce, fin, apply, s.N * s.HW, s.C,
-                                p.reduce.per_chunk, partial);
-  } else {
-    const auto kernel = fused_nchw<V, MinBlocks, Reduce, Fin, Apply>;
-    static const int resident = resident_blocks_per_sm(kernel);
-    const int plane_vecs = s.HW / V;
-    if (fused_enabled() && blocks <= static_cast<long long>(resident) * p.sms)
-      return launch_cooperative(kernel, grid, dim3(p.lanes), stream, reduce, fin, apply, s.C, plane_vecs,
-                                make_fast_div(plane_vecs), s.N * plane_vecs, p.reduce.per_chunk, partial);
-  }
-  launch_reduce<V>(s, p, reduce, partial, stream);
-  finalize<<<ceil_div(s.C, kFinalizeWarps), kFinalizeBlock, 0, stream>>>(fin);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  launch_apply<V>(s, p, apply, stream);
-}
+int finalize_blocks(int C) { return ceil_div(C, kFinalizeWarps); }
 
 template <class TT, int V>
 void forward_typed(const BnShape& s, const BnPlan& p, const void* x_, const float* weight, const float* bias,
@@ -676,11 +536,12 @@ void forward_typed(const BnShape& s, const BnPlan& p, const void* x_, const floa
   const S* x = static_cast<const S*>(x_);
   const Workspace ws = split_workspace(workspace, s, p);
   const int pivot_stride = s.nhwc ? 1 : s.HW;
-  const StatsFinalize<TT> fin{ws.partial, p.reduce.chunks, s.C, static_cast<double>(s.N) * s.HW, x, pivot_stride,
-                              weight, eps, mean, invstd, var, ws.k[0]};
-  run_direction<V, StatsOp<TT>::kMinBlocks>(s, p, StatsOp<TT>{x, pivot_stride}, fin,
-                                            NormalizeOp<TT>{x, static_cast<S*>(y_), {mean, ws.k[0], bias}},
-                                            ws.partial, stream);
+  launch_reduce<V>(s, p, StatsOp<TT>{x, pivot_stride}, ws.partial, stream);
+  finalize_stats<TT><<<finalize_blocks(s.C), kFinalizeBlock, 0, stream>>>(
+      ws.partial, p.reduce.chunks, s.C, static_cast<double>(s.N) * s.HW, x, pivot_stride, weight, eps, mean, invstd,
+      var, ws.k[0]);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_apply<V>(s, p, NormalizeOp<TT>{x, static_cast<S*>(y_), {mean, ws.k[0], bias}}, stream);
 }
 
 template <class TT, int V>
@@ -691,11 +552,13 @@ void backward_typed(const BnShape& s, const BnPlan& p, const void* grad_y_, cons
   const S* grad_y = static_cast<const S*>(grad_y_);
   const S* x = static_cast<const S*>(x_);
   const Workspace ws = split_workspace(workspace, s, p);
-  const BackwardFinalize fin{ws.partial, p.reduce.chunks, s.C, static_cast<double>(s.N) * s.HW, weight, invstd,
-                             grad_weight, grad_bias, ws.k[0], ws.k[1], ws.k[2], ws.k[3]};
-  const InputGradOp<TT> apply{grad_y, x, static_cast<S*>(grad_x), {mean, ws.k[0], ws.k[1], ws.k[2], ws.k[3], bias}};
-  run_direction<V, GradSumsOp<TT>::kMinBlocks>(s, p, GradSumsOp<TT>{grad_y, x, mean, weight, bias, invstd}, fin,
-                                               apply, ws.partial, stream);
+  launch_reduce<V>(s, p, GradSumsOp<TT>{grad_y, x, mean, weight, bias, invstd}, ws.partial, stream);
+  finalize_backward<<<finalize_blocks(s.C), kFinalizeBlock, 0, stream>>>(
+      ws.partial, p.reduce.chunks, s.C, static_cast<double>(s.N) * s.HW, weight, invstd, grad_weight, grad_bias, ws.k[0],
+      ws.k[1], ws.k[2], ws.k[3]);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const InputGradOp<TT> op{grad_y, x, static_cast<S*>(grad_x), {mean, ws.k[0], ws.k[1], ws.k[2], ws.k[3], bias}};
+  launch_apply<V>(s, p, op, stream);
 }
 
 // The typed launchers as class templates, so that one dispatch serves both directions.
@@ -738,9 +601,8 @@ namespace {
 
 // Chunks of a pass: as many blocks as fill one wave (every SM holding `blocks_per_sm` of them), each with at least
 // `min_per_chunk` rows or units; a second, partial wave would leave most SMs idle at the end of the pass.
-// At most one wave (rounded down), so that the reduce pass's grid can also run as one cooperative kernel.
 Chunking make_chunking(long long work, int groups, int num_sms, int blocks_per_sm, int min_per_chunk) {
-  int chunks = num_sms * blocks_per_sm / groups;
+  int chunks = ceil_div(static_cast<long long>(num_sms) * blocks_per_sm, groups);
   const int max_chunks = ceil_div(work, min_per_chunk);
   if (chunks > max_chunks) chunks = max_chunks;
   if (chunks > 65535) chunks = 65535;
@@ -760,7 +622,6 @@ BnPlan make_plan(const BnShape& s, DType dt, uintptr_t address_bits, int num_sms
   while (vec > 1 && (extent % vec != 0 || address_bits % (static_cast<uintptr_t>(vec) * elem) != 0)) vec /= 2;
   BnPlan p{};
   p.vec = vec;
-  p.sms = num_sms;
   long long work;  // rows (NHWC) or units (NCHW) per channel group
   int per_round;   // rows or units a block covers per loop round
   if (s.nhwc) {

@@ -1,7 +1,6 @@
 // Fused BatchNorm + ReLU in training mode: host-side launch plans and launchers (batchnorm_relu.cu).
 //
-// Both directions are two-stage, fixed-order reductions, so the results are bitwise repeatable (each direction is
-// one cooperative kernel with grid barriers between the steps where its grid fits at once, else three kernels):
+// Both directions are two-stage, fixed-order reductions, so the results are bitwise repeatable:
 //   1. reduce:   every block sums its chunk of each channel into partial[chunk][2][C] (fp32);
 //   2. finalize: per channel, the chunks are summed in fp64 in a fixed order, deriving the per-channel
 //                constants (statistics, gradients of weight and bias, and the coefficients of step 3);
@@ -43,7 +42,6 @@ struct BnPlan {
   int lanes;      // NHWC: threads along the channel vectors (blockDim.x); NCHW: threads per block
   int rows;       // NHWC: rows (pixels) per block pass (blockDim.y); NCHW: 1
   int groups;     // gridDim.x: NHWC channel groups of lanes * vec channels; NCHW: channels
-  int sms;        // the GPU's multiprocessors: whether the cooperative kernel's grid fits at once
   Chunking reduce, apply;
 };
 
