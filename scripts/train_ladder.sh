@@ -2,7 +2,7 @@
 # The training ladder and the fused-norm comparison, each row one `python train.py` process on synthetic data
 # (batch 256, 224px, 150 steps of one epoch, img/s as train.py reports it: images over time after its warm-up).
 #
-#   bash scripts/train_ladder.sh [ROUNDS]     # ROUNDS (default 2) alternating rounds of the norm comparison
+#   [PYTHON=python3] bash scripts/train_ladder.sh [ROUNDS]   # ROUNDS (default 2) alternating rounds of the comparison
 #   bash scripts/train_ladder.sh | tee ladder.md && python scripts/plot_ladder.py ladder.md --out ladder.png
 #
 # Ladder: fp32 NCHW -> AMP fp16 -> channels_last -> custom depthwise -> custom BatchNorm+ReLU -> captured step,
@@ -13,13 +13,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${1:-2}
+PY=${PYTHON:-python}  # the interpreter to run train.py with
 COMMON="data=synthetic epochs=1 data.steps_per_epoch=150 evaluate=false save_checkpoints=false progress=false"
 
 run() {  # label, overrides...
   local label=$1
   shift
   local img_s
-  img_s=$(python train.py $COMMON "$@" 2>&1 | sed -n 's/.*train img\/s (total) *│ *\([0-9,.]*\).*/\1/p' | head -1)
+  # `|| true`: a run that fails prints `failed` in its row instead of ending the ladder (set -e, pipefail).
+  img_s=$("$PY" train.py $COMMON "$@" 2>&1 | sed -n 's/.*train img\/s (total) *│ *\([0-9,.]*\).*/\1/p' | head -1) || true
   printf '| %s | `%s` | %s |\n' "$label" "$*" "${img_s:-failed}"
 }
 
@@ -34,7 +36,7 @@ run "captured step" backend=custom norm=custom amp=true channels_last=true cuda_
 # The apex peer (NVIDIA apex's NHWC BatchNorm with fused ReLU) joins the rounds where apex is importable; otherwise
 # its row says so rather than disappearing.
 APEX=0
-python -c "from apex.contrib.groupbn import BatchNorm2d_NHWC" >/dev/null 2>&1 && APEX=1
+"$PY" -c "from apex.contrib.groupbn import BatchNorm2d_NHWC" >/dev/null 2>&1 && APEX=1
 for r in $(seq "$ROUNDS"); do
   run "round $r: custom + norm=custom" backend=custom norm=custom amp=true channels_last=true
   run "round $r: cudnn + norm=torch" backend=cudnn norm=torch amp=true channels_last=true
