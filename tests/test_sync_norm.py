@@ -174,8 +174,8 @@ def test_split_ops_against_float64(ops, shape, dtype, channels_last):
     assert y.dtype == gx.dtype == dtype and y.is_contiguous(memory_format=fmt) and gx.is_contiguous(memory_format=fmt)
     assert mean64.dtype == var64.dtype == sums.dtype == torch.float64 and sums.shape == (2, shape[1])
     x64 = x.double()
-    assert _rel_err(mean64, x64.mean((0, 2, 3))) < 1e-6
-    assert _rel_err(var64, x64.var((0, 2, 3), unbiased=False)) < 1e-6
+    assert _rel_err(mean64, x64.mean((0, 2, 3))) < 1e-5  # fp32 partial sums, as the fused forward's
+    assert _rel_err(var64, x64.var((0, 2, 3), unbiased=False)) < 1e-5
     ry, rgx, rgw, rgb = _reference(x, grad, weight, bias, y)
     assert _rel_err(y, ry) < _TOL[dtype] and _rel_err(gx, rgx) < _TOL[dtype]
     invstd = (var64 + _EPS).rsqrt().float().double()
