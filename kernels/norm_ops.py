@@ -11,6 +11,20 @@ kernels.KernelUnavailable where the kernels cannot run.
   bn_update_running_stats(running_mean!, running_var!, num_batches_tracked!, mean, var, momentum, count)
       nn.BatchNorm2d's running-statistics update in one kernel (momentum < 0: the cumulative average); public as
       `update_running_stats`.
+
+The same passes split where sync_bn combines the ranks' statistics and gradient sums (mobilenet/norm.py,
+SyncCustomBatchNormReLU); each public under the name in brackets, checked in Python first:
+  bn_local_stats(x) -> (mean, var)                                           [local_batch_stats]
+      this batch's mean and biased variance per channel, fp64 (the forward's reduce).
+  bn_relu_normalize(x, weight, bias, mean, invstd) -> y                      [batch_norm_relu_normalize]
+      y = relu((x - mean) * weight * invstd + bias) for given fp32 statistics: the forward's apply, bit for bit.
+  bn_relu_grad_sums(grad_y, x, weight, bias, mean, invstd) -> sums           [batch_norm_relu_grad_sums]
+      [2, C] fp64: sum(g) and sum(g * (x - mean)), g = grad_y masked by the ReLU recomputed from x.
+  bn_relu_input_grad(grad_y, x, weight, bias, mean, invstd, grad_means) -> grad_x   [batch_norm_relu_input_grad]
+      grad_x from grad_means [2, C] fp32 = those sums divided by the count, over every rank's batch.
+  bn_update_running_stats_unbiased(running_mean!, running_var!, num_batches_tracked!, mean, unbiased_var, momentum)
+      the running-statistics update for a variance already unbiased (the global count is on the device)
+                                                                             [update_running_stats_unbiased]
 """
 
 from __future__ import annotations
@@ -22,11 +36,17 @@ from . import kernel_layout, load
 
 load()
 
-__all__ = ["batch_norm_relu_train", "update_running_stats"]
+__all__ = ["batch_norm_relu_train", "update_running_stats", "local_batch_stats", "batch_norm_relu_normalize",
+           "batch_norm_relu_grad_sums", "batch_norm_relu_input_grad", "update_running_stats_unbiased"]
 
 _fwd = torch.ops.mobilenet_bn.bn_relu_fwd.default
 _bwd = torch.ops.mobilenet_bn.bn_relu_bwd.default
 _update = torch.ops.mobilenet_bn.bn_update_running_stats.default
+_local_stats = torch.ops.mobilenet_bn.bn_local_stats.default
+_normalize = torch.ops.mobilenet_bn.bn_relu_normalize.default
+_grad_sums = torch.ops.mobilenet_bn.bn_relu_grad_sums.default
+_input_grad = torch.ops.mobilenet_bn.bn_relu_input_grad.default
+_update_unbiased = torch.ops.mobilenet_bn.bn_update_running_stats_unbiased.default
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -51,6 +71,35 @@ def _bwd_fake(grad_y, x, weight, bias, mean, invstd):
 
 @torch.library.register_fake("mobilenet_bn::bn_update_running_stats")
 def _update_fake(running_mean, running_var, num_batches_tracked, mean, var, momentum, count):
+    return None
+
+
+def _like_x(x: Tensor) -> Tensor:
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=_layout(x))
+
+
+@torch.library.register_fake("mobilenet_bn::bn_local_stats")
+def _local_stats_fake(x):
+    return x.new_empty(x.shape[1], dtype=torch.float64), x.new_empty(x.shape[1], dtype=torch.float64)
+
+
+@torch.library.register_fake("mobilenet_bn::bn_relu_normalize")
+def _normalize_fake(x, weight, bias, mean, invstd):
+    return _like_x(x)
+
+
+@torch.library.register_fake("mobilenet_bn::bn_relu_grad_sums")
+def _grad_sums_fake(grad_y, x, weight, bias, mean, invstd):
+    return x.new_empty((2, x.shape[1]), dtype=torch.float64)
+
+
+@torch.library.register_fake("mobilenet_bn::bn_relu_input_grad")
+def _input_grad_fake(grad_y, x, weight, bias, mean, invstd, grad_means):
+    return _like_x(x)
+
+
+@torch.library.register_fake("mobilenet_bn::bn_update_running_stats_unbiased")
+def _update_unbiased_fake(running_mean, running_var, num_batches_tracked, mean, unbiased_var, momentum):
     return None
 
 
@@ -108,7 +157,7 @@ _register_autocast("bn_relu_fwd", _fwd_autocast_args)
 _register_autocast("bn_relu_bwd", _bwd_autocast_args)
 
 
-def _check_supported(x: Tensor, weight: Tensor, bias: Tensor) -> None:
+def _check_supported(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> None:
     """The op checks all of this again in C++; checking here first gives a Python ValueError before any C++ exception
     (a TORCH_CHECK thrown inside a custom op crashed the process on the H200 image, see docs/kernel_notes.md)."""
     if not isinstance(x, Tensor) or x.dim() != 4:
@@ -122,7 +171,13 @@ def _check_supported(x: Tensor, weight: Tensor, bias: Tensor) -> None:
         raise ValueError(f"batch_norm_relu: input {tuple(x.shape)} has no values per channel")
     if x.numel() >= 2**31:
         raise ValueError("batch_norm_relu: tensors of 2^31 or more elements are not supported")
-    for name, t in (("weight", weight), ("bias", bias)):
+    if weight is not None:
+        _check_channel_vectors(x, weight=weight, bias=bias)
+
+
+def _check_channel_vectors(x: Tensor, **vectors: Tensor) -> None:
+    c = x.shape[1]
+    for name, t in vectors.items():
         if not isinstance(t, Tensor) or tuple(t.shape) != (c,) or t.device != x.device:
             raise ValueError(f"batch_norm_relu: {name} must be a ({c},) tensor on {x.device}, got "
                              f"{tuple(getattr(t, 'shape', ()))} on {getattr(t, 'device', None)}")
@@ -146,3 +201,60 @@ def update_running_stats(running_mean: Tensor, running_var: Tensor, num_batches_
         raise ValueError(f"update_running_stats: the unbiased variance needs more than 1 value per channel, got {count}")
     _update(running_mean, running_var, num_batches_tracked, mean, var, -1.0 if momentum is None else float(momentum),
             int(count))
+
+
+# --- sync_bn's building blocks: the fused passes split at the statistics and at the gradient sums -----------------
+
+
+def _check_grad_y(grad_y: Tensor, x: Tensor) -> None:
+    if not isinstance(grad_y, Tensor) or grad_y.shape != x.shape or grad_y.device != x.device:
+        raise ValueError(f"batch_norm_relu backward: grad_y must have the input's shape {tuple(x.shape)} and device "
+                         f"{x.device}, got {tuple(getattr(grad_y, 'shape', ()))} on {getattr(grad_y, 'device', None)}")
+
+
+def local_batch_stats(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(mean, biased variance) of x per channel over this batch, fp64 [C] each: what a rank contributes to sync_bn's
+    combine (fp64, so that the combine adds no rounding of its own)."""
+    _check_supported(x, None, None)
+    return _local_stats(x)
+
+
+def batch_norm_relu_normalize(x: Tensor, weight: Tensor, bias: Tensor, mean: Tensor, invstd: Tensor) -> Tensor:
+    """y = relu((x - mean) * weight * invstd + bias) in x's dtype and memory format, for given statistics (cast to
+    fp32): the fused forward's arithmetic, bit for bit. Not differentiable by itself (see batch_norm_relu_input_grad)."""
+    _check_supported(x, weight, bias)
+    _check_channel_vectors(x, mean=mean, invstd=invstd)
+    return _normalize(x, _f32(weight), _f32(bias), _f32(mean), _f32(invstd))
+
+
+def batch_norm_relu_grad_sums(grad_y: Tensor, x: Tensor, weight: Tensor, bias: Tensor, mean: Tensor,
+                              invstd: Tensor) -> Tensor:
+    """[2, C] fp64: sum(g) and sum(g * (x - mean)) per channel over this batch, where g is grad_y where
+    y = relu(...) > 0 (the mask recomputed from x, as the fused backward does). grad_weight = sums[1] * invstd and
+    grad_bias = sums[0]."""
+    _check_supported(x, weight, bias)
+    _check_channel_vectors(x, mean=mean, invstd=invstd)
+    _check_grad_y(grad_y, x)
+    return _grad_sums(grad_y.to(x.dtype), x, _f32(weight), _f32(bias), _f32(mean), _f32(invstd))
+
+
+def batch_norm_relu_input_grad(grad_y: Tensor, x: Tensor, weight: Tensor, bias: Tensor, mean: Tensor, invstd: Tensor,
+                               grad_means: Tensor) -> Tensor:
+    """The input gradient of y = relu(batch_norm(x)) when the statistics are those of a larger batch (every rank's):
+    grad_means [2, C] holds mean(g) and mean(g * (x - mean)) over that batch (the summed grad sums over its count).
+    In x's dtype and memory format."""
+    _check_supported(x, weight, bias)
+    _check_channel_vectors(x, mean=mean, invstd=invstd)
+    _check_grad_y(grad_y, x)
+    if not isinstance(grad_means, Tensor) or tuple(grad_means.shape) != (2, x.shape[1]) or grad_means.device != x.device:
+        raise ValueError(f"batch_norm_relu backward: grad_means must be a (2, {x.shape[1]}) tensor on {x.device}, got "
+                         f"{tuple(getattr(grad_means, 'shape', ()))}")
+    return _input_grad(grad_y.to(x.dtype), x, _f32(weight), _f32(bias), _f32(mean), _f32(invstd), _f32(grad_means))
+
+
+def update_running_stats_unbiased(running_mean: Tensor, running_var: Tensor, num_batches_tracked: Tensor,
+                                  mean: Tensor, unbiased_var: Tensor, momentum: float | None) -> None:
+    """update_running_stats for a variance that is already unbiased (sync_bn: the global count is a device tensor,
+    and reading it back would stall every layer). mean and unbiased_var are cast to fp32."""
+    _update_unbiased(running_mean, running_var, num_batches_tracked, _f32(mean).contiguous(),
+                     _f32(unbiased_var).contiguous(), -1.0 if momentum is None else float(momentum))

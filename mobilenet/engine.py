@@ -28,7 +28,7 @@ from .errors import ConfigError, checking_user_input
 from .evaluation import evaluate
 from .meter import StepMeter, Throughput
 from .model import build_model
-from .norm import convert_sync_batchnorm, get_norm
+from .norm import convert_sync_batchnorm, get_norm, sync_bn_state
 from .optim import build_optimizer, build_scheduler, scheduled_lrs
 from .reporting import TensorBoardLog, environment, print_summary
 from .run_record import RunResult, TrainingRun, run_meta
@@ -220,8 +220,10 @@ class Trainer:
             self.train_loader, self.val_loader = build_loaders(cfg.data, spec)
         self.steps_per_epoch = _steps_per_epoch(cfg, self.train_loader)
         self.model = build_for_run(cfg, self.device, self.train_loader.num_classes, model)
+        self.sync_bn_state = "off"
         if cfg.sync_bn:
             self.model = convert_sync_batchnorm(self.model)  # keeps each fused norm_relu's ReLU
+            self.sync_bn_state = sync_bn_state(self.model, self.dist.world_size)
         self.backend_label = backend_label or cfg.backend.name
         # Figures measured outside fit() (e.g. inference img/s) to log as perf/<name> and hparam/<name>.
         self.forward = _forward_for_run(self.model, cfg, self.device, self.dist)
@@ -263,7 +265,8 @@ class Trainer:
     def run_record(self) -> TrainingRun:
         """This run's settings as resolved, for its summary, hparams and scalars."""
         return TrainingRun(self.cfg, self.device, self.env, self.dist, self.backend_label, self.cuda_graph_state,
-                           self.stream_state, self.queues_state, self.graphed is not None, self.stream)
+                           self.stream_state, self.queues_state, self.graphed is not None, self.stream,
+                           self.sync_bn_state)
 
     def _range(self, name: str):
         """A named profiler range when profiling, else nothing."""

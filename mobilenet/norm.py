@@ -8,6 +8,10 @@ Every module returned is an instance of an nn.BatchNorm2d subclass with nn.Batch
 state_dict keys, plus the class attribute `fused_relu = True` ("this module applies the ReLU itself"). That keeps
 checkpoints interchangeable across `norm` values and with the older [conv, BatchNorm2d, ReLU] layout (the ReLU had
 no state), and lets BatchNorm folding, param groups and SyncBatchNorm conversion find the layers by type.
+
+Under sync_bn=true, convert_sync_batchnorm turns norm=torch modules into SyncBatchNormReLU (nn.SyncBatchNorm) and
+norm=custom modules into SyncCustomBatchNormReLU (the fused kernels with the statistics and gradient sums of every
+rank); norm=apex is refused.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -24,7 +29,8 @@ from .registry import Registry
 
 __all__ = [
     "NormUnavailable", "NormImpl", "register_norm", "available_norms", "get_norm", "applies_relu",
-    "TorchBatchNormReLU", "CustomBatchNormReLU", "ApexBatchNormReLU", "SyncBatchNormReLU", "convert_sync_batchnorm",
+    "TorchBatchNormReLU", "CustomBatchNormReLU", "ApexBatchNormReLU", "SyncBatchNormReLU", "SyncCustomBatchNormReLU",
+    "combine_rank_statistics", "convert_sync_batchnorm", "sync_bn_state",
 ]
 
 APEX_INSTALL = (
@@ -142,6 +148,9 @@ class CustomBatchNormReLU(nn.BatchNorm2d):
                                        self.eps), inplace=True)
         if not x.is_cuda:
             raise NormUnavailable(f"norm=custom: the fused BatchNorm+ReLU op needs a CUDA tensor, got one on {x.device}")
+        return self._train_forward(x)
+
+    def _train_forward(self, x: Tensor) -> Tensor:
         _check_batch_size(x)
         from kernels.norm_ops import batch_norm_relu_train
 
@@ -270,31 +279,138 @@ class SyncBatchNormReLU(nn.SyncBatchNorm):
         return F.relu(super().forward(x), inplace=True)
 
 
+def combine_rank_statistics(slots: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The statistics of all ranks' batches together, from each rank's own: `slots` is [world, 3, C], row r holding
+    rank r's (count, mean, biased variance) per channel. Returns (count, mean, biased variance), [C] each, float64.
+
+    Chan et al.'s parallel combination (what torch.batch_norm_gather_stats_with_counts computes, here in fp64): the
+    ranks' within sums of squares plus each rank's count times its mean's squared distance to the global mean. No
+    difference of two large sums, so a large mean does not cancel the variance away; fixed-order sums, so every rank
+    gets the same bits."""
+    counts, means, variances = slots.double().unbind(1)
+    count = counts.sum(0)
+    mean = (counts * means).sum(0) / count
+    m2 = (counts * variances).sum(0) + (counts * (means - mean).square()).sum(0)
+    return count, mean, m2 / count
+
+
+def _all_reduce_slots(local: Tensor, group) -> Tensor:
+    """Every rank's `local` [k, C], stacked as [world, k, C] in rank order: each rank fills its own slot of zeros
+    and the sum over ranks is exact (one non-zero term per element), so NCCL and gloo give the same, in any order."""
+    slots = local.new_zeros((dist.get_world_size(group), *local.shape))
+    slots[dist.get_rank(group)] = local
+    dist.all_reduce(slots, group=group)
+    return slots
+
+
+def _float32_eps(eps: float) -> float:
+    # The fused forward takes eps as a float32 (as cuDNN's BatchNorm does); the same value here.
+    return torch.tensor(eps, dtype=torch.float32).item()
+
+
+class _SyncBatchNormReLUFunction(torch.autograd.Function):
+    """y = relu(batch_norm(x)) for statistics of every rank's batch; the backward all-reduces the gradient sums."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, mean, invstd, count, group):
+        from kernels.norm_ops import batch_norm_relu_normalize
+
+        ctx.save_for_backward(x, weight, bias, mean, invstd, count)
+        ctx.group = group
+        return batch_norm_relu_normalize(x, weight, bias, mean, invstd)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        from kernels.norm_ops import batch_norm_relu_grad_sums, batch_norm_relu_input_grad
+
+        x, weight, bias, mean, invstd, count = ctx.saved_tensors
+        sums = batch_norm_relu_grad_sums(grad_y, x, weight, bias, mean, invstd)  # this rank's, fp64
+        grad_x = None
+        if ctx.needs_input_grad[0]:  # the same on every rank (one model), so every rank joins the collective or none
+            total = _all_reduce_slots(sums, ctx.group).sum(0)
+            grad_x = batch_norm_relu_input_grad(grad_y, x, weight, bias, mean, invstd, (total / count).float())
+        # weight and bias: this rank's own sums, as nn.SyncBatchNorm's; DDP then averages them over the ranks.
+        grad_weight = (sums[1] * invstd.double()).float()
+        grad_bias = sums[0].float()
+        return grad_x, grad_weight, grad_bias, None, None, None, None
+
+
+class SyncCustomBatchNormReLU(CustomBatchNormReLU):
+    """What a norm=custom BatchNorm+ReLU becomes under sync_bn: the fused kernels with the batch statistics of every
+    rank's batch (nn.SyncBatchNorm's semantics, the ReLU still fused).
+
+    Forward: each rank's local mean and variance (one reduce pass), all-reduced and combined in fp64
+    (combine_rank_statistics), then y from the global statistics (one apply pass, the fused forward's arithmetic).
+    Backward: each rank's sums of g and g * (x - mean) (one reduce pass), all-reduced, then the input gradient from
+    the global ones (one apply pass); the weight and bias gradients are the rank's own, which DDP averages. The
+    running statistics take the global mean and unbiased variance; the global count stays on the device, so no layer
+    waits for the GPU. Without an initialised process group the batch is all there is, and it computes as
+    CustomBatchNormReLU (as it does in eval mode without running statistics, as nn.SyncBatchNorm)."""
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
+                 track_running_stats: bool = True, process_group=None, device=None, dtype=None):
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        self.process_group = process_group
+
+    def _train_forward(self, x: Tensor) -> Tensor:
+        # As nn.SyncBatchNorm: only training synchronises (in eval, ranks may see different numbers of batches).
+        if not (self.training and dist.is_available() and dist.is_initialized()):
+            return super()._train_forward(x)
+        if dist.get_world_size(self.process_group) == 1:
+            _check_batch_size(x)  # with more ranks, one value here is fine: nn.SyncBatchNorm's rule
+        from kernels.norm_ops import local_batch_stats, update_running_stats_unbiased
+
+        with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+            local_mean, local_var = local_batch_stats(x)
+            local = torch.stack([torch.full_like(local_mean, x.numel() // x.shape[1]), local_mean, local_var])
+            count, mean64, var64 = combine_rank_statistics(_all_reduce_slots(local, self.process_group))
+            mean, invstd = mean64.float(), (var64 + _float32_eps(self.eps)).sqrt().reciprocal().float()
+        y = _SyncBatchNormReLUFunction.apply(x, self.weight, self.bias, mean, invstd, count, self.process_group)
+        if self.training and self.track_running_stats:
+            with torch.no_grad():
+                update_running_stats_unbiased(self.running_mean, self.running_var, self.num_batches_tracked, mean,
+                                              var64 * count / (count - 1), self.momentum)
+        return y
+
+
+def _moved_to(converted: nn.BatchNorm2d, module: nn.BatchNorm2d) -> nn.BatchNorm2d:
+    """`converted` with `module`'s parameters, buffers and mode (torch's conversion keeps them too)."""
+    with torch.no_grad():
+        if module.affine:
+            converted.weight = module.weight
+            converted.bias = module.bias
+        converted.running_mean = module.running_mean
+        converted.running_var = module.running_var
+        converted.num_batches_tracked = module.num_batches_tracked
+    converted.train(module.training)
+    return converted
+
+
 def convert_sync_batchnorm(module: nn.Module, process_group=None) -> nn.Module:
-    """nn.SyncBatchNorm.convert_sync_batchnorm that keeps each fused ReLU.
+    """nn.SyncBatchNorm.convert_sync_batchnorm that keeps each fused ReLU, and the fused kernels of norm=custom.
 
     torch's conversion turns every BatchNorm into a plain nn.SyncBatchNorm, which would silently drop the ReLU of a
-    norm_relu module. The fused norms (custom, apex) do not all-reduce their statistics, so they are refused."""
-    if isinstance(module, (CustomBatchNormReLU, ApexBatchNormReLU)):
-        name = "custom" if isinstance(module, CustomBatchNormReLU) else "apex"
-        raise NormUnavailable(f"sync_bn=true with norm={name}: its kernels do not all-reduce the batch statistics "
-                              "across ranks yet; use norm=torch with sync_bn=true")
-    if applies_relu(module) and isinstance(module, nn.modules.batchnorm._BatchNorm):
-        converted = SyncBatchNormReLU(module.num_features, module.eps, module.momentum, module.affine,
-                                      module.track_running_stats, process_group)
-        with torch.no_grad():
-            if module.affine:
-                converted.weight = module.weight
-                converted.bias = module.bias
-            converted.running_mean = module.running_mean
-            converted.running_var = module.running_var
-            converted.num_batches_tracked = module.num_batches_tracked
-        converted.train(module.training)
-        for name, child in module.named_children():
-            converted.add_module(name, convert_sync_batchnorm(child, process_group))
-        return converted
-    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+    norm_relu module. norm=custom modules become SyncCustomBatchNormReLU, other norm_relu modules SyncBatchNormReLU;
+    norm=apex is refused (apex's NHWC kernels do not all-reduce their statistics)."""
+    if isinstance(module, ApexBatchNormReLU):
+        raise NormUnavailable("sync_bn=true with norm=apex: apex's BatchNorm2d_NHWC does not all-reduce the batch "
+                              "statistics across ranks; use norm=custom or norm=torch with sync_bn=true")
+    if isinstance(module, SyncCustomBatchNormReLU):
+        return module
+    is_bn = isinstance(module, nn.modules.batchnorm._BatchNorm)
+    if is_bn and not applies_relu(module):
         return nn.SyncBatchNorm.convert_sync_batchnorm(module, process_group)
+    converted = module
+    if is_bn:
+        cls = SyncCustomBatchNormReLU if isinstance(module, CustomBatchNormReLU) else SyncBatchNormReLU
+        converted = _moved_to(cls(module.num_features, module.eps, module.momentum, module.affine,
+                                  module.track_running_stats, process_group), module)
     for name, child in module.named_children():
-        module.add_module(name, convert_sync_batchnorm(child, process_group))
-    return module
+        converted.add_module(name, convert_sync_batchnorm(child, process_group))
+    return converted
+
+
+def sync_bn_state(model: nn.Module, world_size: int) -> str:
+    """What the summary says sync_bn ran: the BatchNorm classes in the converted model."""
+    classes = sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)})
+    return f"on ({', '.join(classes) or 'no BatchNorm'}; statistics over {world_size} ranks)"

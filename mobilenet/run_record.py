@@ -78,6 +78,7 @@ class TrainingRun:
     queues_state: str
     captured: bool  # whether the training step runs as a CUDA graph
     stream: torch.cuda.Stream | None
+    sync_bn_state: str = "off"  # "on (the converted BatchNorm classes; ...)" under sync_bn=true
 
     def scaling(self, tp: Throughput) -> tuple[float | None, float | None]:
         """(img/s per rank when data-parallel, efficiency against perf.single_gpu_img_s when given), else None."""
@@ -111,6 +112,7 @@ class TrainingRun:
         rows["CUDA work queues"] = self.queues_state
         if self.dist.enabled:
             rows["ranks"] = self.dist.world_size
+            rows["sync_bn"] = self.sync_bn_state
         if result.train is not None:
             rows.update(self._throughput_rows(result.train))
         if self.cfg.evaluate:

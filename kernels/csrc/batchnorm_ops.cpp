@@ -89,20 +89,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_fwd(const at:
   return {y, mean, invstd, var};
 }
 
+// The backward's inputs: grad_y like x, and the forward's fp32 per-channel vectors.
+void check_backward_inputs(const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight,
+                           const at::Tensor& bias, const at::Tensor& mean, const at::Tensor& invstd) {
+  check_input(x);
+  TORCH_CHECK(grad_y.sizes() == x.sizes(), "batch_norm_relu backward: grad_y ", grad_y.sizes(),
+              " must have the input's shape ", x.sizes());
+  TORCH_CHECK(grad_y.scalar_type() == x.scalar_type(), "batch_norm_relu backward: grad_y (", grad_y.scalar_type(),
+              ") must have the input's dtype ", x.scalar_type());
+  TORCH_CHECK(grad_y.device() == x.device(), "batch_norm_relu backward: grad_y must be on the input's device ",
+              x.device());
+  check_channel_vector(weight, x, "weight");
+  check_channel_vector(bias, x, "bias");
+  check_channel_vector(mean, x, "mean");
+  check_channel_vector(invstd, x, "invstd");
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_relu_bwd(const at::Tensor& grad_y_in, const at::Tensor& x_in,
                                                            const at::Tensor& weight, const at::Tensor& bias,
                                                            const at::Tensor& mean, const at::Tensor& invstd) {
-  check_input(x_in);
-  TORCH_CHECK(grad_y_in.sizes() == x_in.sizes(), "batch_norm_relu backward: grad_y ", grad_y_in.sizes(),
-              " must have the input's shape ", x_in.sizes());
-  TORCH_CHECK(grad_y_in.scalar_type() == x_in.scalar_type(), "batch_norm_relu backward: grad_y (",
-              grad_y_in.scalar_type(), ") must have the input's dtype ", x_in.scalar_type());
-  TORCH_CHECK(grad_y_in.device() == x_in.device(), "batch_norm_relu backward: grad_y must be on the input's device ",
-              x_in.device());
-  check_channel_vector(weight, x_in, "weight");
-  check_channel_vector(bias, x_in, "bias");
-  check_channel_vector(mean, x_in, "mean");
-  check_channel_vector(invstd, x_in, "invstd");
+  check_backward_inputs(grad_y_in, x_in, weight, bias, mean, invstd);
   c10::cuda::CUDAGuard guard(x_in.device());
   const c10::MemoryFormat fmt = layout_of(x_in);
   const at::Tensor x = in_layout(x_in, fmt), grad_y = in_layout(grad_y_in, fmt);
@@ -123,8 +129,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_relu_bwd(const at::Tensor& gra
 }
 
 
-void bn_update_running_stats(at::Tensor& running_mean, at::Tensor& running_var, at::Tensor& num_batches_tracked,
-                             const at::Tensor& mean, const at::Tensor& var, double momentum, int64_t count) {
+// running_mean, running_var and the batch's mean and var: contiguous fp32 (C,) vectors on one device.
+void check_running_stats(const at::Tensor& running_mean, const at::Tensor& running_var,
+                         const at::Tensor& num_batches_tracked, const at::Tensor& mean, const at::Tensor& var,
+                         double momentum) {
   TORCH_CHECK(mean.is_cuda() && mean.dim() == 1, "batch_norm_relu running statistics: mean must be a 1-D CUDA tensor");
   const std::pair<const at::Tensor*, const char*> vectors[] = {
       {&running_mean, "running_mean"}, {&running_var, "running_var"}, {&mean, "mean"}, {&var, "var"}};
@@ -137,15 +145,133 @@ void bn_update_running_stats(at::Tensor& running_mean, at::Tensor& running_var, 
   TORCH_CHECK(num_batches_tracked.numel() == 1 && num_batches_tracked.scalar_type() == at::kLong &&
                   num_batches_tracked.device() == mean.device(),
               "batch_norm_relu running statistics: num_batches_tracked must be one int64 on ", mean.device());
-  TORCH_CHECK(count > 1, "batch_norm_relu running statistics: the unbiased variance needs more than 1 value per "
-              "channel, got ", count);
   TORCH_CHECK(momentum <= 1, "batch_norm_relu running statistics: momentum must be in [0, 1] (or negative for a "
               "cumulative average), got ", momentum);
+}
+
+void bn_update_running_stats(at::Tensor& running_mean, at::Tensor& running_var, at::Tensor& num_batches_tracked,
+                             const at::Tensor& mean, const at::Tensor& var, double momentum, int64_t count) {
+  check_running_stats(running_mean, running_var, num_batches_tracked, mean, var, momentum);
+  TORCH_CHECK(count > 1, "batch_norm_relu running statistics: the unbiased variance needs more than 1 value per "
+              "channel, got ", count);
   c10::cuda::CUDAGuard guard(mean.device());
   launch_update_running_stats(static_cast<int>(mean.size(0)), mean.const_data_ptr<float>(), var.const_data_ptr<float>(),
                               count, momentum, running_mean.mutable_data_ptr<float>(),
                               running_var.mutable_data_ptr<float>(), num_batches_tracked.mutable_data_ptr<int64_t>(),
                               c10::cuda::getCurrentCUDAStream());
+}
+
+}  // namespace
+}  // namespace mbn
+
+// --- sync_bn: the fused passes split where the ranks combine their statistics and gradient sums ------------------
+
+namespace mbn {
+namespace {
+
+// What every sync op sets up: x (and grad_y) in x's layout, the shape, dtype and plan, and the workspace. `out`:
+// the op's output like x (allocated first, since its address takes part in the vector width).
+struct Prepared {
+  at::Tensor x, grad_y, out;
+  BnShape s;
+  DType dt;
+  BnPlan p;
+  at::Tensor workspace;
+  const void* grad_y_ptr() const { return grad_y.defined() ? grad_y.const_data_ptr() : nullptr; }
+};
+
+Prepared prepare(const at::Tensor& x_in, const at::Tensor* grad_y_in, bool with_out, BnPass pass) {
+  Prepared r;
+  const c10::MemoryFormat fmt = layout_of(x_in);
+  r.x = in_layout(x_in, fmt);
+  uintptr_t bits = address(r.x);
+  if (grad_y_in != nullptr) {
+    r.grad_y = in_layout(*grad_y_in, fmt);
+    bits |= address(r.grad_y);
+  }
+  if (with_out) {
+    r.out = at::empty(r.x.sizes(), r.x.options().memory_format(fmt));
+    bits |= address(r.out);
+  }
+  r.s = shape_of(r.x, fmt);
+  r.dt = to_dtype(r.x.scalar_type());
+  r.p = make_plan(r.s, r.dt, bits, num_sms(), pass);
+  r.workspace = at::empty({static_cast<int64_t>(sync_workspace_floats(r.s, r.p))}, r.x.options().dtype(at::kFloat));
+  return r;
+}
+
+// (mean, biased var) of x per channel, fp64.
+std::tuple<at::Tensor, at::Tensor> bn_local_stats(const at::Tensor& x_in) {
+  check_input(x_in);
+  c10::cuda::CUDAGuard guard(x_in.device());
+  Prepared r = prepare(x_in, nullptr, false, BnPass::kForward);
+  const auto f64 = r.x.options().dtype(at::kDouble);
+  at::Tensor mean = at::empty({r.s.C}, f64), var = at::empty({r.s.C}, f64);
+  launch_local_stats(r.s, r.p, r.dt, r.x.const_data_ptr(), mean.mutable_data_ptr<double>(),
+                     var.mutable_data_ptr<double>(), r.workspace.mutable_data_ptr<float>(),
+                     c10::cuda::getCurrentCUDAStream());
+  return {mean, var};
+}
+
+at::Tensor bn_relu_normalize(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& bias,
+                             const at::Tensor& mean, const at::Tensor& invstd) {
+  check_input(x_in);
+  check_channel_vector(weight, x_in, "weight");
+  check_channel_vector(bias, x_in, "bias");
+  check_channel_vector(mean, x_in, "mean");
+  check_channel_vector(invstd, x_in, "invstd");
+  c10::cuda::CUDAGuard guard(x_in.device());
+  Prepared r = prepare(x_in, nullptr, true, BnPass::kForward);
+  launch_normalize(r.s, r.p, r.dt, r.x.const_data_ptr(), weight.contiguous().const_data_ptr<float>(),
+                   bias.contiguous().const_data_ptr<float>(), mean.contiguous().const_data_ptr<float>(),
+                   invstd.contiguous().const_data_ptr<float>(), r.out.mutable_data_ptr(),
+                   r.workspace.mutable_data_ptr<float>(), c10::cuda::getCurrentCUDAStream());
+  return r.out;
+}
+
+// [2, C] fp64: sum(g) and sum(g * (x - mean)) per channel, g = grad_y where relu let it through.
+at::Tensor bn_relu_grad_sums(const at::Tensor& grad_y_in, const at::Tensor& x_in, const at::Tensor& weight,
+                             const at::Tensor& bias, const at::Tensor& mean, const at::Tensor& invstd) {
+  check_backward_inputs(grad_y_in, x_in, weight, bias, mean, invstd);
+  c10::cuda::CUDAGuard guard(x_in.device());
+  Prepared r = prepare(x_in, &grad_y_in, false, BnPass::kBackward);
+  at::Tensor sums = at::empty({2, r.s.C}, r.x.options().dtype(at::kDouble));
+  launch_grad_sums(r.s, r.p, r.dt, r.grad_y_ptr(), r.x.const_data_ptr(), weight.contiguous().const_data_ptr<float>(),
+                   bias.contiguous().const_data_ptr<float>(), mean.contiguous().const_data_ptr<float>(),
+                   invstd.contiguous().const_data_ptr<float>(), sums.mutable_data_ptr<double>(),
+                   r.workspace.mutable_data_ptr<float>(), c10::cuda::getCurrentCUDAStream());
+  return sums;
+}
+
+// grad_x from grad_means, the [2, C] fp32 means of g and g * (x - mean) over every rank's batch.
+at::Tensor bn_relu_input_grad(const at::Tensor& grad_y_in, const at::Tensor& x_in, const at::Tensor& weight,
+                              const at::Tensor& bias, const at::Tensor& mean, const at::Tensor& invstd,
+                              const at::Tensor& grad_means) {
+  check_backward_inputs(grad_y_in, x_in, weight, bias, mean, invstd);
+  TORCH_CHECK(grad_means.dim() == 2 && grad_means.size(0) == 2 && grad_means.size(1) == x_in.size(1) &&
+                  grad_means.scalar_type() == at::kFloat && grad_means.device() == x_in.device(),
+              "batch_norm_relu backward: grad_means must be a float32 (2, ", x_in.size(1), ") tensor on ",
+              x_in.device(), ", got ", grad_means.scalar_type(), " ", grad_means.sizes());
+  c10::cuda::CUDAGuard guard(x_in.device());
+  Prepared r = prepare(x_in, &grad_y_in, true, BnPass::kBackward);
+  launch_input_grad(r.s, r.p, r.dt, r.grad_y_ptr(), r.x.const_data_ptr(), weight.contiguous().const_data_ptr<float>(),
+                    bias.contiguous().const_data_ptr<float>(), mean.contiguous().const_data_ptr<float>(),
+                    invstd.contiguous().const_data_ptr<float>(), grad_means.contiguous().const_data_ptr<float>(),
+                    r.out.mutable_data_ptr(), r.workspace.mutable_data_ptr<float>(),
+                    c10::cuda::getCurrentCUDAStream());
+  return r.out;
+}
+
+void bn_update_running_stats_unbiased(at::Tensor& running_mean, at::Tensor& running_var,
+                                      at::Tensor& num_batches_tracked, const at::Tensor& mean,
+                                      const at::Tensor& unbiased_var, double momentum) {
+  check_running_stats(running_mean, running_var, num_batches_tracked, mean, unbiased_var, momentum);
+  c10::cuda::CUDAGuard guard(mean.device());
+  launch_update_running_stats_unbiased(static_cast<int>(mean.size(0)), mean.const_data_ptr<float>(),
+                                       unbiased_var.const_data_ptr<float>(), momentum,
+                                       running_mean.mutable_data_ptr<float>(), running_var.mutable_data_ptr<float>(),
+                                       num_batches_tracked.mutable_data_ptr<int64_t>(),
+                                       c10::cuda::getCurrentCUDAStream());
 }
 
 }  // namespace
@@ -169,4 +295,27 @@ TORCH_LIBRARY_IMPL(mobilenet_bn, CUDA, m) {
   m.impl("bn_relu_fwd", &mbn::bn_relu_fwd);
   m.impl("bn_relu_bwd", &mbn::bn_relu_bwd);
   m.impl("bn_update_running_stats", &mbn::bn_update_running_stats);
+}
+
+// The sync_bn building blocks (SyncCustomBatchNormReLU in mobilenet/norm.py): the fused forward split at its batch
+// statistics and the fused backward at its gradient sums, so that the ranks can combine them in between.
+// Statistics and sums are fp64 (inputs of the cross-rank combine); the per-channel inputs are fp32 as above.
+TORCH_LIBRARY_FRAGMENT(mobilenet_bn, m) {
+  m.def("bn_local_stats(Tensor x) -> (Tensor, Tensor)");
+  m.def("bn_relu_normalize(Tensor x, Tensor weight, Tensor bias, Tensor mean, Tensor invstd) -> Tensor");
+  m.def("bn_relu_grad_sums(Tensor grad_y, Tensor x, Tensor weight, Tensor bias, Tensor mean, Tensor invstd) -> Tensor");
+  m.def(
+      "bn_relu_input_grad(Tensor grad_y, Tensor x, Tensor weight, Tensor bias, Tensor mean, Tensor invstd, "
+      "Tensor grad_means) -> Tensor");
+  m.def(
+      "bn_update_running_stats_unbiased(Tensor(a!) running_mean, Tensor(b!) running_var, "
+      "Tensor(c!) num_batches_tracked, Tensor mean, Tensor unbiased_var, float momentum) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(mobilenet_bn, CUDA, m) {
+  m.impl("bn_local_stats", &mbn::bn_local_stats);
+  m.impl("bn_relu_normalize", &mbn::bn_relu_normalize);
+  m.impl("bn_relu_grad_sums", &mbn::bn_relu_grad_sums);
+  m.impl("bn_relu_input_grad", &mbn::bn_relu_input_grad);
+  m.impl("bn_update_running_stats_unbiased", &mbn::bn_update_running_stats_unbiased);
 }

@@ -677,4 +677,152 @@ void launch_update_running_stats(int C, const float* mean, const float* var, int
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// --- sync_bn: the same passes, split where the statistics or the gradient sums are combined across ranks ----------
+//
+// The reduce and apply passes and the backward's finalize are the ones above (the same instantiations); only the
+// small per-channel kernels below are new. The combine itself runs between these calls, in Python.
+
+namespace {
+
+// finalize_backward's six outputs, [C] each: grad_weight and grad_bias (unused here), c_g, c_x, c_0, scale.
+constexpr int kSyncInputGradConstants = 6;
+
+// This batch's mean and biased variance per channel, kept in fp64 for the combine across ranks (finalize_stats'
+// arithmetic: sums of x - pivot, so a large mean does not cancel the variance away).
+template <class TT>
+__global__ void __launch_bounds__(kFinalizeWarps * 32)
+    finalize_local_stats(const float* partial, int chunks, int C, double count, const typename TT::S* x,
+                         int pivot_stride, double* mean, double* var) {
+  const int c = finalize_channel();
+  if (c >= C) return;
+  const ChannelSums s = sum_chunks(partial, chunks, C, c);
+  if (threadIdx.x % 32 != 0) return;
+  const double shifted_mean = s.a / count;
+  var[c] = fmax(s.b / count - shifted_mean * shifted_mean, 0.0);
+  mean[c] = static_cast<double>(TT::to_acc(x[static_cast<size_t>(c) * pivot_stride])) + shifted_mean;
+}
+
+// The chunks' sums per channel in fp64, as [2][C].
+__global__ void __launch_bounds__(kFinalizeWarps * 32)
+    finalize_sums(const float* partial, int chunks, int C, double* sums) {
+  const int c = finalize_channel();
+  if (c >= C) return;
+  const ChannelSums s = sum_chunks(partial, chunks, C, c);
+  if (threadIdx.x % 32 != 0) return;
+  sums[c] = s.a;
+  sums[C + c] = s.b;
+}
+
+// The forward's scale, as finalize_stats derives it, so that y is the fused forward's arithmetic.
+__global__ void __launch_bounds__(256) channel_scale(int C, const float* weight, const float* invstd, float* scale) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c < C) scale[c] = bn_scale(weight[c], invstd[c]);
+}
+
+int pivot_stride_of(const BnShape& s) { return s.nhwc ? 1 : s.HW; }
+
+template <class TT, int V>
+void local_stats_typed(const BnShape& s, const BnPlan& p, const void* x_, double* mean, double* var, float* workspace,
+                       cudaStream_t stream) {
+  const auto* x = static_cast<const typename TT::S*>(x_);
+  launch_reduce<V>(s, p, StatsOp<TT>{x, pivot_stride_of(s)}, workspace, stream);
+  finalize_local_stats<TT><<<finalize_blocks(s.C), kFinalizeBlock, 0, stream>>>(
+      workspace, p.reduce.chunks, s.C, static_cast<double>(s.N) * s.HW, x, pivot_stride_of(s), mean, var);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <class TT, int V>
+void normalize_typed(const BnShape& s, const BnPlan& p, const void* x, const float* weight, const float* bias,
+                     const float* mean, const float* invstd, void* y, float* workspace, cudaStream_t stream) {
+  using S = typename TT::S;
+  channel_scale<<<ceil_div(s.C, 256), 256, 0, stream>>>(s.C, weight, invstd, workspace);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_apply<V>(s, p, NormalizeOp<TT>{static_cast<const S*>(x), static_cast<S*>(y), {mean, workspace, bias}},
+                  stream);
+}
+
+template <class TT, int V>
+void grad_sums_typed(const BnShape& s, const BnPlan& p, const void* grad_y, const void* x, const float* weight,
+                     const float* bias, const float* mean, const float* invstd, double* sums, float* workspace,
+                     cudaStream_t stream) {
+  using S = typename TT::S;
+  const GradSumsOp<TT> op{static_cast<const S*>(grad_y), static_cast<const S*>(x), mean, weight, bias, invstd};
+  launch_reduce<V>(s, p, op, workspace, stream);
+  finalize_sums<<<finalize_blocks(s.C), kFinalizeBlock, 0, stream>>>(workspace, p.reduce.chunks, s.C, sums);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// finalize_backward over a single "chunk" that holds the means of g and g * (x - mean) over the whole batch, with a
+// count of 1: its c_g, c_x and c_0 are then the global batch's coefficients. Its grad_weight and grad_bias (of those
+// means) go to the workspace unused: each rank's own are its local sums (SyncBatchNorm's convention under DDP).
+template <class TT, int V>
+void input_grad_typed(const BnShape& s, const BnPlan& p, const void* grad_y, const void* x, const float* weight,
+                      const float* bias, const float* mean, const float* invstd, const float* grad_means,
+                      void* grad_x, float* workspace, cudaStream_t stream) {
+  using S = typename TT::S;
+  float* k[kSyncInputGradConstants];
+  for (int j = 0; j < kSyncInputGradConstants; ++j) k[j] = workspace + static_cast<size_t>(j) * s.C;
+  finalize_backward<<<finalize_blocks(s.C), kFinalizeBlock, 0, stream>>>(grad_means, 1, s.C, 1.0, weight, invstd,
+                                                                           k[0], k[1], k[2], k[3], k[4], k[5]);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const InputGradOp<TT> op{static_cast<const S*>(grad_y), static_cast<const S*>(x), static_cast<S*>(grad_x),
+                           {mean, k[2], k[3], k[4], k[5], bias}};
+  launch_apply<V>(s, p, op, stream);
+}
+
+// A typed launcher as a class template, for dispatch().
+#define MBN_SYNC_LAUNCH(Name, fn)                      \
+  template <class TT, int V>                           \
+  struct Name {                                        \
+    template <class... A>                              \
+    static void run(A... a) { fn<TT, V>(a...); }       \
+  };
+MBN_SYNC_LAUNCH(LocalStatsLaunch, local_stats_typed)
+MBN_SYNC_LAUNCH(NormalizeLaunch, normalize_typed)
+MBN_SYNC_LAUNCH(GradSumsLaunch, grad_sums_typed)
+MBN_SYNC_LAUNCH(InputGradLaunch, input_grad_typed)
+#undef MBN_SYNC_LAUNCH
+
+}  // namespace
+
+size_t sync_workspace_floats(const BnShape& s, const BnPlan& p) {
+  const size_t reduce = static_cast<size_t>(p.reduce.chunks) * 2 * s.C;
+  const size_t constants = static_cast<size_t>(kSyncInputGradConstants) * s.C;
+  return reduce > constants ? reduce : constants;
+}
+
+void launch_local_stats(const BnShape& s, const BnPlan& p, DType dt, const void* x, double* mean, double* var,
+                        float* workspace, cudaStream_t stream) {
+  dispatch<LocalStatsLaunch>(dt, p.vec, s, p, x, mean, var, workspace, stream);
+}
+
+void launch_normalize(const BnShape& s, const BnPlan& p, DType dt, const void* x, const float* weight,
+                      const float* bias, const float* mean, const float* invstd, void* y, float* workspace,
+                      cudaStream_t stream) {
+  dispatch<NormalizeLaunch>(dt, p.vec, s, p, x, weight, bias, mean, invstd, y, workspace, stream);
+}
+
+void launch_grad_sums(const BnShape& s, const BnPlan& p, DType dt, const void* grad_y, const void* x,
+                      const float* weight, const float* bias, const float* mean, const float* invstd, double* sums,
+                      float* workspace, cudaStream_t stream) {
+  dispatch<GradSumsLaunch>(dt, p.vec, s, p, grad_y, x, weight, bias, mean, invstd, sums, workspace, stream);
+}
+
+void launch_input_grad(const BnShape& s, const BnPlan& p, DType dt, const void* grad_y, const void* x,
+                       const float* weight, const float* bias, const float* mean, const float* invstd,
+                       const float* grad_means, void* grad_x, float* workspace, cudaStream_t stream) {
+  dispatch<InputGradLaunch>(dt, p.vec, s, p, grad_y, x, weight, bias, mean, invstd, grad_means, grad_x, workspace,
+                            stream);
+}
+
+void launch_update_running_stats_unbiased(int C, const float* mean, const float* unbiased_var, double momentum,
+                                          float* running_mean, float* running_var, int64_t* num_batches_tracked,
+                                          cudaStream_t stream) {
+  // The variance arrives unbiased (the global count lives on the device), so the kernel's factor is 1.
+  update_running_stats<<<1, 256, 0, stream>>>(C, mean, unbiased_var, 1.f, static_cast<float>(momentum),
+                                               static_cast<float>(1.0 - momentum), running_mean, running_var,
+                                               num_batches_tracked);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace mbn

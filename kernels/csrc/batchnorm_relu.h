@@ -68,4 +68,35 @@ void launch_update_running_stats(int C, const float* mean, const float* var, int
                                  float* running_mean, float* running_var, int64_t* num_batches_tracked,
                                  cudaStream_t stream);
 
+// --- sync_bn (SyncBatchNorm with the fused ReLU): the passes above, split where the ranks combine their sums -----
+// Plans as above: kForward for the statistics and the normalize, kBackward for the gradient sums and input gradient.
+
+// fp32 elements of workspace each of the sync launchers below needs.
+size_t sync_workspace_floats(const BnShape& s, const BnPlan& p);
+
+// This batch's mean and biased variance per channel, in fp64 (the reduce of launch_forward).
+void launch_local_stats(const BnShape& s, const BnPlan& p, DType dt, const void* x, double* mean, double* var,
+                        float* workspace, cudaStream_t stream);
+
+// y = relu((x - mean) * weight * invstd + bias) for given statistics, in launch_forward's arithmetic.
+void launch_normalize(const BnShape& s, const BnPlan& p, DType dt, const void* x, const float* weight,
+                      const float* bias, const float* mean, const float* invstd, void* y, float* workspace,
+                      cudaStream_t stream);
+
+// sums[0][c] = sum(g), sums[1][c] = sum(g * (x - mean)) in fp64, g = grad_y where y > 0 (the mask from x, as in
+// launch_backward).
+void launch_grad_sums(const BnShape& s, const BnPlan& p, DType dt, const void* grad_y, const void* x,
+                      const float* weight, const float* bias, const float* mean, const float* invstd, double* sums,
+                      float* workspace, cudaStream_t stream);
+
+// grad_x from grad_means [2][C] = (mean(g), mean(g * (x - mean))) over the whole (all ranks') batch.
+void launch_input_grad(const BnShape& s, const BnPlan& p, DType dt, const void* grad_y, const void* x,
+                       const float* weight, const float* bias, const float* mean, const float* invstd,
+                       const float* grad_means, void* grad_x, float* workspace, cudaStream_t stream);
+
+// launch_update_running_stats with the variance already unbiased (over a count held on the device).
+void launch_update_running_stats_unbiased(int C, const float* mean, const float* unbiased_var, double momentum,
+                                          float* running_mean, float* running_var, int64_t* num_batches_tracked,
+                                          cudaStream_t stream);
+
 }  // namespace mbn
