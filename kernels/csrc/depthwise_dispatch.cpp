@@ -98,6 +98,7 @@ bool narrow_shape(const DepthwiseShape& g, ConvShape* s) {
 //   NHWC 5x5/7x7 s1/s2, whole 32-bit words of channels, FWD_COLUMN_K57 >= 1   column walk, partial sums (K = 5, 7)
 //   outside the tiled kernels' cases (see tiled_fits)                   generic
 //   NHWC 3x3 s1/s2, whole 32-bit words of channels, FWD_COLUMN >= 1     column walk
+//   NCHW 5x5/7x7 s1/s2, NCHW_COLUMN_K57 = 1                             walk down the columns, partial sums
 //   NCHW 3x3 s1 p1, 16-bit, rows of whole aligned 16-byte vectors       vector loads (the launcher checks)
 //   the rest of the tiled cases                                          tiled
 void launch_forward(const DepthwiseShape& g, DType dt, const void* x, const void* w, const void* bias, void* y,
@@ -109,6 +110,8 @@ void launch_forward(const DepthwiseShape& g, DType dt, const void* x, const void
   if (!tiled_fits(s, dt, x, y, nhwc_vec(dt))) return forward_generic(g, dt, x, w, bias, y, stream);
   if (knob(Knob::kFwdColumn, dt) >= 1 && column_fits(s, dt, x, y))
     return forward_nhwc_column(s, dt, x, w, bias, y, stream);
+  if (!s.channels_last && s.KH >= 5 && knob(Knob::kNchwColumnK57, dt) == 1)
+    return forward_nchw_column_k57(s, dt, x, w, bias, y, stream);
   if (forward_nchw_vec3x3(s, dt, x, w, bias, y, stream)) return;
   forward_tiled(s, dt, x, w, bias, y, stream);
 }

@@ -5,6 +5,7 @@
 //   column:     NHWC 3x3, stride 1/2, whole 32-bit words of channels (column walk; the kernel is in stencil_3x3.cuh)
 //   column k57: NHWC 5x5/7x7, stride 1/2, whole 32-bit words of channels (column walk; stencil_column_k57.cuh)
 //   generic:    everything else (one output element per thread)
+// The NCHW 5x5/7x7 walk down the columns has a file of its own, depthwise_forward_nchw_k57.cu.
 #include <c10/cuda/CUDAException.h>
 
 #include <type_traits>

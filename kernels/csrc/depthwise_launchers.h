@@ -17,6 +17,9 @@ void forward_nhwc_column(const ConvShape& s, DType dt, const void* x, const void
 // NHWC 5x5 or 7x7, stride 1 or 2, whole 32-bit words of channels: a lane walks one output row carrying partial sums.
 void forward_nhwc_column_k57(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                              cudaStream_t stream);
+// NCHW 5x5 or 7x7, stride 1 or 2, 16/32-bit: a lane walks down TW columns carrying partial sums.
+void forward_nchw_column_k57(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
+                             cudaStream_t stream);
 // NCHW 3x3, stride 1, padding 1, 16-bit: 16-byte vector loads along the rows, halo by shuffles.
 bool forward_nchw_vec3x3(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                          cudaStream_t stream);

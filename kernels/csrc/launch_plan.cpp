@@ -39,7 +39,7 @@ void reload_knobs() {
 int knob(Knob k, DType dt) {
   static const char* names[kKnobs] = {"GROUP_FASTEST", "IMAGES", "WGRAD_BLOCKS_PER_SM", "NCHW_ROWS", "WGRAD_COLUMN",
                                       "FWD_COLUMN",    "FWD_COLUMN_ROWS", "COLUMN_REVERSE", "FWD_COLUMN_DEEP",
-                                      "FWD_COLUMN_K57"};
+                                      "FWD_COLUMN_K57", "NCHW_COLUMN_K57"};
   static const char* suffix[] = {"F32", "F16", "BF16", "F64"};
   static int cache[kKnobs][4];
   const int ki = static_cast<int>(k), di = static_cast<int>(dt);
@@ -56,6 +56,7 @@ int knob(Knob k, DType dt) {
         {1, 1, 1, 1},     // COLUMN_REVERSE (column walks: images last to first, see stencil_3x3.cuh)
         {0, 0, 0, 0},     // FWD_COLUMN_DEEP (16-bit stride-1 column forward: more steps in flight, see depthwise_forward.cu)
         {0, 0, 0, 0},     // FWD_COLUMN_K57 (NHWC 5x5/7x7 column walk; 2: also the stride-1 input gradient; not yet measured)
+        {0, 0, 0, 0},     // NCHW_COLUMN_K57 (NCHW 5x5/7x7 forward down the columns; not yet measured)
     };
     const std::string base = std::string("MDW_") + names[ki];
     int v = env_int(base.c_str(), defaults[ki][di]);

@@ -125,6 +125,7 @@ enum class Knob {
   kColumnReverse,  // column-walking forward/input gradient: blocks walk the images last to first (1) or first to last (0)
   kFwdColumnDeep,  // 16-bit stride-1 column-walking forward: twice the steps in flight at 3 blocks per SM (1) or not (0)
   kFwdColumnK57,   // NHWC 5x5/7x7 column-walking forward (1), and the stride-1 input gradient too (2); 0: tiled
+  kNchwColumnK57,  // NCHW 5x5/7x7 forward walking down the columns (1) or tiled (0)
   kCount
 };
 int knob(Knob k, DType dt);

@@ -4,9 +4,10 @@
 // partial sums instead of input columns. The 3x3 kernel holds K x (K - S) input columns; at K = 7 that is 42 words
 // (84 fp32 registers for 16-bit data) next to the 49 x V fp32 weights, too many. Here step t loads the S new input
 // columns of the K rows and adds each into the (K - 1) / S + 1 outputs it reaches (t .. t + (K - 1) / S), so the
-// carried state is those outputs' fp32 sums (7 x V at stride 1, 4 x V at stride 2) and output t is complete after
-// step t. The FMAs per output are still K * K * V and the loads K * S words per step. depthwise_forward.cu
-// instantiates it with FLIP = false, depthwise_input_grad.cu with FLIP = true.
+// carried state is those outputs' fp32 sums (K x V at stride 1, (K + 1) / 2 x V at stride 2) and output t is
+// complete after step t. The FMAs per output are still K * K * V and the loads K * S words per step.
+// depthwise_forward.cu instantiates it with FLIP = false, depthwise_input_grad.cu with FLIP = true.
+// depthwise_forward_nchw_k57.cu holds the same walk for NCHW, down the columns.
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
