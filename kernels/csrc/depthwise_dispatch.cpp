@@ -1,6 +1,6 @@
 // Which kernel runs each depthwise case: one table per pass. The rows of a table are tried from the top and the
 // first that takes the case runs it; the launchers are declared in depthwise_launchers.h and defined in the pass's
-// file. Later rows are the more general kernels, so the order is the preference.
+// file (the 5x5/7x7 walks' in depthwise_k57.cu). Later rows are the more general kernels, so the order is the preference.
 #include <climits>
 #include <cstddef>
 

@@ -3,9 +3,8 @@
 //   tiled:      NHWC and NCHW, 3/5/7 square, stride 1/2, dilation 1, 16/32-bit (register tiles of a few columns)
 //   vec3x3:     NCHW 3x3, stride 1, padding 1, 16-bit (vector loads; the kernel is in stencil_3x3.cuh)
 //   column:     NHWC 3x3, stride 1/2, whole 32-bit words of channels (column walk; the kernel is in stencil_3x3.cuh)
-//   column k57: NHWC 5x5/7x7, stride 1/2, whole 32-bit words of channels (column walk; stencil_column_k57.cuh)
 //   generic:    everything else (one output element per thread)
-// The NCHW 5x5/7x7 walk down the columns has a file of its own, depthwise_forward_nchw_k57.cu.
+// The 5x5/7x7 walks (NHWC and NCHW, behind knobs that are off by default) are in depthwise_k57.cu.
 #include <c10/cuda/CUDAException.h>
 
 #include <type_traits>
@@ -13,7 +12,6 @@
 #include "depthwise_launchers.h"
 #include "device_common.h"
 #include "stencil_3x3.cuh"
-#include "stencil_column_k57.cuh"
 
 namespace mdw {
 namespace {
@@ -329,11 +327,6 @@ void forward_nhwc_column(const ConvShape& s, DType dt, const void* x, const void
     case DType::BF16: return column_forward<BF16T>(s, dt, x, w, bias, y, stream);
     default: return;  // the dispatch's column test excludes fp64
   }
-}
-
-void forward_nhwc_column_k57(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
-                             cudaStream_t stream) {
-  column_k57<false>(s, dt, x, w, bias, y, stream);
 }
 
 void forward_generic(const DepthwiseShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,

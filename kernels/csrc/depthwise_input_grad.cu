@@ -3,8 +3,8 @@
 //   tiled:      NHWC and NCHW, 3/5/7 square, stride 1/2, dilation 1, 16/32-bit (register tiles of a few columns)
 //   vec3x3:     NCHW 3x3, stride 1, padding 1, 16-bit: the forward's vector stencil, kernel rotated (stencil_3x3.cuh)
 //   column:     NHWC 3x3, stride 1: the forward's column walk, kernel rotated (stencil_3x3.cuh)
-//   column k57: NHWC 5x5/7x7, stride 1: the forward's 5x5/7x7 column walk, kernel rotated (stencil_column_k57.cuh)
 //   generic:    everything else (one input element per thread)
+// The NHWC 5x5/7x7 walk, kernel rotated (behind a knob that is off by default), is in depthwise_k57.cu.
 #include <c10/cuda/CUDAException.h>
 
 #include <type_traits>
@@ -12,7 +12,6 @@
 #include "depthwise_launchers.h"
 #include "device_common.h"
 #include "stencil_3x3.cuh"
-#include "stencil_column_k57.cuh"
 
 namespace mdw {
 namespace {
@@ -228,12 +227,6 @@ void input_grad_nhwc_column(const ConvShape& s, DType dt, const void* go, const 
     case DType::BF16: return launch_column<BF16T, 1, true, 1>(f, dt, go, w, nullptr, gx, stream);
     default: return;  // the dispatch's column test excludes fp64
   }
-}
-
-// As input_grad_nhwc_column, for 5x5 and 7x7.
-void input_grad_nhwc_column_k57(const ConvShape& s, DType dt, const void* go, const void* w, void* gx,
-                                cudaStream_t stream) {
-  column_k57<true>(input_grad_as_forward(s), dt, go, w, nullptr, gx, stream);
 }
 
 void input_grad_generic(const DepthwiseShape& s, DType dt, const void* go, const void* w, void* gx, cudaStream_t stream) {

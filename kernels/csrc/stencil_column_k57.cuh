@@ -6,8 +6,7 @@
 // columns of the K rows and adds each into the (K - 1) / S + 1 outputs it reaches (t .. t + (K - 1) / S), so the
 // carried state is those outputs' fp32 sums (K x V at stride 1, (K + 1) / 2 x V at stride 2) and output t is
 // complete after step t. The FMAs per output are still K * K * V and the loads K * S words per step.
-// depthwise_forward.cu instantiates it with FLIP = false, depthwise_input_grad.cu with FLIP = true.
-// depthwise_forward_nchw_k57.cu holds the same walk for NCHW, down the columns.
+// depthwise_k57.cu instantiates it with FLIP = false (forward) and FLIP = true (input gradient).
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
@@ -42,6 +41,38 @@ __device__ __forceinline__ void load_column_k_steps(const FwdColumnRow& row, int
       }
     }
   }
+}
+
+// One step's S new columns of the K input rows into the open outputs' sums: column d feeds sum[j] through kernel
+// column K - S + d - j * S.
+template <class TT, int K, int S, int V, int NO>
+__device__ __forceinline__ void add_column_k_step(const uint32_t (&raw)[K][S], const float (&wr)[K * K][V],
+                                                  float (&sum)[NO][V]) {
+#pragma unroll
+  for (int kh = 0; kh < K; ++kh)
+#pragma unroll
+    for (int d = 0; d < S; ++d) {
+      float fresh[V];
+      widen_word<TT, V>(raw[kh][d], fresh);
+#pragma unroll
+      for (int j = 0; j < NO; ++j) {
+        const int kw = K - S + d - j * S;
+        if (kw < 0 || kw >= K) continue;
+#pragma unroll
+        for (int v = 0; v < V; ++v) sum[j][v] = fmaf(wr[kh * K + kw][v], fresh[v], sum[j][v]);
+      }
+    }
+}
+
+// After the first open output is stored: the second is first now, and a new last one starts from the bias.
+template <int NO, int V>
+__device__ __forceinline__ void slide_sums(float (&sum)[NO][V], const float (&b)[V]) {
+#pragma unroll
+  for (int j = 0; j + 1 < NO; ++j)
+#pragma unroll
+    for (int v = 0; v < V; ++v) sum[j][v] = sum[j + 1][v];
+#pragma unroll
+  for (int v = 0; v < V; ++v) sum[NO - 1][v] = b[v];
 }
 
 // Lanes and blocks as fwd_nhwc_column_kernel with one output row per lane (lane = cv + lanes_c * row, bands of
@@ -112,32 +143,13 @@ __global__ void __launch_bounds__(THREADS, MINB)
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-#pragma unroll
-      for (int kh = 0; kh < K; ++kh)
-#pragma unroll
-        for (int d = 0; d < S; ++d) {
-          float fresh[V];
-          widen_word<TT, V>(raw[u][kh][d], fresh);
-#pragma unroll
-          for (int j = 0; j < NO; ++j) {
-            const int kw = K - S + d - j * S;
-            if (kw < 0 || kw >= K) continue;
-#pragma unroll
-            for (int v = 0; v < V; ++v) sum[j][v] = fmaf(wr[kh * K + kw][v], fresh[v], sum[j][v]);
-          }
-        }
+      add_column_k_step<TT, K, S>(raw[u], wr, sum);
       const int step = t0 + u;
       if (step >= 0 && step < s.OW) {
         if constexpr (!FLIP) activate(sum[0], s.act);
         store_global(yp + step * words, narrow_word<TT, V>(sum[0]));
       }
-      // Slide: output step + 1 is now first, and output step + NO starts from the bias.
-#pragma unroll
-      for (int j = 0; j + 1 < NO; ++j)
-#pragma unroll
-        for (int v = 0; v < V; ++v) sum[j][v] = sum[j + 1][v];
-#pragma unroll
-      for (int v = 0; v < V; ++v) sum[NO - 1][v] = b[v];
+      slide_sums(sum, b);
     }
   }
 }

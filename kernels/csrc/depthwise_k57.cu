@@ -1,11 +1,15 @@
-// Forward, NCHW 5x5/7x7 (NCHW_COLUMN_K57): the walk of stencil_column_k57.cuh turned by 90 degrees. In a file of its
-// own because adding its kernels to depthwise_forward.cu changed the machine code of two of that file's tiled kernels,
-// which are the measured ones.
+// The 5x5/7x7 walks, each behind a launch knob that is off until measured (launch_plan.h):
+//   NHWC forward and stride-1 input gradient (FWD_COLUMN_K57): stencil_column_k57.cuh's column walk
+//   NCHW forward (NCHW_COLUMN_K57): the same walk turned by 90 degrees, below
+// In a file of their own so that the pass files are compiled from unchanged source and keep the machine code that
+// was measured (builds here are not always bit-identical anyway: the same depthwise_input_grad.cu gave one tiled
+// kernel two register allocations in two builds).
 #include <c10/cuda/CUDAException.h>
 
 #include "depthwise_launchers.h"
 #include "device_common.h"
 #include "launch_plan.h"
+#include "stencil_column_k57.cuh"
 
 namespace mdw {
 namespace {
@@ -133,6 +137,17 @@ void nchw_column_k57(const ConvShape& s, DType dt, const void* x, const void* w,
 }
 
 }  // namespace
+
+void forward_nhwc_column_k57(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
+                             cudaStream_t stream) {
+  column_k57<false>(s, dt, x, w, bias, y, stream);
+}
+
+// The forward walk on input_grad_as_forward(s), whose input is grad_out; stride 1 only.
+void input_grad_nhwc_column_k57(const ConvShape& s, DType dt, const void* go, const void* w, void* gx,
+                                cudaStream_t stream) {
+  column_k57<true>(input_grad_as_forward(s), dt, go, w, nullptr, gx, stream);
+}
 
 void forward_nchw_column_k57(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                              cudaStream_t stream) {
