@@ -1,6 +1,7 @@
 // Which kernel runs each depthwise case: one table per pass. The rows of a table are tried from the top and the
 // first that takes the case runs it; the launchers are declared in depthwise_launchers.h and defined in the pass's
-// file (the 5x5/7x7 walks' in depthwise_k57.cu). Later rows are the more general kernels, so the order is the preference.
+// file (the 5x5/7x7 walks' in depthwise_k57.cu). Later rows are the more general kernels, so the order is the
+// preference.
 #include <climits>
 #include <cstddef>
 
@@ -42,8 +43,8 @@ bool input_grad_column_fits(const ConvShape& s, DType dt, const void* grad_out, 
 
 // The 5x5/7x7 column walk (stencil_column_k57.cuh): square 5x5 or 7x7, equal strides 1 or 2, dilation 1, whole
 // 32-bit words of channels and 4-byte pointers as column_fits; it needs no 16-byte vectors, so C need not be a
-// multiple of the tiled kernels' vector. Its word offsets within one image (rows -PH .. H + PH, columns
-// -PW - 2 .. 2 * OW + 10 - PW) must fit an int.
+// multiple of the tiled kernels' vector. Its word offsets within one image (rows -PH .. H + PH - 1, columns
+// -PW - 1 .. 2 * OW + 6 - PW) must fit an int.
 bool column_k57_fits(const ConvShape& s, DType dt, const void* in, const void* out) {
   return dt != DType::F64 && s.channels_last && s.KH == s.KW && (s.KH == 5 || s.KH == 7) && s.SH == s.SW &&
          (s.SH == 1 || s.SH == 2) && s.DH == 1 && s.DW == 1 && (s.C * elem_size(dt)) % 4 == 0 && aligned(in, 4) &&

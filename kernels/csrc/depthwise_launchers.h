@@ -1,7 +1,7 @@
 // One launcher per (pass, technique): defined in the pass's file (depthwise_forward.cu, depthwise_input_grad.cu,
-// depthwise_weight_grad.cu; the 5x5/7x7 walks' in depthwise_k57.cu), picked by the tables in depthwise_dispatch.cpp. A launcher runs the case it is given;
-// the dispatch has checked that the case is its own (the NCHW 3x3 vector launchers check the alignment themselves
-// and return false when it does not allow their vectors).
+// depthwise_weight_grad.cu; the 5x5/7x7 walks' in depthwise_k57.cu), picked by the tables in depthwise_dispatch.cpp.
+// A launcher runs the case it is given; the dispatch has checked that the case is its own (the NCHW 3x3 vector
+// launchers check the alignment themselves and return false when it does not allow their vectors).
 #pragma once
 
 #include <cuda_runtime_api.h>
