@@ -230,9 +230,9 @@ def test_large_kernel_passes_run_the_kernels_the_column_knobs_pick(dw):
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     walks = [n for n in names if "fwd_nhwc_column_k_kernel" in n]
-    # the template's FLIP argument tells the rotated walk (input gradient) from the forward one
-    forward = [n for n in walks if ", false," in n]
-    rotated = [n for n in walks if ", true," in n]
+    # the template's FLIP argument tells the rotated walk (input gradient) from the forward one (demangled or not)
+    rotated = [n for n in walks if ", true," in n or "Lb1E" in n]
+    forward = [n for n in walks if n not in rotated]
     nchw = [n for n in names if "fwd_nchw_column_k_kernel" in n]
     assert (len(forward) >= 6) if nhwc_setting >= 1 else not forward, names
     assert (len(rotated) >= 6) if nhwc_setting >= 2 else not rotated, names
