@@ -241,6 +241,30 @@ def test_large_kernel_passes_run_the_kernels_the_column_knobs_pick(dw):
 
 @pytest.mark.gpu
 @cuda
+def test_reload_knobs_makes_the_kernels_read_a_changed_environment(dw, monkeypatch):
+    # What bench_depthwise.py --ab relies on: knob() keeps what it read until reload_knobs.
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(2, 16, 20, 20, device="cuda").contiguous(memory_format=torch.channels_last)
+    w = torch.randn(16, 1, 7, 7, device="cuda")
+
+    def walks_with(value):
+        monkeypatch.setenv("MDW_FWD_COLUMN_K57", value)
+        torch.ops.mobilenet_dw.reload_knobs()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            dw(x, w, None, 1, 3, 1)
+            torch.cuda.synchronize()
+        return any("fwd_nhwc_column_k_kernel" in e.name for e in prof.events())
+
+    try:
+        assert walks_with("1") and not walks_with("0") and walks_with("1")
+    finally:
+        monkeypatch.undo()
+        torch.ops.mobilenet_dw.reload_knobs()
+
+
+@pytest.mark.gpu
+@cuda
 @pytest.mark.parametrize("knobs", ["MDW_FWD_COLUMN_K57=1", "MDW_FWD_COLUMN_K57=2 MDW_NCHW_COLUMN_K57=1"])
 def test_large_kernel_column_walks_keep_results(knobs):
     # FWD_COLUMN_K57 (off by default) routes NHWC 5x5/7x7 to the column walk (stencil_column_k57.cuh): the forward
