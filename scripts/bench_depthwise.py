@@ -25,6 +25,11 @@ still in L2. The time reported is (producer + pass) - producer, each a median of
   python scripts/bench_depthwise.py --suite convnext_t   # ConvNeXt-T's 7x7 layers -> depthwise_convnext_t_<gpu>
   python scripts/bench_depthwise.py --dtypes fp16 --layouts nhwc --backends cudnn,custom --batch 64
   python scripts/bench_depthwise.py --dtypes fp16 --layouts nhwc --backends cudnn,custom --modes fwd --l2 warm
+
+--ab MDW_<KNOB>=<value>[,...] A/B-tests launch knobs: custom is also timed with those settings, as the backend
+custom_ab, right after custom in every layer (the kernels re-read the knobs in between); both get the acceptance
+lines.
+  python scripts/bench_depthwise.py --suite large_k7 --backends cudnn,custom --ab MDW_FWD_COLUMN_K57=2
 """
 
 from __future__ import annotations
@@ -54,13 +59,30 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 LAYOUTS = {"nchw": torch.contiguous_format, "nhwc": torch.channels_last}
 MODE_TITLE = {"fwd": "forward", "fwdbwd": "forward+backward"}
 ROTATION_BYTES = 512 << 20  # input sets per case total at least this: > 8x the H200's 60 MB L2
+AB_BACKEND = "custom_ab"  # custom with --ab's knob settings
 
 
 def conv_fn(backend: str):
     return get_backend(backend).conv2d
 
 
-def bench_layer(backends, dtype, fmt, n, layer: Layer, modes, repeats, check, warm=False):
+def knob_switch(ab: dict[str, str]):
+    """use(backend), before a backend runs: AB_BACKEND gets --ab's MDW_* settings, every other backend the process's
+    own; the kernels read them again at their next launch (knob() keeps what it read until reload_knobs)."""
+    base = {k: os.environ.get(k) for k in ab}
+
+    def use(backend):
+        for k, v in (ab if backend == AB_BACKEND else base).items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        torch.ops.mobilenet_dw.reload_knobs()
+
+    return use
+
+
+def bench_layer(backends, dtype, fmt, n, layer: Layer, modes, repeats, check, warm=False, use_knobs=None):
     elem = torch.finfo(dtype).bits // 8
     c, (oh, ow) = layer.C, layer.out_hw
     set_bytes = n * (c * layer.H * layer.W + layer.out_channels * oh * ow) * elem
@@ -86,6 +108,8 @@ def bench_layer(backends, dtype, fmt, n, layer: Layer, modes, repeats, check, wa
     out = {}
     ref = None
     for name, fn in backends.items():
+        if use_knobs:
+            use_knobs(name)
         if check:
             with torch.no_grad():
                 y = fn(xs[0], w, None, stride, padding, dilation).double()
@@ -150,6 +174,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--cudnn-benchmark", action=argparse.BooleanOptionalAction, default=True,
                     help="let cuDNN autotune its algorithm per shape (torch.backends.cudnn.benchmark), as train.py and "
                          "infer.py do (default); --no-cudnn-benchmark: cuDNN's heuristic choice")
+    ap.add_argument("--ab", default="", metavar="MDW_KNOB=VALUE[,...]",
+                    help=f"also time custom with these launch-knob settings, as backend {AB_BACKEND}, after custom in "
+                         "every layer")
     ap.add_argument("--out", default=None, help="output stem (default docs/results/depthwise_<gpu> for mobilenet_v1, "
                                                  "else docs/results/depthwise_<suite>_<gpu>)")
     args = ap.parse_args(argv)
@@ -162,6 +189,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.error(f"--layers: comma-separated integers, got {args.layers!r}")
     if not all(0 <= i < len(suite.layers) for i in args.layer_ids):
         ap.error(f"--layers: suite {args.suite} has layers 0-{len(suite.layers) - 1}, got {args.layers}")
+    settings = [s for s in args.ab.split(",") if s]
+    if not all(s.startswith("MDW_") and "=" in s for s in settings):
+        ap.error(f"--ab: comma-separated MDW_<KNOB>=<value> settings, got {args.ab!r}")
+    args.ab = dict(s.split("=", 1) for s in settings)
+    if args.ab and "custom" not in args.backends.split(","):
+        ap.error("--ab compares against custom: name it in --backends")
     return args
 
 
@@ -176,8 +209,11 @@ def main(argv=None):
     layouts = [l for l in args.layouts.split(",") if l]
     modes = [m for m in args.modes.split(",") if m]
     backends = {b: conv_fn(b) for b in args.backends.split(",") if b}
+    if args.ab:
+        backends[AB_BACKEND] = backends["custom"]
     layers = SUITES[args.suite].layers
-    info = env_info(argv)
+    info = env_info(argv)  # before knob_switch changes the environment
+    use_knobs = knob_switch(args.ab) if args.ab else None
     bw = device_copy_bandwidth()
     print(f"{info['gpu']}  torch {info['torch']}  CUDA {info['cuda']}  cuDNN {info['cudnn']}  "
           f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
@@ -189,7 +225,7 @@ def main(argv=None):
             for li in args.layer_ids:
                 layer = layers[li]
                 res = bench_layer(backends, DTYPES[dname], LAYOUTS[lname], args.batch, layer, modes, args.repeats,
-                                  not args.no_check, warm=args.l2 == "warm")
+                                  not args.no_check, warm=args.l2 == "warm", use_knobs=use_knobs)
                 for mode in modes:
                     elem = torch.finfo(DTYPES[dname]).bits // 8
                     floor = floor_bytes(layer, args.batch, elem, mode) / bw * 1e3
@@ -210,7 +246,7 @@ def write_results(rows, backends, dtypes, layouts, modes, info, bw, args):
     stem = Path(args.out) if args.out else ROOT / "docs" / "results" / name
     stem.parent.mkdir(parents=True, exist_ok=True)
     names = list(backends)
-    others = [b for b in names if b != "custom"]
+    others = [b for b in names if b not in ("custom", AB_BACKEND)]
 
     def ratio_cols(times, floor):
         cust = times.get("custom", float("nan"))
@@ -222,6 +258,8 @@ def write_results(rows, backends, dtypes, layouts, modes, info, bw, args):
           f"- torch {info['torch']}, CUDA {info['cuda']}, cuDNN {info['cudnn']}, Python {info['python']}",
           f"- command: `{info['command']}`",
           f"- custom-kernel launch knobs from the environment: {info['knobs']}",
+          *([f"- `{AB_BACKEND}`: custom with " + " ".join(f"{k}={v}" for k, v in args.ab.items())
+             + ", timed right after custom in every layer"] if getattr(args, "ab", None) else []),
           "- cuDNN algorithms: " + ("autotuned per shape (`--cudnn-benchmark`)" if args.cudnn_benchmark
                                     else "cuDNN's heuristic choice (`torch.backends.cudnn.benchmark` off)"),
           f"- batch {args.batch}; suite `{args.suite}`: {suite.title}'s {suite.n_layers} depthwise layers "
@@ -276,6 +314,8 @@ def write_results(rows, backends, dtypes, layouts, modes, info, bw, args):
         head.append(f"| {dname} | {lname.upper()} | {MODE_TITLE[mode]} | " + " | ".join(fmt_ms(sums[b]) for b in names)
                     + f" | {fmt_ms(floor_sum)} | {cf:.2f} | {sp:.2f} |")
     head += acceptance_lines(summary, others)
+    if AB_BACKEND in names:
+        head += acceptance_lines(summary, others, AB_BACKEND)
     md = md[:intro_len] + head + [""] + md[intro_len:]
     stem.with_suffix(".md").write_text("\n".join(md) + "\n")
     with open(stem.with_suffix(".csv"), "w", newline="") as f:
@@ -289,18 +329,19 @@ def write_results(rows, backends, dtypes, layouts, modes, info, bw, args):
     print(f"wrote {stem.with_suffix('.md')} and .csv")
 
 
-def acceptance_lines(summary, others) -> list[str]:
-    """Per dtype x layout: the best of the other backends' sums over custom's, forward and forward+backward (the
-    issue's acceptance: >= 1.00 in every line)."""
-    if not summary or not others or "custom" not in summary[0][3]:
+def acceptance_lines(summary, others, custom="custom") -> list[str]:
+    """Per dtype x layout: the best of the other backends' sums over custom's (or the A/B variant's), forward and
+    forward+backward (the issue's acceptance: >= 1.00 in every line)."""
+    if not summary or not others or custom not in summary[0][3]:
         return []
-    out = ["", f"Custom against the best of {', '.join(others)}, sums over the suite's layers: best / custom (>= 1.00: "
-           "custom at least as fast)", ""]
+    out = ["", f"{custom} against the best of {', '.join(others)}, sums over the suite's layers: best / {custom} "
+           f"(>= 1.00: {custom} at least as fast)", ""]
     by_case = {}
-    for dname, lname, mode, sums, _, _, sp in summary:
+    for dname, lname, mode, sums, _, _, _ in summary:
         best = min(others, key=lambda b: sums[b] if sums[b] == sums[b] else float("inf"))
+        sp = sums[best] / sums[custom] if sums[custom] == sums[custom] else float("nan")
         by_case.setdefault((dname, lname), []).append(
-            f"{MODE_TITLE[mode]} {sp:.2f}x ({best} {fmt_ms(sums[best])} ms / custom {fmt_ms(sums['custom'])} ms)")
+            f"{MODE_TITLE[mode]} {sp:.2f}x ({best} {fmt_ms(sums[best])} ms / {custom} {fmt_ms(sums[custom])} ms)")
     out += [f"- {dname} {lname.upper()}: " + "; ".join(parts) for (dname, lname), parts in by_case.items()]
     return out
 

@@ -96,3 +96,41 @@ def test_suite_option_refuses_unknown_names_and_out_of_range_layers(capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--suite", "convnext_t", "--layers", "4"])
     assert "convnext_t has layers 0-3" in capsys.readouterr().err
+
+
+def test_ab_option_reads_knob_settings_and_refuses_other_text(capsys):
+    assert bench.parse_args([]).ab == {}
+    args = bench.parse_args(["--ab", "MDW_FWD_COLUMN_K57=2,MDW_COLUMN_REVERSE=0"])
+    assert args.ab == {"MDW_FWD_COLUMN_K57": "2", "MDW_COLUMN_REVERSE": "0"}
+    for bad in (["--ab", "FWD_COLUMN_K57=2"], ["--ab", "MDW_FWD_COLUMN_K57"], ["--ab", "MDW_X=1", "--backends", "cudnn"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+    assert "--ab compares against custom" in capsys.readouterr().err
+
+
+def test_knob_switch_gives_the_ab_backend_its_settings_and_the_others_the_process_environment(monkeypatch):
+    from types import SimpleNamespace
+
+    reloads = []
+    monkeypatch.setattr(bench, "torch", SimpleNamespace(ops=SimpleNamespace(
+        mobilenet_dw=SimpleNamespace(reload_knobs=lambda: reloads.append(1)))))
+    monkeypatch.setenv("MDW_COLUMN_REVERSE", "1")
+    monkeypatch.delenv("MDW_FWD_COLUMN_K57", raising=False)
+    use = bench.knob_switch({"MDW_FWD_COLUMN_K57": "2", "MDW_COLUMN_REVERSE": "0"})
+    use(bench.AB_BACKEND)
+    assert (bench.os.environ["MDW_FWD_COLUMN_K57"], bench.os.environ["MDW_COLUMN_REVERSE"]) == ("2", "0")
+    use("custom")
+    assert "MDW_FWD_COLUMN_K57" not in bench.os.environ and bench.os.environ["MDW_COLUMN_REVERSE"] == "1"
+    assert len(reloads) == 2
+
+
+def test_ab_backend_gets_its_own_acceptance_lines_and_is_not_an_other_backend(tmp_path):
+    args = bench.parse_args(["--dtypes", "fp16", "--layouts", "nhwc", "--backends", "cudnn,custom", "--layers", "0",
+                             "--modes", "fwd", "--ab", "MDW_FWD_COLUMN_K57=2", "--out", str(tmp_path / "dw")])
+    row = {**_row(0, "fwd", 0.2, 0.25), "custom_ab_ms": 0.1, "custom_ab_timing": "graph"}
+    bench.write_results([row], {"cudnn": None, "custom": None, "custom_ab": None}, ["fp16"], ["nhwc"], ["fwd"], INFO,
+                        4.0e12, args)
+    md = (tmp_path / "dw.md").read_text()
+    assert "- `custom_ab`: custom with MDW_FWD_COLUMN_K57=2" in md
+    assert "- fp16 NHWC: forward 0.80x (cudnn 0.200 ms / custom 0.250 ms)" in md  # cudnn, not custom_ab, is best
+    assert "- fp16 NHWC: forward 2.00x (cudnn 0.200 ms / custom_ab 0.100 ms)" in md

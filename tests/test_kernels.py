@@ -195,6 +195,92 @@ def test_launch_knobs_keep_results(knobs):
 
 @pytest.mark.gpu
 @cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_large_kernel_shapes(dw, dtype, layout):
+    # 5x5 and 7x7 at stride 1 and 2: H and W not multiples of any tile or unroll, W wide enough for the NHWC walk's
+    # unchecked steps, H for several NCHW segments, padding from 0 to past K - 1 (there the input gradient is not
+    # the rotated walk's), C a multiple of 8 and, where the 32-bit-word NHWC walk takes it, not (fp32: any C;
+    # 16-bit: even C).
+    gen = torch.Generator(device="cuda").manual_seed(random.randrange(1 << 30))
+    channels = [32, 6, 10] + ([3, 13] if dtype == torch.float32 else [])
+    sizes = [(2, 13, 11), (1, 9, 17), (2, 23, 30), (1, 8, 41)]
+    for i, (k, stride) in enumerate(itertools.product((5, 7), (1, 2))):
+        for j, (h, w) in enumerate(sizes):
+            c = channels[(i + j) % len(channels)]
+            for padding in (k // 2, 0, k - 1, k + 1):
+                _check_case(dw, dtype, layout, k, stride, 1, padding, (i + j) % 2 == 0, 1 + j % 2, c, h, w, gen)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.skipif(not {"MDW_FWD_COLUMN_K57", "MDW_NCHW_COLUMN_K57"} & set(os.environ),
+                    reason="run by test_large_kernel_column_walks_keep_results")
+def test_large_kernel_passes_run_the_kernels_the_column_knobs_pick(dw):
+    from torch.profiler import ProfilerActivity, profile
+
+    nhwc_setting = int(os.environ.get("MDW_FWD_COLUMN_K57", "0"))
+    nchw_setting = int(os.environ.get("MDW_NCHW_COLUMN_K57", "0"))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for dtype, k, layout in itertools.product(DTYPES, (5, 7), ("nchw", "nhwc")):
+            x = _make_input(2, 16, 20, 20, dtype, layout, None).requires_grad_()
+            w = torch.randn(16, 1, k, k, device="cuda", dtype=dtype, requires_grad=True)
+            y = dw(x, w, None, 1, k // 2, 1)
+            torch.autograd.grad(y, (x, w), torch.ones_like(y))
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    walks = [n for n in names if "fwd_nhwc_column_k_kernel" in n]
+    # the template's FLIP argument tells the rotated walk (input gradient) from the forward one (demangled or not)
+    rotated = [n for n in walks if ", true," in n or "Lb1E" in n]
+    forward = [n for n in walks if n not in rotated]
+    nchw = [n for n in names if "fwd_nchw_column_k_kernel" in n]
+    assert (len(forward) >= 6) if nhwc_setting >= 1 else not forward, names
+    assert (len(rotated) >= 6) if nhwc_setting >= 2 else not rotated, names
+    assert (len(nchw) >= 6) if nchw_setting == 1 else not nchw, names
+
+
+@pytest.mark.gpu
+@cuda
+def test_reload_knobs_makes_the_kernels_read_a_changed_environment(dw, monkeypatch):
+    # What bench_depthwise.py --ab relies on: knob() keeps what it read until reload_knobs.
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(2, 16, 20, 20, device="cuda").contiguous(memory_format=torch.channels_last)
+    w = torch.randn(16, 1, 7, 7, device="cuda")
+
+    def walks_with(value):
+        monkeypatch.setenv("MDW_FWD_COLUMN_K57", value)
+        torch.ops.mobilenet_dw.reload_knobs()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            dw(x, w, None, 1, 3, 1)
+            torch.cuda.synchronize()
+        return any("fwd_nhwc_column_k_kernel" in e.name for e in prof.events())
+
+    try:
+        assert walks_with("1") and not walks_with("0") and walks_with("1")
+    finally:
+        monkeypatch.undo()
+        torch.ops.mobilenet_dw.reload_knobs()
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("knobs", ["MDW_FWD_COLUMN_K57=1", "MDW_FWD_COLUMN_K57=2 MDW_NCHW_COLUMN_K57=1"])
+def test_large_kernel_column_walks_keep_results(knobs):
+    # FWD_COLUMN_K57 (off by default) routes NHWC 5x5/7x7 to the column walk (stencil_column_k57.cuh): the forward
+    # at 1, the stride-1 input gradient too at 2; NCHW_COLUMN_K57 = 1 the NCHW forward to its walk down the columns.
+    # Knobs are read once per process, hence the subprocess.
+    env = dict(os.environ, **dict(kv.split("=") for kv in knobs.split()))
+    tests = ["test_large_kernel_shapes", "test_large_kernel_passes_run_the_kernels_the_column_knobs_pick",
+             "test_coverage_grid_against_float64"]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"]
+                          + [f"{__file__}::{t}" for t in tests], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{knobs}:\n{proc.stdout[-3000:]}{proc.stderr[-2000:]}"
+    assert "8 passed" in proc.stdout, proc.stdout[-1000:]
+
+
+@pytest.mark.gpu
+@cuda
 def test_gradcheck_fp64(dw):
     for layout, stride, dilation, k in [("nchw", 1, 1, 3), ("nhwc", 2, 1, 3), ("nchw", 2, 2, 5), ("nhwc", 1, 2, 1)]:
         x = _make_input(2, 3, 9, 8, torch.float64, layout, None).requires_grad_()  # >= the dilated 5x5 kernel

@@ -1,6 +1,7 @@
 // Which kernel runs each depthwise case: one table per pass. The rows of a table are tried from the top and the
 // first that takes the case runs it; the launchers are declared in depthwise_launchers.h and defined in the pass's
-// file. Later rows are the more general kernels, so the order is the preference.
+// file (the 5x5/7x7 walks' in depthwise_k57.cu). Later rows are the more general kernels, so the order is the
+// preference.
 #include <climits>
 #include <cstddef>
 
@@ -40,6 +41,26 @@ bool input_grad_column_fits(const ConvShape& s, DType dt, const void* grad_out, 
          column_fits(s, dt, grad_out, grad_input) && column_fits(input_grad_as_forward(s), dt, grad_out, grad_input);
 }
 
+// The 5x5/7x7 column walk (stencil_column_k57.cuh): square 5x5 or 7x7, equal strides 1 or 2, dilation 1, whole
+// 32-bit words of channels and 4-byte pointers as column_fits; it needs no 16-byte vectors, so C need not be a
+// multiple of the tiled kernels' vector. Its word offsets within one image (rows -PH .. H + PH - 1, columns
+// -PW - 1 .. 2 * OW + 6 - PW) must fit an int.
+bool column_k57_fits(const ConvShape& s, DType dt, const void* in, const void* out) {
+  return dt != DType::F64 && s.channels_last && s.KH == s.KW && (s.KH == 5 || s.KH == 7) && s.SH == s.SW &&
+         (s.SH == 1 || s.SH == 2) && s.DH == 1 && s.DW == 1 && (s.C * elem_size(dt)) % 4 == 0 && aligned(in, 4) &&
+         aligned(out, 4) &&
+         static_cast<long long>(s.H + (s.PH > 0 ? s.PH : 0) + 2) * (s.W + 2 * s.OW + s.PW + 16) *
+                 (s.C * elem_size(dt) / 4) <=
+             INT_MAX;
+}
+
+// The stride-1 5x5/7x7 input gradient as the forward walk on input_grad_as_forward(s) (padding K - 1 - P >= 0).
+bool input_grad_column_k57_fits(const ConvShape& s, DType dt, const void* grad_out, const void* grad_input) {
+  return s.SH == 1 && s.SW == 1 && s.PH <= s.KH - 1 && s.PW <= s.KW - 1 &&
+         column_k57_fits(s, dt, grad_out, grad_input) &&
+         column_k57_fits(input_grad_as_forward(s), dt, grad_out, grad_input);
+}
+
 enum class WgradTechnique { kColumn, kTiled, kGeneric };
 
 // Weight gradient: the technique both the workspace size and the launch follow.
@@ -74,28 +95,41 @@ bool narrow_shape(const DepthwiseShape& g, ConvShape* s) {
 }  // namespace
 
 // Forward (depthwise_forward.cu):
-//   outside narrow_shape's domain, or the tiled kernels' cases (see tiled_fits)   generic
+//   outside narrow_shape's domain                                       generic
+//   NHWC 5x5/7x7 s1/s2, whole 32-bit words of channels, FWD_COLUMN_K57 >= 1   column walk, partial sums (K = 5, 7)
+//   outside the tiled kernels' cases (see tiled_fits)                   generic
 //   NHWC 3x3 s1/s2, whole 32-bit words of channels, FWD_COLUMN >= 1     column walk
+//   NCHW 5x5/7x7 s1/s2, NCHW_COLUMN_K57 = 1                             walk down the columns, partial sums
 //   NCHW 3x3 s1 p1, 16-bit, rows of whole aligned 16-byte vectors       vector loads (the launcher checks)
 //   the rest of the tiled cases                                          tiled
 void launch_forward(const DepthwiseShape& g, DType dt, const void* x, const void* w, const void* bias, void* y,
                     cudaStream_t stream) {
   ConvShape s;
-  if (!narrow_shape(g, &s) || !tiled_fits(s, dt, x, y, nhwc_vec(dt))) return forward_generic(g, dt, x, w, bias, y, stream);
+  if (!narrow_shape(g, &s)) return forward_generic(g, dt, x, w, bias, y, stream);
+  if (knob(Knob::kFwdColumnK57, dt) >= 1 && column_k57_fits(s, dt, x, y))
+    return forward_nhwc_column_k57(s, dt, x, w, bias, y, stream);
+  if (!tiled_fits(s, dt, x, y, nhwc_vec(dt))) return forward_generic(g, dt, x, w, bias, y, stream);
   if (knob(Knob::kFwdColumn, dt) >= 1 && column_fits(s, dt, x, y))
     return forward_nhwc_column(s, dt, x, w, bias, y, stream);
+  if (!s.channels_last && s.KH >= 5 && knob(Knob::kNchwColumnK57, dt) == 1)
+    return forward_nchw_column_k57(s, dt, x, w, bias, y, stream);
   if (forward_nchw_vec3x3(s, dt, x, w, bias, y, stream)) return;
   forward_tiled(s, dt, x, w, bias, y, stream);
 }
 
 // Input gradient (depthwise_input_grad.cu):
-//   outside narrow_shape's domain, or the tiled kernels' cases (see tiled_fits)   generic
+//   outside narrow_shape's domain                                       generic
+//   NHWC 5x5/7x7 s1, whole 32-bit words of channels, FWD_COLUMN_K57 >= 2   column walk, partial sums, kernel rotated
+//   outside the tiled kernels' cases (see tiled_fits)                   generic
 //   NHWC 3x3 s1, whole 32-bit words of channels, FWD_COLUMN >= 2        column walk, kernel rotated
 //   NCHW 3x3 s1 p1, 16-bit, rows of whole aligned 16-byte vectors       vector loads, kernel rotated (the launcher checks)
 //   the rest of the tiled cases                                          tiled
 void launch_dgrad(const DepthwiseShape& g, DType dt, const void* go, const void* w, void* gx, cudaStream_t stream) {
   ConvShape s;
-  if (!narrow_shape(g, &s) || !tiled_fits(s, dt, go, gx, nhwc_vec(dt))) return input_grad_generic(g, dt, go, w, gx, stream);
+  if (!narrow_shape(g, &s)) return input_grad_generic(g, dt, go, w, gx, stream);
+  if (knob(Knob::kFwdColumnK57, dt) >= 2 && input_grad_column_k57_fits(s, dt, go, gx))
+    return input_grad_nhwc_column_k57(s, dt, go, w, gx, stream);
+  if (!tiled_fits(s, dt, go, gx, nhwc_vec(dt))) return input_grad_generic(g, dt, go, w, gx, stream);
   if (knob(Knob::kFwdColumn, dt) >= 2 && input_grad_column_fits(s, dt, go, gx))
     return input_grad_nhwc_column(s, dt, go, w, gx, stream);
   if (input_grad_nchw_vec3x3(s, dt, go, w, gx, stream)) return;

@@ -4,6 +4,7 @@
 //   vec3x3:     NCHW 3x3, stride 1, padding 1, 16-bit (vector loads; the kernel is in stencil_3x3.cuh)
 //   column:     NHWC 3x3, stride 1/2, whole 32-bit words of channels (column walk; the kernel is in stencil_3x3.cuh)
 //   generic:    everything else (one output element per thread)
+// The 5x5/7x7 walks (NHWC and NCHW, behind knobs that are off by default) are in depthwise_k57.cu.
 #include <c10/cuda/CUDAException.h>
 
 #include <type_traits>

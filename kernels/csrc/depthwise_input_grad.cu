@@ -4,6 +4,7 @@
 //   vec3x3:     NCHW 3x3, stride 1, padding 1, 16-bit: the forward's vector stencil, kernel rotated (stencil_3x3.cuh)
 //   column:     NHWC 3x3, stride 1: the forward's column walk, kernel rotated (stencil_3x3.cuh)
 //   generic:    everything else (one input element per thread)
+// The NHWC 5x5/7x7 walk, kernel rotated (behind a knob that is off by default), is in depthwise_k57.cu.
 #include <c10/cuda/CUDAException.h>
 
 #include <type_traits>

@@ -1,7 +1,7 @@
 // One launcher per (pass, technique): defined in the pass's file (depthwise_forward.cu, depthwise_input_grad.cu,
-// depthwise_weight_grad.cu), picked by the tables in depthwise_dispatch.cpp. A launcher runs the case it is given;
-// the dispatch has checked that the case is its own (the NCHW 3x3 vector launchers check the alignment themselves
-// and return false when it does not allow their vectors).
+// depthwise_weight_grad.cu; the 5x5/7x7 walks' in depthwise_k57.cu), picked by the tables in depthwise_dispatch.cpp.
+// A launcher runs the case it is given; the dispatch has checked that the case is its own (the NCHW 3x3 vector
+// launchers check the alignment themselves and return false when it does not allow their vectors).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -14,6 +14,12 @@ namespace mdw {
 // NHWC 3x3, stride 1 or 2, whole 32-bit words of channels: a lane walks one output row (column walk).
 void forward_nhwc_column(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                          cudaStream_t stream);
+// NHWC 5x5 or 7x7, stride 1 or 2, whole 32-bit words of channels: a lane walks one output row carrying partial sums.
+void forward_nhwc_column_k57(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
+                             cudaStream_t stream);
+// NCHW 5x5 or 7x7, stride 1 or 2, 16/32-bit: a lane walks down TW columns carrying partial sums.
+void forward_nchw_column_k57(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
+                             cudaStream_t stream);
 // NCHW 3x3, stride 1, padding 1, 16-bit: 16-byte vector loads along the rows, halo by shuffles.
 bool forward_nchw_vec3x3(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                          cudaStream_t stream);
@@ -29,6 +35,9 @@ void forward_generic(const DepthwiseShape& s, DType dt, const void* x, const voi
 // NHWC 3x3, stride 1: the forward column walk with the kernel rotated, on input_grad_as_forward(s).
 void input_grad_nhwc_column(const ConvShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,
                             cudaStream_t stream);
+// NHWC 5x5 or 7x7, stride 1: the forward 5x5/7x7 column walk with the kernel rotated, on input_grad_as_forward(s).
+void input_grad_nhwc_column_k57(const ConvShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,
+                                cudaStream_t stream);
 // NCHW 3x3, stride 1, padding 1, 16-bit: the forward's vector stencil with the kernel rotated.
 bool input_grad_nchw_vec3x3(const ConvShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,
                             cudaStream_t stream);

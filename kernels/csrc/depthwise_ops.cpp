@@ -12,6 +12,7 @@
 #include <tuple>
 
 #include "depthwise.h"
+#include "launch_plan.h"
 #include "op_layout.h"
 
 namespace mdw {
@@ -164,6 +165,8 @@ TORCH_LIBRARY(mobilenet_dw, m) {
   m.def(
       "depthwise_bwd(Tensor grad_out, Tensor x, Tensor w, int[2] stride, int[2] padding, int[2] dilation, "
       "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+  // The launch knobs (MDW_* environment, launch_plan.h) are read once and kept; this re-reads them.
+  m.def("reload_knobs() -> ()", &mdw::reload_knobs);
 }
 
 TORCH_LIBRARY_IMPL(mobilenet_dw, CUDA, m) {

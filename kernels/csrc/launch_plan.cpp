@@ -26,15 +26,24 @@ static int env_int(const char* name, int fallback) {
   return v && *v ? std::atoi(v) : fallback;
 }
 
+namespace {
+constexpr int kKnobs = static_cast<int>(Knob::kCount);
+bool knob_ready[kKnobs][4];  // read from the environment since the last reload_knobs()
+}  // namespace
+
+void reload_knobs() {
+  for (auto& per_dtype : knob_ready)
+    for (bool& ready : per_dtype) ready = false;
+}
+
 int knob(Knob k, DType dt) {
-  constexpr int kKnobs = static_cast<int>(Knob::kCount);
   static const char* names[kKnobs] = {"GROUP_FASTEST", "IMAGES", "WGRAD_BLOCKS_PER_SM", "NCHW_ROWS", "WGRAD_COLUMN",
-                                      "FWD_COLUMN",    "FWD_COLUMN_ROWS", "COLUMN_REVERSE", "FWD_COLUMN_DEEP"};
+                                      "FWD_COLUMN",    "FWD_COLUMN_ROWS", "COLUMN_REVERSE", "FWD_COLUMN_DEEP",
+                                      "FWD_COLUMN_K57", "NCHW_COLUMN_K57"};
   static const char* suffix[] = {"F32", "F16", "BF16", "F64"};
   static int cache[kKnobs][4];
-  static bool ready[kKnobs][4];
   const int ki = static_cast<int>(k), di = static_cast<int>(dt);
-  if (!ready[ki][di]) {
+  if (!knob_ready[ki][di]) {
     // Defaults picked by the H200 sweeps of docs/kernel_notes.md, per dtype {F32, F16, BF16, F64}.
     static const int defaults[kKnobs][4] = {
         {1, 1, 1, 1},     // GROUP_FASTEST
@@ -46,12 +55,14 @@ int knob(Knob k, DType dt) {
         {2, 0, 0, 1},     // FWD_COLUMN_ROWS (column-walking forward: output rows per lane; 0: auto, see depthwise_forward.cu)
         {1, 1, 1, 1},     // COLUMN_REVERSE (column walks: images last to first, see stencil_3x3.cuh)
         {0, 0, 0, 0},     // FWD_COLUMN_DEEP (16-bit stride-1 column forward: more steps in flight, see depthwise_forward.cu)
+        {0, 0, 0, 0},     // FWD_COLUMN_K57 (NHWC 5x5/7x7 column walk; 2: also the stride-1 input gradient; not yet measured)
+        {0, 0, 0, 0},     // NCHW_COLUMN_K57 (NCHW 5x5/7x7 forward down the columns; not yet measured)
     };
     const std::string base = std::string("MDW_") + names[ki];
     int v = env_int(base.c_str(), defaults[ki][di]);
     v = env_int((base + "_" + suffix[di]).c_str(), v);
     cache[ki][di] = v;
-    ready[ki][di] = true;
+    knob_ready[ki][di] = true;
   }
   return cache[ki][di];
 }

@@ -124,9 +124,13 @@ enum class Knob {
   kFwdColumnRows,  // column-walking forward: output rows per lane (1 or 2; 0: by shape, see depthwise_forward.cu)
   kColumnReverse,  // column-walking forward/input gradient: blocks walk the images last to first (1) or first to last (0)
   kFwdColumnDeep,  // 16-bit stride-1 column-walking forward: twice the steps in flight at 3 blocks per SM (1) or not (0)
+  kFwdColumnK57,   // NHWC 5x5/7x7 column-walking forward (1), and the stride-1 input gradient too (2); 0: tiled
+  kNchwColumnK57,  // NCHW 5x5/7x7 forward walking down the columns (1) or tiled (0)
   kCount
 };
 int knob(Knob k, DType dt);
+// Makes knob() read the environment again at its next call (the benchmark's in-process A/B of a knob).
+void reload_knobs();
 // Images each NHWC forward/dgrad block loops over (amortises its weight staging).
 int images_per_block(DType dt, int blocks_per_image, int N);
 // Lanes along the channels: one 128-byte line per pixel.

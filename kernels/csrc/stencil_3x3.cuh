@@ -314,13 +314,14 @@ __global__ void __launch_bounds__(256, MINB)
 
 // Column-walk launch shape: lanes_c words of one pixel per row (all C / V words when there are at most
 // 32, else 32-word groups, balanced so the last group is not mostly idle lanes), 256 / lanes_c rows of
-// the flattened (n, oh) index per block, fewer when there are fewer rows, in equal bands.
-Tiling column_tiling(int rows, int words) {
+// the flattened (n, oh) index per block (max_threads / lanes_c: the 5x5/7x7 walk of stencil_column_k57.cuh takes
+// smaller blocks), fewer when there are fewer rows, in equal bands.
+Tiling column_tiling(int rows, int words, int max_threads = 256) {
   Tiling t{};
   t.groups = ceil_div(words, 32);
   t.lanes_c = ceil_div(words, t.groups);
   t.sx_n = 1;
-  t.sy_n = 256 / t.lanes_c < rows ? 256 / t.lanes_c : rows;
+  t.sy_n = max_threads / t.lanes_c < rows ? max_threads / t.lanes_c : rows;
   t.tiles_h = ceil_div(rows, t.sy_n);
   t.sy_n = ceil_div(rows, t.tiles_h);
   t.tiles_w = 1;
