@@ -206,10 +206,10 @@ def test_large_kernel_shapes(dw, dtype, layout):
     channels = [32, 6, 10] + ([3, 13] if dtype == torch.float32 else [])
     sizes = [(2, 13, 11), (1, 9, 17), (2, 23, 30), (1, 8, 41)]
     for i, (k, stride) in enumerate(itertools.product((5, 7), (1, 2))):
-        for j, (h, w) in enumerate(sizes):
+        for j, (n, h, w) in enumerate(sizes):
             c = channels[(i + j) % len(channels)]
             for padding in (k // 2, 0, k - 1, k + 1):
-                _check_case(dw, dtype, layout, k, stride, 1, padding, (i + j) % 2 == 0, 1 + j % 2, c, h, w, gen)
+                _check_case(dw, dtype, layout, k, stride, 1, padding, (i + j) % 2 == 0, n, c, h, w, gen)
 
 
 @pytest.mark.gpu
