@@ -187,6 +187,14 @@ class _LossReadback:
         return out
 
 
+def _synchronise_batchnorm(model: nn.Module, cfg, world_size: int) -> tuple[nn.Module, str]:
+    """sync_bn=true: every BatchNorm+ReLU in its synchronised form (each fused ReLU kept), and the summary's line."""
+    if not cfg.sync_bn:
+        return model, "off"
+    model = convert_sync_batchnorm(model)
+    return model, sync_bn_state(model, world_size)
+
+
 class Trainer:
     """Builds everything a run needs from the config, then `fit()` runs the epochs."""
 
@@ -220,10 +228,7 @@ class Trainer:
             self.train_loader, self.val_loader = build_loaders(cfg.data, spec)
         self.steps_per_epoch = _steps_per_epoch(cfg, self.train_loader)
         self.model = build_for_run(cfg, self.device, self.train_loader.num_classes, model)
-        self.sync_bn_state = "off"
-        if cfg.sync_bn:
-            self.model = convert_sync_batchnorm(self.model)  # keeps each fused norm_relu's ReLU
-            self.sync_bn_state = sync_bn_state(self.model, self.dist.world_size)
+        self.model, self.sync_bn_state = _synchronise_batchnorm(self.model, cfg, self.dist.world_size)
         self.backend_label = backend_label or cfg.backend.name
         # Figures measured outside fit() (e.g. inference img/s) to log as perf/<name> and hparam/<name>.
         self.forward = _forward_for_run(self.model, cfg, self.device, self.dist)
