@@ -79,11 +79,15 @@ def validate(cfg, device: torch.device) -> None:
                   "can be tens of times slower than fp32 (amp=false); use it to check the code path, not for speed")
 
 
-def _check_process_layout(cfg, dist: distributed.DistInfo) -> None:
+def _check_process_layout(cfg, dist: distributed.DistInfo, device: torch.device) -> None:
     """Settings that need, or cannot have, several processes."""
     if cfg.sync_bn and not dist.enabled:
         raise ConfigError("sync_bn=true needs a process group, and this run is a single process: "
                           "launch with `torchrun --nproc_per_node=N train.py ... sync_bn=true`")
+    if cfg.sync_bn and device.type != "cuda":
+        # nn.SyncBatchNorm refuses CPU tensors only at its first forward, with a traceback.
+        raise ConfigError(f"sync_bn=true synchronises BatchNorm over CUDA tensors, and this run's device is "
+                          f"{device.type!r}: run on GPUs, or leave sync_bn=false (each rank then normalises its own batch)")
     if cfg.profile and dist.enabled:
         raise ConfigError("profile=true traces one process: run it without torchrun")
 
@@ -219,7 +223,7 @@ class Trainer:
     def _build(self, cfg, model: nn.Module | None, backend_label: str | None) -> None:
         with checking_user_input(ValueError):  # cuda_graph=true where a run cannot be captured
             use_graph, self.cuda_graph_state = cuda_graph.resolve(cfg, self.device, self.dist.enabled)
-        _check_process_layout(cfg, self.dist)
+        _check_process_layout(cfg, self.dist, self.device)
         seed_everything(cfg.seed)
         torch.backends.cudnn.benchmark = True
         self.amp_dtype = autocast_dtype(cfg)

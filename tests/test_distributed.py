@@ -86,6 +86,15 @@ def test_shards_are_disjoint_and_complete(digits_root):
     assert val_idx[0] | val_idx[1] == set(range(360))
 
 
+def test_sync_bn_on_cpu_ranks_is_refused_before_any_work(tmp_path):
+    out = torchrun(tmp_path, "sync_bn=true", "epochs=1", timeout=300)
+    assert out.returncode != 0
+    text = out.stdout + out.stderr
+    # Each rank's one-line error (torchrun then reports the failed ranks with a traceback of its own).
+    assert "error: sync_bn=true synchronises BatchNorm over CUDA tensors" in text, text[-3000:]
+    assert "SyncBatchNorm expected input tensor" not in text
+
+
 def test_sync_bn_without_a_process_group_is_refused(run_dir):
     with pytest.raises(ValueError, match="sync_bn=true needs a process group.*torchrun"):
         Trainer(compose([*COMMON, "sync_bn=true"]), run_dir)
