@@ -199,11 +199,24 @@ def update_running_stats(running_mean: Tensor, running_var: Tensor, num_batches_
     batch_norm_relu_train returns them) over `count` values per channel."""
     if count < 2:
         raise ValueError(f"update_running_stats: the unbiased variance needs more than 1 value per channel, got {count}")
-    _update(running_mean, running_var, num_batches_tracked, mean, var, -1.0 if momentum is None else float(momentum),
-            int(count))
+    _update(running_mean, running_var, num_batches_tracked, mean, var, _momentum_arg(momentum), int(count))
+
+
+def _momentum_arg(momentum: float | None) -> float:
+    """The ops' momentum: nn.BatchNorm2d's, or -1 for its momentum=None (the cumulative average)."""
+    return -1.0 if momentum is None else float(momentum)
 
 
 # --- sync_bn's building blocks: the fused passes split at the statistics and at the gradient sums -----------------
+
+
+def _check_split_inputs(x: Tensor, weight: Tensor, bias: Tensor, mean: Tensor, invstd: Tensor,
+                        grad_y: Tensor | None = None) -> None:
+    """What every pass after the statistics takes: x, its four per-channel vectors and, backward, grad_y like x."""
+    _check_supported(x, weight, bias)
+    _check_channel_vectors(x, mean=mean, invstd=invstd)
+    if grad_y is not None:
+        _check_grad_y(grad_y, x)
 
 
 def _check_grad_y(grad_y: Tensor, x: Tensor) -> None:
@@ -222,8 +235,7 @@ def local_batch_stats(x: Tensor) -> tuple[Tensor, Tensor]:
 def batch_norm_relu_normalize(x: Tensor, weight: Tensor, bias: Tensor, mean: Tensor, invstd: Tensor) -> Tensor:
     """y = relu((x - mean) * weight * invstd + bias) in x's dtype and memory format, for given statistics (cast to
     fp32): the fused forward's arithmetic, bit for bit. Not differentiable by itself (see batch_norm_relu_input_grad)."""
-    _check_supported(x, weight, bias)
-    _check_channel_vectors(x, mean=mean, invstd=invstd)
+    _check_split_inputs(x, weight, bias, mean, invstd)
     return _normalize(x, _f32(weight), _f32(bias), _f32(mean), _f32(invstd))
 
 
@@ -232,9 +244,7 @@ def batch_norm_relu_grad_sums(grad_y: Tensor, x: Tensor, weight: Tensor, bias: T
     """[2, C] fp64: sum(g) and sum(g * (x - mean)) per channel over this batch, where g is grad_y where
     y = relu(...) > 0 (the mask recomputed from x, as the fused backward does). grad_weight = sums[1] * invstd and
     grad_bias = sums[0]."""
-    _check_supported(x, weight, bias)
-    _check_channel_vectors(x, mean=mean, invstd=invstd)
-    _check_grad_y(grad_y, x)
+    _check_split_inputs(x, weight, bias, mean, invstd, grad_y)
     return _grad_sums(grad_y.to(x.dtype), x, _f32(weight), _f32(bias), _f32(mean), _f32(invstd))
 
 
@@ -243,9 +253,7 @@ def batch_norm_relu_input_grad(grad_y: Tensor, x: Tensor, weight: Tensor, bias: 
     """The input gradient of y = relu(batch_norm(x)) when the statistics are those of a larger batch (every rank's):
     grad_means [2, C] holds mean(g) and mean(g * (x - mean)) over that batch (the summed grad sums over its count).
     In x's dtype and memory format."""
-    _check_supported(x, weight, bias)
-    _check_channel_vectors(x, mean=mean, invstd=invstd)
-    _check_grad_y(grad_y, x)
+    _check_split_inputs(x, weight, bias, mean, invstd, grad_y)
     if not isinstance(grad_means, Tensor) or tuple(grad_means.shape) != (2, x.shape[1]) or grad_means.device != x.device:
         raise ValueError(f"batch_norm_relu backward: grad_means must be a (2, {x.shape[1]}) tensor on {x.device}, got "
                          f"{tuple(getattr(grad_means, 'shape', ()))}")
@@ -257,4 +265,4 @@ def update_running_stats_unbiased(running_mean: Tensor, running_var: Tensor, num
     """update_running_stats for a variance that is already unbiased (sync_bn: the global count is a device tensor,
     and reading it back would stall every layer). mean and unbiased_var are cast to fp32."""
     _update_unbiased(running_mean, running_var, num_batches_tracked, _f32(mean).contiguous(),
-                     _f32(unbiased_var).contiguous(), -1.0 if momentum is None else float(momentum))
+                     _f32(unbiased_var).contiguous(), _momentum_arg(momentum))

@@ -16,6 +16,7 @@ rank); norm=apex is refused.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import Callable
 
@@ -304,8 +305,9 @@ def _all_reduce_slots(local: Tensor, group) -> Tensor:
 
 
 def _float32_eps(eps: float) -> float:
-    # The fused forward takes eps as a float32 (as cuDNN's BatchNorm does); the same value here.
-    return torch.tensor(eps, dtype=torch.float32).item()
+    # The fused forward takes eps as a float32 (as cuDNN's BatchNorm does); the same value here, rounded on the host
+    # without making a tensor in every layer's forward.
+    return struct.unpack("f", struct.pack("f", eps))[0]
 
 
 class _SyncBatchNormReLUFunction(torch.autograd.Function):

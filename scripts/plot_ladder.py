@@ -25,13 +25,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         text = sys.stdin.read() if str(args.table) == "-" else args.table.read_text()
-        steps = parse_ladder(text)
-    except (OSError, ValueError) as e:
-        print(f"plot_ladder: {e}", file=sys.stderr)
-        return 2
-    try:
-        write_waterfall(steps, args.out, args.title)
-    except MissingDependency as e:
+        write_waterfall(parse_ladder(text), args.out, args.title)
+    except (OSError, ValueError, MissingDependency) as e:  # an unreadable table, a missing step, no matplotlib
         print(f"plot_ladder: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.out}")

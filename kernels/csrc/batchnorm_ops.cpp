@@ -89,6 +89,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_fwd(const at:
   return {y, mean, invstd, var};
 }
 
+// The four per-channel vectors every pass after the statistics takes.
+void check_channel_vectors(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                           const at::Tensor& mean, const at::Tensor& invstd) {
+  check_channel_vector(weight, x, "weight");
+  check_channel_vector(bias, x, "bias");
+  check_channel_vector(mean, x, "mean");
+  check_channel_vector(invstd, x, "invstd");
+}
+
 // The backward's inputs: grad_y like x, and the forward's fp32 per-channel vectors.
 void check_backward_inputs(const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight,
                            const at::Tensor& bias, const at::Tensor& mean, const at::Tensor& invstd) {
@@ -99,10 +108,7 @@ void check_backward_inputs(const at::Tensor& grad_y, const at::Tensor& x, const 
               ") must have the input's dtype ", x.scalar_type());
   TORCH_CHECK(grad_y.device() == x.device(), "batch_norm_relu backward: grad_y must be on the input's device ",
               x.device());
-  check_channel_vector(weight, x, "weight");
-  check_channel_vector(bias, x, "bias");
-  check_channel_vector(mean, x, "mean");
-  check_channel_vector(invstd, x, "invstd");
+  check_channel_vectors(x, weight, bias, mean, invstd);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_relu_bwd(const at::Tensor& grad_y_in, const at::Tensor& x_in,
@@ -161,13 +167,7 @@ void bn_update_running_stats(at::Tensor& running_mean, at::Tensor& running_var, 
                               c10::cuda::getCurrentCUDAStream());
 }
 
-}  // namespace
-}  // namespace mbn
-
 // --- sync_bn: the fused passes split where the ranks combine their statistics and gradient sums ------------------
-
-namespace mbn {
-namespace {
 
 // What every sync op sets up: x (and grad_y) in x's layout, the shape, dtype and plan, and the workspace. `out`:
 // the op's output like x (allocated first, since its address takes part in the vector width).
@@ -216,10 +216,7 @@ std::tuple<at::Tensor, at::Tensor> bn_local_stats(const at::Tensor& x_in) {
 at::Tensor bn_relu_normalize(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& bias,
                              const at::Tensor& mean, const at::Tensor& invstd) {
   check_input(x_in);
-  check_channel_vector(weight, x_in, "weight");
-  check_channel_vector(bias, x_in, "bias");
-  check_channel_vector(mean, x_in, "mean");
-  check_channel_vector(invstd, x_in, "invstd");
+  check_channel_vectors(x_in, weight, bias, mean, invstd);
   c10::cuda::CUDAGuard guard(x_in.device());
   Prepared r = prepare(x_in, nullptr, true, BnPass::kForward);
   launch_normalize(r.s, r.p, r.dt, r.x.const_data_ptr(), weight.contiguous().const_data_ptr<float>(),
@@ -289,18 +286,9 @@ TORCH_LIBRARY(mobilenet_bn, m) {
   m.def(
       "bn_update_running_stats(Tensor(a!) running_mean, Tensor(b!) running_var, Tensor(c!) num_batches_tracked, "
       "Tensor mean, Tensor var, float momentum, int count) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(mobilenet_bn, CUDA, m) {
-  m.impl("bn_relu_fwd", &mbn::bn_relu_fwd);
-  m.impl("bn_relu_bwd", &mbn::bn_relu_bwd);
-  m.impl("bn_update_running_stats", &mbn::bn_update_running_stats);
-}
-
-// The sync_bn building blocks (SyncCustomBatchNormReLU in mobilenet/norm.py): the fused forward split at its batch
-// statistics and the fused backward at its gradient sums, so that the ranks can combine them in between.
-// Statistics and sums are fp64 (inputs of the cross-rank combine); the per-channel inputs are fp32 as above.
-TORCH_LIBRARY_FRAGMENT(mobilenet_bn, m) {
+  // The sync_bn building blocks (SyncCustomBatchNormReLU in mobilenet/norm.py): the fused forward split at its
+  // batch statistics and the fused backward at its gradient sums, so that the ranks can combine them in between.
+  // Statistics and sums are fp64 (inputs of the cross-rank combine); the per-channel inputs are fp32 as above.
   m.def("bn_local_stats(Tensor x) -> (Tensor, Tensor)");
   m.def("bn_relu_normalize(Tensor x, Tensor weight, Tensor bias, Tensor mean, Tensor invstd) -> Tensor");
   m.def("bn_relu_grad_sums(Tensor grad_y, Tensor x, Tensor weight, Tensor bias, Tensor mean, Tensor invstd) -> Tensor");
@@ -313,6 +301,9 @@ TORCH_LIBRARY_FRAGMENT(mobilenet_bn, m) {
 }
 
 TORCH_LIBRARY_IMPL(mobilenet_bn, CUDA, m) {
+  m.impl("bn_relu_fwd", &mbn::bn_relu_fwd);
+  m.impl("bn_relu_bwd", &mbn::bn_relu_bwd);
+  m.impl("bn_update_running_stats", &mbn::bn_update_running_stats);
   m.impl("bn_local_stats", &mbn::bn_local_stats);
   m.impl("bn_relu_normalize", &mbn::bn_relu_normalize);
   m.impl("bn_relu_grad_sums", &mbn::bn_relu_grad_sums);

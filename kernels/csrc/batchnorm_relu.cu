@@ -424,6 +424,20 @@ __device__ __forceinline__ ChannelSums sum_chunks(const float* partial, int chun
 
 __device__ __forceinline__ int finalize_channel() { return blockIdx.x * kFinalizeWarps + threadIdx.x / 32; }
 
+struct ChannelMoments {
+  double mean, var;  // var biased
+};
+
+// Channel c's mean and biased variance from its sums of x - pivot over `count` values, the pivot being the
+// channel's first element (x[c * pivot_stride]).
+template <class TT>
+__device__ __forceinline__ ChannelMoments channel_moments(const ChannelSums& s, double count, const typename TT::S* x,
+                                                          int pivot_stride, int c) {
+  const double shifted_mean = s.a / count;
+  const double v = fmax(s.b / count - shifted_mean * shifted_mean, 0.0);
+  return {static_cast<double>(TT::to_acc(x[static_cast<size_t>(c) * pivot_stride])) + shifted_mean, v};
+}
+
 // Batch statistics from the pivot-shifted sums, and the forward's scale (weight * invstd).
 template <class TT>
 __global__ void __launch_bounds__(kFinalizeWarps * 32)
@@ -433,14 +447,12 @@ __global__ void __launch_bounds__(kFinalizeWarps * 32)
   if (c >= C) return;  // a whole warp: the shuffles in sum_chunks see full warps only
   const ChannelSums s = sum_chunks(partial, chunks, C, c);
   if (threadIdx.x % 32 != 0) return;
-  const double shifted_mean = s.a / count;
-  const double v = fmax(s.b / count - shifted_mean * shifted_mean, 0.0);
-  const double m = static_cast<double>(TT::to_acc(x[static_cast<size_t>(c) * pivot_stride])) + shifted_mean;
-  const double is = 1.0 / sqrt(v + static_cast<double>(eps));
-  const float mf = static_cast<float>(m), isf = static_cast<float>(is);
+  const ChannelMoments m = channel_moments<TT>(s, count, x, pivot_stride, c);
+  const double is = 1.0 / sqrt(m.var + static_cast<double>(eps));
+  const float mf = static_cast<float>(m.mean), isf = static_cast<float>(is);
   mean[c] = mf;
   invstd[c] = isf;
-  var[c] = static_cast<float>(v);
+  var[c] = static_cast<float>(m.var);
   scale[c] = bn_scale(weight[c], isf);
 }
 
@@ -528,6 +540,19 @@ void launch_apply(const BnShape& s, const BnPlan& p, const Op& op, cudaStream_t 
 constexpr int kFinalizeBlock = kFinalizeWarps * 32;
 int finalize_blocks(int C) { return ceil_div(C, kFinalizeWarps); }
 
+// StatsOp's pivot_stride: elements between channel c's first element and channel c + 1's.
+int pivot_stride_of(const BnShape& s) { return s.nhwc ? 1 : s.HW; }
+
+// The running-statistics update; `unbias` turns the batch's variance into the unbiased one (1 when it already is).
+void launch_update(int C, const float* mean, const float* var, float unbias, double momentum, float* running_mean,
+                   float* running_var, int64_t* num_batches_tracked, cudaStream_t stream) {
+  // 1 - momentum in double, then rounded, as torch turns the Python scalar of mul_(1 - momentum) into a float.
+  const float keep = static_cast<float>(1.0 - momentum);
+  update_running_stats<<<1, 256, 0, stream>>>(C, mean, var, unbias, static_cast<float>(momentum), keep, running_mean,
+                                               running_var, num_batches_tracked);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 template <class TT, int V>
 void forward_typed(const BnShape& s, const BnPlan& p, const void* x_, const float* weight, const float* bias,
                    float eps, void* y_, float* mean, float* invstd, float* var, float* workspace,
@@ -535,7 +560,7 @@ void forward_typed(const BnShape& s, const BnPlan& p, const void* x_, const floa
   using S = typename TT::S;
   const S* x = static_cast<const S*>(x_);
   const Workspace ws = split_workspace(workspace, s, p);
-  const int pivot_stride = s.nhwc ? 1 : s.HW;
+  const int pivot_stride = pivot_stride_of(s);
   launch_reduce<V>(s, p, StatsOp<TT>{x, pivot_stride}, ws.partial, stream);
   finalize_stats<TT><<<finalize_blocks(s.C), kFinalizeBlock, 0, stream>>>(
       ws.partial, p.reduce.chunks, s.C, static_cast<double>(s.N) * s.HW, x, pivot_stride, weight, eps, mean, invstd,
@@ -670,11 +695,7 @@ void launch_update_running_stats(int C, const float* mean, const float* var, int
                                  float* running_mean, float* running_var, int64_t* num_batches_tracked,
                                  cudaStream_t stream) {
   const float unbias = static_cast<float>(static_cast<double>(count) / static_cast<double>(count - 1));
-  // 1 - momentum in double, then rounded, as torch turns the Python scalar of mul_(1 - momentum) into a float.
-  const float keep = static_cast<float>(1.0 - momentum);
-  update_running_stats<<<1, 256, 0, stream>>>(C, mean, var, unbias, static_cast<float>(momentum), keep, running_mean,
-                                               running_var, num_batches_tracked);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_update(C, mean, var, unbias, momentum, running_mean, running_var, num_batches_tracked, stream);
 }
 
 // --- sync_bn: the same passes, split where the statistics or the gradient sums are combined across ranks ----------
@@ -687,8 +708,8 @@ namespace {
 // finalize_backward's six outputs, [C] each: grad_weight and grad_bias (unused here), c_g, c_x, c_0, scale.
 constexpr int kSyncInputGradConstants = 6;
 
-// This batch's mean and biased variance per channel, kept in fp64 for the combine across ranks (finalize_stats'
-// arithmetic: sums of x - pivot, so a large mean does not cancel the variance away).
+// This batch's mean and biased variance per channel, kept in fp64 for the combine across ranks (channel_moments,
+// as finalize_stats: sums of x - pivot, so a large mean does not cancel the variance away).
 template <class TT>
 __global__ void __launch_bounds__(kFinalizeWarps * 32)
     finalize_local_stats(const float* partial, int chunks, int C, double count, const typename TT::S* x,
@@ -697,9 +718,9 @@ __global__ void __launch_bounds__(kFinalizeWarps * 32)
   if (c >= C) return;
   const ChannelSums s = sum_chunks(partial, chunks, C, c);
   if (threadIdx.x % 32 != 0) return;
-  const double shifted_mean = s.a / count;
-  var[c] = fmax(s.b / count - shifted_mean * shifted_mean, 0.0);
-  mean[c] = static_cast<double>(TT::to_acc(x[static_cast<size_t>(c) * pivot_stride])) + shifted_mean;
+  const ChannelMoments m = channel_moments<TT>(s, count, x, pivot_stride, c);
+  mean[c] = m.mean;
+  var[c] = m.var;
 }
 
 // The chunks' sums per channel in fp64, as [2][C].
@@ -718,8 +739,6 @@ __global__ void __launch_bounds__(256) channel_scale(int C, const float* weight,
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c < C) scale[c] = bn_scale(weight[c], invstd[c]);
 }
-
-int pivot_stride_of(const BnShape& s) { return s.nhwc ? 1 : s.HW; }
 
 template <class TT, int V>
 void local_stats_typed(const BnShape& s, const BnPlan& p, const void* x_, double* mean, double* var, float* workspace,
@@ -818,11 +837,8 @@ void launch_input_grad(const BnShape& s, const BnPlan& p, DType dt, const void* 
 void launch_update_running_stats_unbiased(int C, const float* mean, const float* unbiased_var, double momentum,
                                           float* running_mean, float* running_var, int64_t* num_batches_tracked,
                                           cudaStream_t stream) {
-  // The variance arrives unbiased (the global count lives on the device), so the kernel's factor is 1.
-  update_running_stats<<<1, 256, 0, stream>>>(C, mean, unbiased_var, 1.f, static_cast<float>(momentum),
-                                               static_cast<float>(1.0 - momentum), running_mean, running_var,
-                                               num_batches_tracked);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // The variance arrives unbiased (the global count lives on the device), so the factor is 1.
+  launch_update(C, mean, unbiased_var, 1.f, momentum, running_mean, running_var, num_batches_tracked, stream);
 }
 
 }  // namespace mbn
