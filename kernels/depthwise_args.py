@@ -79,31 +79,30 @@ def stats_unsupported(x, weight, bias, stride, padding, dilation) -> str | None:
     """Why depthwise_fwd_stats (the forward that also returns the statistics of its output) cannot take this
     case, or None when it can: the NHWC 3x3 column walk only (forward_stats_fits in csrc/depthwise_dispatch.cpp,
     with narrow_shape's and column_fits' limits), no bias. The arguments are those of check_supported, which
-    must pass first."""
+    must pass first. Reads metadata only (no device work), so it traces under torch.compile."""
     from . import kernel_layout
 
     dtype = _compute_dtype(x)
     n, c, h, w = x.shape
-    reasons = [
-        (not x.is_cuda, f"the input is on {x.device}, not a CUDA device"),
-        (dtype not in _STATS_DTYPES, f"dtype {dtype} (float32, float16, bfloat16)"),
-        (kernel_layout(x) != torch.channels_last, "the input is not channels_last (NHWC)"),
-        (tuple(weight.shape) != (c, 1, 3, 3), f"weight {tuple(weight.shape)} is not a 3x3 depthwise ({c}, 1, 3, 3)"),
-        (bias is not None, "the convolution has a bias"),
-        (isinstance(padding, str) or tuple(stride) not in ((1, 1), (2, 2)) or tuple(dilation) != (1, 1),
-         f"stride {tuple(stride)}, dilation {tuple(dilation)}, padding {padding!r}: the walk takes equal strides 1 "
-         "or 2, dilation 1 and numeric padding"),
-    ]
-    for bad, why in reasons:
-        if bad:
-            return why
-    elem = torch.empty((), dtype=dtype).element_size()
+    if not x.is_cuda:
+        return f"the input is on {x.device}, not a CUDA device"
+    if dtype not in _STATS_DTYPES:
+        return f"dtype {dtype} (float32, float16, bfloat16)"
+    if kernel_layout(x) != torch.channels_last:
+        return "the input is not channels_last (NHWC)"
+    if tuple(weight.shape) != (c, 1, 3, 3):
+        return f"weight {tuple(weight.shape)} is not a 3x3 depthwise ({c}, 1, 3, 3)"
+    if bias is not None:
+        return "the convolution has a bias"
+    if isinstance(padding, str) or tuple(stride) not in ((1, 1), (2, 2)) or tuple(dilation) != (1, 1):
+        return (f"stride {tuple(stride)}, dilation {tuple(dilation)}, padding {padding!r}: the walk takes equal "
+                "strides 1 or 2, dilation 1 and numeric padding")
+    elem = dtype.itemsize
     if (c * elem) % 4 or (x.dtype == dtype and (x.storage_offset() * elem) % 4):
         return f"{c} channels of {dtype} are not whole 32-bit words (or the input is not 4-byte aligned)"
     _, _, oh, ow = out_shape(x.shape, weight.shape, stride, padding, dilation)
-    ph = padding[0]
     if (c > 65535 or max(padding) > 2**20 or n * c * h * w >= 2**31 or n * c * oh * ow >= 2**31
-            or (h + ph + 2) * (w + 2 * ow + 12) * (c * elem // 4) > _INT_MAX):
+            or (h + padding[0] + 2) * (w + 2 * ow + 12) * (c * elem // 4) > _INT_MAX):
         return f"input {tuple(x.shape)} is beyond the column walk's 32-bit index range"
     return None
 
