@@ -235,7 +235,7 @@ def batch_norm_relu_from_partials(x: Tensor, partials: Tensor, weight: Tensor, b
     batch_norm_relu_train."""
     _check_supported(x, weight, bias)
     c = x.shape[1]
-    if (not isinstance(partials, Tensor) or partials.dim() != 3 or partials.shape[0] < 1
+    if (not isinstance(partials, Tensor) or partials.dim() != 3 or not 1 <= partials.shape[0] < 2**30
             or tuple(partials.shape[1:]) != (3, c) or partials.dtype != torch.float64 or partials.device != x.device):
         raise ValueError(f"batch_norm_relu: partials must be a float64 (bands, 3, {c}) tensor on {x.device}, got "
                          f"{getattr(partials, 'dtype', None)} {tuple(getattr(partials, 'shape', ()))}")

@@ -97,8 +97,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_fwd_from_part
   check_channel_vector(weight, x_in, "weight");
   check_channel_vector(bias, x_in, "bias");
   TORCH_CHECK(eps >= 0, "batch_norm_relu: eps must be >= 0, got ", eps);
-  TORCH_CHECK(partial.dim() == 3 && partial.size(0) >= 1 && partial.size(1) == 3 && partial.size(2) == x_in.size(1) &&
-                  partial.scalar_type() == at::kDouble && partial.device() == x_in.device() && partial.size(0) < (1 << 30),
+  TORCH_CHECK(partial.dim() == 3 && partial.size(0) >= 1 && partial.size(0) < (1 << 30) && partial.size(1) == 3 &&
+                  partial.size(2) == x_in.size(1) && partial.scalar_type() == at::kDouble &&
+                  partial.device() == x_in.device(),
               "batch_norm_relu: partials must be a float64 (bands, 3, ", x_in.size(1), ") tensor on ", x_in.device(),
               ", got ", partial.scalar_type(), " ", partial.sizes());
   c10::cuda::CUDAGuard guard(x_in.device());

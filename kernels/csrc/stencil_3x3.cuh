@@ -198,9 +198,12 @@ struct ColumnStats {
 };
 
 // The block's statistics per channel into partial[band][3][C] (fp64: count, mean, M2 = sum of squared deviations):
-// every lane's (count, pivot, s1, s2) goes through shared memory, then lane cv (the band's first row of lanes) merges
-// rows sy = 0 .. sy_n - 1 of its channels with Chan et al.'s formula in fp64, in that order. Each (band, channel)
-// has exactly one block, so the result depends on the shape alone: bitwise repeatable, no atomics.
+// every lane's (count, pivot, s1, s2) goes through shared memory, then lane cv (the band's first row of lanes) adds
+// rows sy = 0 .. sy_n - 1 of its channels in that order, in fp64, as sums shifted by row 0's pivot (ref): with
+// delta = pivot - ref, a row adds s1 + n * delta and s2 + delta * (2 * s1 + n * delta), the sums of y - ref. ref is
+// a value of the block, so these do not cancel the block's M2 away (in fp64 even less than the lanes' fp32 sums),
+// and no division is on the chain. Each (band, channel) has exactly one block, so the result depends on the shape
+// alone: bitwise repeatable, no atomics.
 template <class TT, int V>
 __device__ __forceinline__ void write_column_stats(const ColumnStats<TT, V>& st, float count, const Tiling& t, int cv,
                                                    int cw, int words, int band, double* __restrict__ partial) {
@@ -214,27 +217,25 @@ __device__ __forceinline__ void write_column_stats(const ColumnStats<TT, V>& st,
     red[1 + 2 * V + v][lane] = st.s2[v];
   }
   __syncthreads();
-  if (lane >= t.lanes_c || cw >= words) return;  // lane < lanes_c: the row sy = 0, cv = lane
+  if (lane >= t.lanes_c || cw >= words) return;  // lane < lanes_c: the row sy = 0 (always active), cv = lane
   const int C = words * V;
 #pragma unroll
   for (int v = 0; v < V; ++v) {
-    double n = 0.0, mean = 0.0, m2 = 0.0;
+    const double ref = red[1 + v][cv];
+    double n = 0.0, a = 0.0, b = 0.0;
     for (int sy = 0; sy < t.sy_n; ++sy) {
       const int l = cv + t.lanes_c * sy;
-      const double nb = red[0][l];
-      if (nb == 0.0) continue;
-      const double s1 = red[1 + V + v][l];
-      const double mb = static_cast<double>(red[1 + v][l]) + s1 / nb;
-      const double m2b = fmax(static_cast<double>(red[1 + 2 * V + v][l]) - s1 * (s1 / nb), 0.0);
-      const double total = n + nb, delta = mb - mean;
-      mean += delta * (nb / total);
-      m2 += m2b + delta * delta * (n * (nb / total));
-      n = total;
+      const double nl = red[0][l], s1 = red[1 + V + v][l], s2 = red[1 + 2 * V + v][l];
+      const double delta = nl > 0.0 ? static_cast<double>(red[1 + v][l]) - ref : 0.0;
+      n += nl;
+      a += fma(nl, delta, s1);
+      b += fma(delta, fma(nl, delta, 2.0 * s1), s2);
     }
+    const double shifted_mean = a / n;
     double* out = partial + static_cast<size_t>(band) * 3 * C + cw * V + v;
     out[0] = n;
-    out[C] = mean;
-    out[2 * C] = m2;
+    out[C] = ref + shifted_mean;
+    out[2 * C] = fmax(b - a * shifted_mean, 0.0);
   }
 }
 
@@ -437,8 +438,9 @@ void launch_column(const ConvShape& s, DType dt, const void* x, const void* w, c
 
 // The statistics walk (STATS): one row per lane or two as the plain forward's auto rule picks them (column_forward),
 // the plain walk's unroll; no bias, no activation. 16-bit at 3 blocks per SM (up to 85 registers): its 6 more
-// floats per lane (pivot and sums of 2 channels) spilled 36-96 bytes at 4 (64 registers); fp32 fits 4. The same FMAs in the same order as the plain
-// forward, so y is bitwise its y. partial: [column_stats_bands(s, dt)][3][C] fp64.
+// floats per lane (pivot and sums of 2 channels) spilled 36-96 bytes at 4 (64 registers); fp32 fits 4. The same
+// FMAs in the same order as the plain forward, so y is bitwise its y. partial: [bands][3][C] fp64, bands =
+// column_stats_tiling(s, dt).tiles_h.
 inline int column_stats_rows(const ConvShape& s, DType dt) {
   const int rows = knob(Knob::kFwdColumnRows, dt);
   return rows == 2 || (rows == 0 && s.SH == 1 && s.OW <= 28) ? 2 : 1;
