@@ -696,15 +696,29 @@ __device__ __forceinline__ Moments merge_moments(const Moments& a, const Moments
   return {n, a.mean + delta * (b.n / n), a.m2 + b.m2 + delta * delta * (a.n * (b.n / n))};
 }
 
-// Channel c's moments over all bands of partial [bands][3][C]: lane l merges bands l, l + 32, ... in order, then a
-// tree over the lanes (lane i takes lane i + m for m = 16, ..., 1); the order depends on (bands, C) alone. Valid in
-// lane 0.
+// Channel c's moments over all bands of partial [bands][3][C]: lane l adds bands l, l + 32, ... in order as sums
+// shifted to the mean of its first band (Chan's combination, sum of M2 plus count * (mean - ref)^2, with no division
+// per band; the bands' means lie within the channel's spread of each other, so nothing cancels in fp64), then a tree
+// of Chan merges over the lanes (lane i takes lane i + m for m = 16, ..., 1). The order depends on (bands, C) alone.
+// Valid in lane 0.
 __device__ __forceinline__ Moments merge_bands(const double* partial, int bands, int C, int c) {
   const int lane = threadIdx.x % 32;
-  Moments acc{0.0, 0.0, 0.0};
+  const double* first = partial + static_cast<size_t>(lane) * 3 * C + c;
+  const double ref = lane < bands && first[0] > 0.0 ? first[C] : 0.0;
+  double n = 0.0, a = 0.0, q = 0.0;
   for (int i = lane; i < bands; i += 32) {
     const double* p = partial + static_cast<size_t>(i) * 3 * C + c;
-    acc = merge_moments(acc, Moments{p[0], p[C], p[2 * C]});
+    const double nb = p[0];
+    if (nb == 0.0) continue;
+    const double d = p[C] - ref;
+    n += nb;
+    a = fma(nb, d, a);
+    q += fma(nb * d, d, p[2 * C]);
+  }
+  Moments acc{0.0, 0.0, 0.0};
+  if (n > 0.0) {
+    const double shifted_mean = a / n;
+    acc = Moments{n, ref + shifted_mean, fmax(q - a * shifted_mean, 0.0)};
   }
 #pragma unroll
   for (int m = 16; m > 0; m >>= 1) {
