@@ -167,7 +167,8 @@ def depthwise_conv2d_stats(x: Tensor, weight: Tensor, stride: IntOrPair = (1, 1)
     """(y, partials): y = F.conv2d(x, weight, None, stride, padding, groups=C) for a 3x3 depthwise weight (C, 1, 3, 3)
     on channels_last x, and the statistics of y as stored, per band of output rows: partials [bands, 3, C] float64 =
     (count, mean, M2 = sum of squared deviations) per band and channel, for kernels.norm_ops.batch_norm_relu_from_partials.
-    y is bitwise depthwise_conv2d's (the same column walk). Differentiable in x and weight (not through partials).
+    y is bitwise depthwise_conv2d's where that runs the column walk too (the default knobs, C a multiple of 8 16-bit
+    or 4 fp32 channels), else equal to rounding. Differentiable in x and weight (not through partials).
     Cases the statistics walk does not take raise ValueError (kernels.depthwise_args.stats_unsupported says why)."""
     if not isinstance(x, Tensor) or x.dim() != 4:
         raise ValueError(f"depthwise_conv2d_stats: input must be a 4-D tensor (N, C, H, W), got {getattr(x, 'shape', x)}")
