@@ -9,7 +9,7 @@ import torch
 
 from .conv_arith import conv_out_size
 
-__all__ = ["check_supported", "out_shape"]
+__all__ = ["check_supported", "out_shape", "stats_unsupported", "stats_bands"]
 
 
 def out_shape(x_shape: Sequence[int], w_shape: Sequence[int], stride: Sequence[int], padding: Sequence[int],
@@ -62,3 +62,78 @@ def check_supported(x, weight, bias, stride, padding, dilation) -> None:
         if conv_out_size(size, k, st, p, d) < 1:
             raise ValueError(f"depthwise_conv2d: input {tuple(x.shape[2:])} is smaller than the dilated kernel "
                              f"{tuple(weight.shape[-2:])} after padding {tuple(padding)}")
+
+
+_STATS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_INT_MAX = 2**31 - 1
+
+
+def _compute_dtype(x) -> torch.dtype:
+    """The dtype the op computes in: under CUDA autocast, the autocast dtype (its autocast kernel casts x)."""
+    if torch.is_autocast_enabled("cuda") and x.dtype in _STATS_DTYPES:
+        return torch.get_autocast_dtype("cuda")
+    return x.dtype
+
+
+def stats_unsupported(x, weight, bias, stride, padding, dilation) -> str | None:
+    """Why depthwise_fwd_stats (the forward that also returns the statistics of its output) cannot take this
+    case, or None when it can: the NHWC 3x3 column walk only (forward_stats_fits in csrc/depthwise_dispatch.cpp,
+    with narrow_shape's and column_fits' limits), no bias. The arguments are those of check_supported, which
+    must pass first. Reads metadata only (no device work), so it traces under torch.compile."""
+    from . import kernel_layout
+
+    dtype = _compute_dtype(x)
+    n, c, h, w = x.shape
+    if not x.is_cuda:
+        return f"the input is on {x.device}, not a CUDA device"
+    if dtype not in _STATS_DTYPES:
+        return f"dtype {dtype} (float32, float16, bfloat16)"
+    if kernel_layout(x) != torch.channels_last:
+        return "the input is not channels_last (NHWC)"
+    if tuple(weight.shape) != (c, 1, 3, 3):
+        return f"weight {tuple(weight.shape)} is not a 3x3 depthwise ({c}, 1, 3, 3)"
+    if bias is not None:
+        return "the convolution has a bias"
+    if isinstance(padding, str) or tuple(stride) not in ((1, 1), (2, 2)) or tuple(dilation) != (1, 1):
+        return (f"stride {tuple(stride)}, dilation {tuple(dilation)}, padding {padding!r}: the walk takes equal "
+                "strides 1 or 2, dilation 1 and numeric padding")
+    elem = dtype.itemsize
+    if (c * elem) % 4 or (x.dtype == dtype and (x.storage_offset() * elem) % 4):
+        return f"{c} channels of {dtype} are not whole 32-bit words (or the input is not 4-byte aligned)"
+    _, _, oh, ow = out_shape(x.shape, weight.shape, stride, padding, dilation)
+    if (c > 65535 or max(padding) > 2**20 or n * c * h * w >= 2**31 or n * c * oh * ow >= 2**31
+            or (h + padding[0] + 2) * (w + 2 * ow + 12) * (c * elem // 4) > _INT_MAX):
+        return f"input {tuple(x.shape)} is beyond the column walk's 32-bit index range"
+    return None
+
+
+# FWD_COLUMN_ROWS' defaults per dtype (csrc/launch_plan.cpp): 0 picks by shape (column_stats_rows).
+_COLUMN_ROWS_DEFAULT = {torch.float32: 2, torch.float16: 0, torch.bfloat16: 0}
+_KNOB_SUFFIX = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+def _env_knob(name: str, dtype: torch.dtype, default: int) -> int:
+    """knob() of csrc/launch_plan.cpp: MDW_<NAME>, then MDW_<NAME>_<DTYPE>, each a leading integer as atoi reads it."""
+    import os
+    import re
+
+    value = default
+    for key in (f"MDW_{name}", f"MDW_{name}_{_KNOB_SUFFIX[dtype]}"):
+        text = os.environ.get(key, "")
+        if text:
+            m = re.match(r"\s*[+-]?\d+", text)
+            value = int(m.group()) if m else 0
+    return value
+
+
+def stats_bands(n: int, c: int, oh: int, ow: int, stride: int, dtype: torch.dtype) -> int:
+    """The first dimension of depthwise_fwd_stats' partials for output (n, c, oh, ow): the blocks along the rows of
+    the column walk (column_stats_tiling in csrc/stencil_3x3.cuh: rows per lane, then column_tiling's bands)."""
+    rows_knob = _env_knob("FWD_COLUMN_ROWS", dtype, _COLUMN_ROWS_DEFAULT[dtype])
+    two = rows_knob == 2 or (rows_knob == 0 and stride == 1 and ow <= 28)
+    rows = n * ((oh + 1) // 2 if two else oh)
+    words = c if dtype == torch.float32 else c // 2
+    groups = -(-words // 32)
+    lanes_c = -(-words // groups)
+    per_band = min(256 // lanes_c, rows)
+    return -(-rows // per_band)

@@ -8,6 +8,10 @@ kernels.KernelUnavailable where the kernels cannot run.
   bn_relu_bwd(grad_y, x, weight, bias, mean, invstd) -> (grad_x, grad_weight, grad_bias)
       the ReLU's backward folded in (grad_y where y > 0, the mask recomputed from x); grad_x in x's dtype and layout,
       the others fp32.
+  bn_relu_fwd_from_partials(x, partials, weight, bias, eps) -> (y, mean, invstd, var)
+      bn_relu_fwd with x's statistics given as per-block partials [bands, 3, C] fp64 (count, mean, M2), as
+      mobilenet_dw::depthwise_fwd_stats returns them with x (kernels.ops.depthwise_conv2d_stats): no statistics pass
+      over x; the backward is bn_relu_bwd's. Public as `batch_norm_relu_from_partials`.
   bn_update_running_stats(running_mean!, running_var!, num_batches_tracked!, mean, var, momentum, count)
       nn.BatchNorm2d's running-statistics update in one kernel (momentum < 0: the cumulative average); public as
       `update_running_stats`.
@@ -36,11 +40,12 @@ from . import kernel_layout, load
 
 load()
 
-__all__ = ["batch_norm_relu_train", "update_running_stats", "local_batch_stats", "batch_norm_relu_normalize",
+__all__ = ["batch_norm_relu_train", "batch_norm_relu_from_partials", "update_running_stats", "local_batch_stats", "batch_norm_relu_normalize",
            "batch_norm_relu_grad_sums", "batch_norm_relu_input_grad", "update_running_stats_unbiased"]
 
 _fwd = torch.ops.mobilenet_bn.bn_relu_fwd.default
 _bwd = torch.ops.mobilenet_bn.bn_relu_bwd.default
+_fwd_partials = torch.ops.mobilenet_bn.bn_relu_fwd_from_partials.default
 _update = torch.ops.mobilenet_bn.bn_update_running_stats.default
 _local_stats = torch.ops.mobilenet_bn.bn_local_stats.default
 _normalize = torch.ops.mobilenet_bn.bn_relu_normalize.default
@@ -60,6 +65,11 @@ def _fwd_fake(x, weight, bias, eps):
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=_layout(x))
     stats = [x.new_empty(c, dtype=torch.float32) for _ in range(3)]
     return (y, *stats)
+
+
+@torch.library.register_fake("mobilenet_bn::bn_relu_fwd_from_partials")
+def _fwd_partials_fake(x, partials, weight, bias, eps):
+    return _fwd_fake(x, weight, bias, eps)
 
 
 @torch.library.register_fake("mobilenet_bn::bn_relu_bwd")
@@ -123,6 +133,27 @@ def _backward(ctx, grad_y, _grad_mean, _grad_invstd, _grad_var):
 torch.library.register_autograd("mobilenet_bn::bn_relu_fwd", _backward, setup_context=_setup_context)
 
 
+def _partials_setup_context(ctx, inputs, output):
+    x, _partials, weight, bias, eps = inputs
+    _setup_context(ctx, (x, weight, bias, eps), output)
+
+
+def _partials_backward(ctx, grad_y, _grad_mean, _grad_invstd, _grad_var):
+    # bn_relu_fwd's backward: grad_x is the full BatchNorm gradient (through the batch statistics), so the partials,
+    # which are these statistics computed elsewhere, take none. Inputs: x, partials, weight, bias, eps.
+    x, weight, bias, mean, invstd = ctx.saved_tensors
+    needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3])
+    if grad_y is None or not any(needs):
+        return None, None, None, None, None
+    grad_x, grad_weight, grad_bias = _bwd(grad_y.to(x.dtype), x, weight, bias, mean, invstd)
+    return (grad_x if needs[0] else None, None, grad_weight if needs[1] else None, grad_bias if needs[2] else None,
+            None)
+
+
+torch.library.register_autograd("mobilenet_bn::bn_relu_fwd_from_partials", _partials_backward,
+                                setup_context=_partials_setup_context)
+
+
 def _register_autocast(name: str, cast) -> None:
     """Autocast: BatchNorm is on none of autocast's cast lists, so cuDNN's takes x as it comes (fp16/bf16 from the
     convolution before it) with fp32 weight, bias and statistics. These ops do the same, stated explicitly: x (and the
@@ -148,6 +179,10 @@ def _fwd_autocast_args(x, weight, bias, eps):
     return x, _f32(weight), _f32(bias), eps
 
 
+def _fwd_partials_autocast_args(x, partials, weight, bias, eps):
+    return x, partials, _f32(weight), _f32(bias), eps  # partials stay fp64
+
+
 def _bwd_autocast_args(grad_y, x, weight, bias, mean, invstd):
     return grad_y.to(x.dtype), x, _f32(weight), _f32(bias), _f32(mean), _f32(invstd)
 
@@ -155,6 +190,7 @@ def _bwd_autocast_args(grad_y, x, weight, bias, mean, invstd):
 _lib = torch.library.Library("mobilenet_bn", "FRAGMENT")
 _register_autocast("bn_relu_fwd", _fwd_autocast_args)
 _register_autocast("bn_relu_bwd", _bwd_autocast_args)
+_register_autocast("bn_relu_fwd_from_partials", _fwd_partials_autocast_args)
 
 
 def _check_supported(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> None:
@@ -189,6 +225,21 @@ def batch_norm_relu_train(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 
     Differentiable in x, weight and bias (weight and bias are used in fp32, cast if they are not)."""
     _check_supported(x, weight, bias)
     return _fwd(x, _f32(weight), _f32(bias), float(eps))
+
+
+def batch_norm_relu_from_partials(x: Tensor, partials: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5):
+    """batch_norm_relu_train with x's batch statistics given as partials [bands, 3, C] float64 (count, mean, M2 per
+    band and channel), the second output of kernels.ops.depthwise_conv2d_stats for the convolution that produced x:
+    the same (y, mean, invstd, var) without the pass over x that computes them. The partials must be that
+    convolution's for this very x (they are not checked against it). Differentiable in x, weight and bias as
+    batch_norm_relu_train."""
+    _check_supported(x, weight, bias)
+    c = x.shape[1]
+    if (not isinstance(partials, Tensor) or partials.dim() != 3 or not 1 <= partials.shape[0] < 2**30
+            or tuple(partials.shape[1:]) != (3, c) or partials.dtype != torch.float64 or partials.device != x.device):
+        raise ValueError(f"batch_norm_relu: partials must be a float64 (bands, 3, {c}) tensor on {x.device}, got "
+                         f"{getattr(partials, 'dtype', None)} {tuple(getattr(partials, 'shape', ()))}")
+    return _fwd_partials(x, partials, _f32(weight), _f32(bias), float(eps))
 
 
 def update_running_stats(running_mean: Tensor, running_var: Tensor, num_batches_tracked: Tensor, mean: Tensor,

@@ -11,14 +11,15 @@ from torch import Tensor
 from . import kernel_layout, load
 from .conv_arith import IntOrPair, resolve_padding, to_pair
 from .depthwise_args import check_supported as _check_supported
-from .depthwise_args import out_shape
+from .depthwise_args import out_shape, stats_bands, stats_unsupported
 
 load()
 
-__all__ = ["depthwise_conv2d"]
+__all__ = ["depthwise_conv2d", "depthwise_conv2d_stats"]
 
 _fwd = torch.ops.mobilenet_dw.depthwise_fwd.default
 _bwd = torch.ops.mobilenet_dw.depthwise_bwd.default
+_fwd_stats = torch.ops.mobilenet_dw.depthwise_fwd_stats.default
 
 _layout = kernel_layout
 
@@ -39,6 +40,14 @@ def _bwd_fake(grad_out, x, w, stride, padding, dilation, output_mask):
     gw = w.new_empty(w.shape) if output_mask[1] else w.new_empty(0)
     gb = w.new_empty(w.shape[0]) if output_mask[2] else w.new_empty(0)
     return gx, gw, gb
+
+
+@torch.library.register_fake("mobilenet_dw::depthwise_fwd_stats")
+def _fwd_stats_fake(x, w, stride, padding):
+    shape = out_shape(x.shape, w.shape, stride, padding, (1, 1))
+    y = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=_layout(x))
+    bands = stats_bands(*shape, stride[0], x.dtype)
+    return y, x.new_empty((bands, 3, shape[1]), dtype=torch.float64)
 
 
 def _setup_context(ctx, inputs, output):
@@ -66,6 +75,28 @@ def _backward(ctx, grad):
 torch.library.register_autograd("mobilenet_dw::depthwise_fwd", _backward, setup_context=_setup_context)
 
 
+def _stats_setup_context(ctx, inputs, output):
+    x, w, stride, padding = inputs
+    ctx.save_for_backward(x, w)
+    ctx.conv_args = (stride, padding, [1, 1])
+    ctx.mark_non_differentiable(output[1])
+
+
+def _stats_backward(ctx, grad, _grad_partials):
+    # depthwise_fwd's backward without bias or activation: the statistics are outputs only (the BatchNorm's own
+    # backward accounts for how its statistics depend on y).
+    x, w = ctx.saved_tensors
+    mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], False]
+    if grad is None or not any(mask):
+        return None, None, None, None
+    gx, gw, _ = _bwd(grad.to(x.dtype), x, w, *ctx.conv_args, mask)
+    return gx if mask[0] else None, gw if mask[1] else None, None, None
+
+
+torch.library.register_autograd("mobilenet_dw::depthwise_fwd_stats", _stats_backward,
+                                setup_context=_stats_setup_context)
+
+
 def _register_autocast(qualname: str) -> None:
     """Autocast: cast floating inputs to the active autocast dtype (fp16 or bf16), then run with autocast
     off. torch.library.register_autocast fixes one target dtype; this follows torch.autocast(dtype=...)."""
@@ -91,6 +122,7 @@ def _register_autocast(qualname: str) -> None:
 _lib = torch.library.Library("mobilenet_dw", "FRAGMENT")
 _register_autocast("mobilenet_dw::depthwise_fwd")
 _register_autocast("mobilenet_dw::depthwise_bwd")
+_register_autocast("mobilenet_dw::depthwise_fwd_stats")
 
 
 def depthwise_conv2d(
@@ -128,3 +160,25 @@ def depthwise_conv2d(
     if before != after:  # 'same' with an even kernel: drop the extra first row/column (see above)
         y = y[:, :, after[0] - before[0]:, after[1] - before[1]:].contiguous(memory_format=_layout(x))
     return y
+
+
+def depthwise_conv2d_stats(x: Tensor, weight: Tensor, stride: IntOrPair = (1, 1),
+                           padding: IntOrPair = (1, 1)) -> tuple[Tensor, Tensor]:
+    """(y, partials): y = F.conv2d(x, weight, None, stride, padding, groups=C) for a 3x3 depthwise weight (C, 1, 3, 3)
+    on channels_last x, and the statistics of y as stored, per band of output rows: partials [bands, 3, C] float64 =
+    (count, mean, M2 = sum of squared deviations) per band and channel, for kernels.norm_ops.batch_norm_relu_from_partials.
+    y is bitwise depthwise_conv2d's where that runs the column walk too (the default knobs, C a multiple of 8 16-bit
+    or 4 fp32 channels), else equal to rounding. Differentiable in x and weight (not through partials).
+    Cases the statistics walk does not take raise ValueError (kernels.depthwise_args.stats_unsupported says why)."""
+    if not isinstance(x, Tensor) or x.dim() != 4:
+        raise ValueError(f"depthwise_conv2d_stats: input must be a 4-D tensor (N, C, H, W), got {getattr(x, 'shape', x)}")
+    if not isinstance(weight, Tensor) or weight.dim() != 4:
+        raise ValueError(f"depthwise_conv2d_stats: weight must have shape (C, 1, 3, 3), got "
+                         f"{tuple(getattr(weight, 'shape', ()))}")
+    stride = to_pair(stride, "depthwise_conv2d_stats: stride")
+    padding = to_pair(padding, "depthwise_conv2d_stats: padding")
+    _check_supported(x, weight, None, stride, padding, (1, 1))
+    why = stats_unsupported(x, weight, None, stride, padding, (1, 1))
+    if why is not None:
+        raise ValueError(f"depthwise_conv2d_stats: {why}")
+    return _fwd_stats(x, weight, list(stride), list(padding))

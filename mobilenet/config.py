@@ -70,6 +70,10 @@ class BackendConfig:
 class NormConfig:
     # Which BatchNorm + ReLU implementation (mobilenet/norm.py): torch | custom | apex.
     name: str = "torch"
+    # backend=custom norm=custom channels_last=true only: the 13 BatchNorms after a depthwise convolution take their
+    # batch statistics from the depthwise kernel (computed from its output in its epilogue) instead of a pass of their
+    # own over it (docs/kernels.md). Off until measured; a pair that cannot run so stops the run, nothing falls back.
+    stats_from_depthwise: bool = False
 
 
 @dataclass

@@ -71,12 +71,27 @@ def validate(cfg, device: torch.device) -> None:
         backend = get_backend(cfg.backend.name)
     backend.check(device)  # first: a GPU-only backend on a CPU is the root cause to report
     get_norm(cfg.norm.name).check(device)
+    _check_stats_from_depthwise(cfg)
     if cfg.amp and enum_value(cfg.amp_dtype) == "fp16" and device.type != "cuda":
         raise ConfigError("amp=true with amp_dtype=fp16 needs a CUDA GPU (CPU autocast runs bf16 only); "
                           "use amp_dtype=bf16 on a CPU, or run on a GPU")
     if cfg.amp and enum_value(cfg.amp_dtype) == "bf16" and device.type == "cpu":
         warn_once("bf16_cpu", "amp=true amp_dtype=bf16 on a CPU: most CPUs have no fast bf16 arithmetic, and such a run "
                   "can be tens of times slower than fp32 (amp=false); use it to check the code path, not for speed")
+
+
+def _check_stats_from_depthwise(cfg) -> None:
+    """norm.stats_from_depthwise=true runs only where every depthwise + BatchNorm pair can take the fused path."""
+    if not cfg.norm.stats_from_depthwise:
+        return
+    needs = [(cfg.backend.name == "custom", f"backend=custom (got {cfg.backend.name})"),
+             (cfg.norm.name == "custom", f"norm=custom (got {cfg.norm.name})"),
+             (bool(cfg.channels_last), "channels_last=true (the statistics walk is NHWC)"),
+             (not cfg.sync_bn, "sync_bn=false (the depthwise kernel's statistics are this rank's only)")]
+    missing = [what for ok, what in needs if not ok]
+    if missing:
+        raise ConfigError(f"norm.stats_from_depthwise=true needs {', '.join(missing)}; or set "
+                          "norm.stats_from_depthwise=false")
 
 
 def _check_process_layout(cfg, dist: distributed.DistInfo, device: torch.device) -> None:
@@ -112,7 +127,8 @@ def build_for_run(cfg, device: torch.device, num_classes: int, model: nn.Module 
     """The configured MobileNetV1 (or a given peer model) on the run's device, in the run's memory format."""
     if model is None:
         with checking_user_input(ValueError):  # an unknown model name or a width out of range
-            model = build_model(cfg.model.name, num_classes, cfg.model.width_mult, cfg.backend.name, cfg.model.dropout, norm=cfg.norm.name)
+            model = build_model(cfg.model.name, num_classes, cfg.model.width_mult, cfg.backend.name, cfg.model.dropout,
+                                norm=cfg.norm.name, stats_from_depthwise=cfg.norm.stats_from_depthwise)
     model = model.to(device)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)

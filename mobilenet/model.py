@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .depthwise import DepthwiseConv2d
-from .norm import get_norm
+from .norm import check_stats_from_depthwise, depthwise_norm_relu, get_norm
 
 # (output channels, stride) of the 13 depthwise-separable blocks at width multiplier 1.0 (Table 1).
 BLOCKS: tuple[tuple[int, int], ...] = (
@@ -32,9 +32,13 @@ class ConvBNReLU(nn.Sequential):
 
 
 class DepthwiseSeparable(nn.Sequential):
-    """3x3 depthwise conv + BN + ReLU, then 1x1 pointwise conv + BN + ReLU."""
+    """3x3 depthwise conv + BN + ReLU, then 1x1 pointwise conv + BN + ReLU.
 
-    def __init__(self, in_ch: int, out_ch: int, stride: int, backend: str, norm: str = "torch"):
+    stats_from_depthwise: the depthwise conv and its BatchNorm run as one pair whose batch statistics come from the
+    depthwise kernel (mobilenet/norm.py depthwise_norm_relu); the same modules, so the same state_dict."""
+
+    def __init__(self, in_ch: int, out_ch: int, stride: int, backend: str, norm: str = "torch",
+                 stats_from_depthwise: bool = False):
         super().__init__(
             DepthwiseConv2d(in_ch, 3, stride, padding=1, backend=backend),
             get_norm(norm).norm_relu(in_ch),
@@ -43,11 +47,20 @@ class DepthwiseSeparable(nn.Sequential):
             nn.Identity(),
             ConvBNReLU(in_ch, out_ch, 1, 1, norm),
         )
+        if stats_from_depthwise:
+            check_stats_from_depthwise(self[0], self[1])
+        self.stats_from_depthwise = stats_from_depthwise
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.stats_from_depthwise:
+            return super().forward(x)
+        depthwise, norm_relu, relu_slot, pointwise = self
+        return pointwise(relu_slot(depthwise_norm_relu(depthwise, norm_relu, x)))
 
 
 class MobileNetV1(nn.Module):
     def __init__(self, num_classes: int = 1000, width_mult: float = 1.0, depthwise: str = "torch", dropout: float = 0.0,
-                 norm: str = "torch"):
+                 norm: str = "torch", stats_from_depthwise: bool = False):
         super().__init__()
         if not 0 < width_mult <= 4:
             raise ValueError(f"model.width_mult must be in (0, 4] (the paper uses 0.25, 0.5, 0.75, 1.0), got {width_mult}")
@@ -59,7 +72,7 @@ class MobileNetV1(nn.Module):
         in_ch = _scaled(STEM_CHANNELS, width_mult)
         for out, stride in BLOCKS:
             out_ch = _scaled(out, width_mult)
-            layers.append(DepthwiseSeparable(in_ch, out_ch, stride, depthwise, norm))
+            layers.append(DepthwiseSeparable(in_ch, out_ch, stride, depthwise, norm, stats_from_depthwise))
             in_ch = out_ch
         self.features = nn.Sequential(*layers)
         self.pool = nn.AdaptiveAvgPool2d(1)
@@ -86,10 +99,11 @@ class MobileNetV1(nn.Module):
 
 
 def build_model(name: str, num_classes: int, width_mult: float, depthwise: str, dropout: float = 0.0,
-                norm: str = "torch") -> nn.Module:
+                norm: str = "torch", stats_from_depthwise: bool = False) -> nn.Module:
     if name != "mobilenet_v1":
         raise ValueError(f"unknown model {name!r}; choose one of: mobilenet_v1")
-    return MobileNetV1(num_classes=num_classes, width_mult=width_mult, depthwise=depthwise, dropout=dropout, norm=norm)
+    return MobileNetV1(num_classes=num_classes, width_mult=width_mult, depthwise=depthwise, dropout=dropout, norm=norm,
+                       stats_from_depthwise=stats_from_depthwise)
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -31,7 +31,8 @@ from .registry import Registry
 __all__ = [
     "NormUnavailable", "NormImpl", "register_norm", "available_norms", "get_norm", "applies_relu",
     "TorchBatchNormReLU", "CustomBatchNormReLU", "ApexBatchNormReLU", "SyncBatchNormReLU", "SyncCustomBatchNormReLU",
-    "combine_rank_statistics", "convert_sync_batchnorm", "sync_bn_state",
+    "combine_rank_statistics", "convert_sync_batchnorm", "sync_bn_state", "check_stats_from_depthwise",
+    "depthwise_norm_relu",
 ]
 
 APEX_INSTALL = (
@@ -166,6 +167,43 @@ class CustomBatchNormReLU(nn.BatchNorm2d):
 
         update_running_stats(self.running_mean, self.running_var, self.num_batches_tracked, mean, var, self.momentum,
                              count)
+
+
+# --- norm.stats_from_depthwise: the batch statistics from the depthwise kernel before the BatchNorm --------------
+
+
+def check_stats_from_depthwise(conv: nn.Module, bn: nn.Module) -> None:
+    """The pair depthwise_norm_relu runs: a backend=custom depthwise conv and a norm=custom (not sync) BatchNorm."""
+    backend = getattr(getattr(conv, "backend", None), "name", None)
+    if backend != "custom" or type(bn) is not CustomBatchNormReLU:
+        raise NormUnavailable(f"norm.stats_from_depthwise=true needs backend=custom and norm=custom without sync_bn "
+                              f"(got a {backend} depthwise conv and {type(bn).__name__}); set "
+                              "norm.stats_from_depthwise=false")
+
+
+def depthwise_norm_relu(conv: nn.Module, bn: "CustomBatchNormReLU", x: Tensor) -> Tensor:
+    """bn(conv(x)) with the batch statistics computed by the depthwise kernel from its output as stored
+    (kernels.ops.depthwise_conv2d_stats), so the BatchNorm reads conv(x) once (normalize) instead of twice. The same
+    y, statistics and running-statistics update as bn(conv(x)) to rounding; eval mode runs bn(conv(x)). A training
+    input the statistics walk does not take stops the run (NormUnavailable naming why): nothing falls back."""
+    check_stats_from_depthwise(conv, bn)
+    if not _uses_batch_stats(bn):
+        return bn(conv(x))
+    from kernels.depthwise_args import stats_unsupported
+
+    why = stats_unsupported(x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation)
+    if why is not None:
+        raise NormUnavailable(f"norm.stats_from_depthwise=true: this depthwise conv cannot compute the BatchNorm's "
+                              f"statistics ({why}); set norm.stats_from_depthwise=false")
+    from kernels.norm_ops import batch_norm_relu_from_partials
+    from kernels.ops import depthwise_conv2d_stats
+
+    y, partials = depthwise_conv2d_stats(x, conv.weight, conv.stride, conv.padding)
+    _check_batch_size(y)
+    out, mean, _invstd, var = batch_norm_relu_from_partials(y, partials, bn.weight, bn.bias, bn.eps)
+    if bn.training and bn.track_running_stats:
+        bn._update_running_stats(mean, var, y.numel() // y.shape[1])
+    return out
 
 
 def _custom_check(device: torch.device) -> None:

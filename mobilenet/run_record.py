@@ -18,6 +18,11 @@ def precision_label(cfg) -> str:
     return f"amp {enum_value(cfg.amp_dtype)}" if cfg.amp else "fp32"
 
 
+def norm_label(cfg) -> str:
+    fused = getattr(cfg.norm, "stats_from_depthwise", False)
+    return cfg.norm.name + (" (statistics from the depthwise kernel)" if fused else "")
+
+
 def layout_label(cfg) -> str:
     return "channels_last" if cfg.channels_last else "NCHW"
 
@@ -26,7 +31,7 @@ def config_rows(cfg, device: torch.device, env: dict, backend: str | None = None
     """What a summary table says about the combination that ran (training and inference alike)."""
     return {
         "backend": backend or cfg.backend.name,
-        "norm": cfg.norm.name,
+        "norm": norm_label(cfg),
         "precision": precision_label(cfg),
         "memory format": layout_label(cfg),
         "compile": cfg.compile,

@@ -98,6 +98,38 @@ void check_channel_vectors(const at::Tensor& x, const at::Tensor& weight, const 
   check_channel_vector(invstd, x, "invstd");
 }
 
+// bn_relu_fwd with x's statistics from partial [bands, 3, C] fp64 (count, mean, M2 per band and channel), as
+// mobilenet_dw::depthwise_fwd_stats returns them with x: the same outputs without the statistics pass over x.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_fwd_from_partials(
+    const at::Tensor& x_in, const at::Tensor& partial, const at::Tensor& weight, const at::Tensor& bias, double eps) {
+  check_input(x_in);
+  check_channel_vector(weight, x_in, "weight");
+  check_channel_vector(bias, x_in, "bias");
+  TORCH_CHECK(eps >= 0, "batch_norm_relu: eps must be >= 0, got ", eps);
+  TORCH_CHECK(partial.dim() == 3 && partial.size(0) >= 1 && partial.size(0) < (1 << 30) && partial.size(1) == 3 &&
+                  partial.size(2) == x_in.size(1) && partial.scalar_type() == at::kDouble &&
+                  partial.device() == x_in.device(),
+              "batch_norm_relu: partials must be a float64 (bands, 3, ", x_in.size(1), ") tensor on ", x_in.device(),
+              ", got ", partial.scalar_type(), " ", partial.sizes());
+  c10::cuda::CUDAGuard guard(x_in.device());
+  const c10::MemoryFormat fmt = layout_of(x_in);
+  const at::Tensor x = in_layout(x_in, fmt);
+  const at::Tensor part = partial.contiguous(), w = weight.contiguous(), b = bias.contiguous();
+  const BnShape s = shape_of(x, fmt);
+  const DType dt = to_dtype(x.scalar_type());
+  at::Tensor y = at::empty(x.sizes(), x.options().memory_format(fmt));
+  const auto stat = x.options().dtype(at::kFloat);
+  at::Tensor mean = at::empty({s.C}, stat), invstd = at::empty({s.C}, stat), var = at::empty({s.C}, stat);
+  at::Tensor scale = at::empty({s.C}, stat);
+  const BnPlan p = make_plan(s, dt, address(x) | address(y), num_sms(), BnPass::kForward);
+  launch_forward_from_partials(s, p, dt, x.const_data_ptr(), part.const_data_ptr<double>(),
+                               static_cast<int>(part.size(0)), w.const_data_ptr<float>(), b.const_data_ptr<float>(),
+                               static_cast<float>(eps), y.mutable_data_ptr(), mean.mutable_data_ptr<float>(),
+                               invstd.mutable_data_ptr<float>(), var.mutable_data_ptr<float>(),
+                               scale.mutable_data_ptr<float>(), c10::cuda::getCurrentCUDAStream());
+  return {y, mean, invstd, var};
+}
+
 // The backward's inputs: grad_y like x, and the forward's fp32 per-channel vectors.
 void check_backward_inputs(const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight,
                            const at::Tensor& bias, const at::Tensor& mean, const at::Tensor& invstd) {
@@ -298,10 +330,16 @@ TORCH_LIBRARY(mobilenet_bn, m) {
   m.def(
       "bn_update_running_stats_unbiased(Tensor(a!) running_mean, Tensor(b!) running_var, "
       "Tensor(c!) num_batches_tracked, Tensor mean, Tensor unbiased_var, float momentum) -> ()");
+  // The forward with x's statistics given as per-block partials (mobilenet_dw::depthwise_fwd_stats' second
+  // output): no statistics pass over x. The backward is bn_relu_bwd's.
+  m.def(
+      "bn_relu_fwd_from_partials(Tensor x, Tensor partials, Tensor weight, Tensor bias, float eps) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(mobilenet_bn, CUDA, m) {
   m.impl("bn_relu_fwd", &mbn::bn_relu_fwd);
+  m.impl("bn_relu_fwd_from_partials", &mbn::bn_relu_fwd_from_partials);
   m.impl("bn_relu_bwd", &mbn::bn_relu_bwd);
   m.impl("bn_update_running_stats", &mbn::bn_update_running_stats);
   m.impl("bn_local_stats", &mbn::bn_local_stats);

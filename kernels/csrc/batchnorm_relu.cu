@@ -698,6 +698,102 @@ void launch_update_running_stats(int C, const float* mean, const float* var, int
   launch_update(C, mean, var, unbias, momentum, running_mean, running_var, num_batches_tracked, stream);
 }
 
+// --- the forward from statistics partials of x (the depthwise forward's, depthwise_fwd_stats) ---------------------
+//
+// finalize_stats' outputs from per-block (count, mean, M2) instead of this op's own statistics pass, then the same
+// apply pass: x is read once instead of twice.
+
+namespace {
+
+struct Moments {
+  double n, mean, m2;
+};
+
+// Chan et al.'s pairwise combination of two sets' (count, mean, M2): no difference of large sums, so a large mean
+// does not cancel the variance away. An empty b leaves a unchanged (bit for bit); an empty a gives b.
+__device__ __forceinline__ Moments merge_moments(const Moments& a, const Moments& b) {
+  if (b.n == 0.0) return a;
+  const double n = a.n + b.n, delta = b.mean - a.mean;
+  return {n, a.mean + delta * (b.n / n), a.m2 + b.m2 + delta * delta * (a.n * (b.n / n))};
+}
+
+// Channel c's moments over all bands of partial [bands][3][C]: lane l adds bands l, l + 32, ... in order as sums
+// shifted to the mean of its first band (Chan's combination, sum of M2 plus count * (mean - ref)^2, with no division
+// per band; the bands' means lie within the channel's spread of each other, so nothing cancels in fp64), then a tree
+// of Chan merges over the lanes (lane i takes lane i + m for m = 16, ..., 1). The order depends on (bands, C) alone.
+// Valid in lane 0.
+__device__ __forceinline__ Moments merge_bands(const double* partial, int bands, int C, int c) {
+  const int lane = threadIdx.x % 32;
+  const double* first = partial + static_cast<size_t>(lane) * 3 * C + c;
+  const double ref = lane < bands && first[0] > 0.0 ? first[C] : 0.0;
+  double n = 0.0, a = 0.0, q = 0.0;
+  for (int i = lane; i < bands; i += 32) {
+    const double* p = partial + static_cast<size_t>(i) * 3 * C + c;
+    const double nb = p[0];
+    if (nb == 0.0) continue;
+    const double d = p[C] - ref;
+    n += nb;
+    a = fma(nb, d, a);
+    q += fma(nb * d, d, p[2 * C]);
+  }
+  Moments acc{0.0, 0.0, 0.0};
+  if (n > 0.0) {
+    const double shifted_mean = a / n;
+    acc = Moments{n, ref + shifted_mean, fmax(q - a * shifted_mean, 0.0)};
+  }
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) {
+    const Moments other{__shfl_down_sync(0xffffffffu, acc.n, m), __shfl_down_sync(0xffffffffu, acc.mean, m),
+                        __shfl_down_sync(0xffffffffu, acc.m2, m)};
+    if (lane + m < 32) acc = merge_moments(acc, other);
+  }
+  return acc;
+}
+
+// finalize_stats' outputs (mean, invstd, biased var, and the forward's scale) from the merged moments.
+__global__ void __launch_bounds__(kFinalizeWarps * 32)
+    finalize_partials(const double* partial, int bands, int C, const float* weight, float eps, float* mean,
+                      float* invstd, float* var, float* scale) {
+  const int c = finalize_channel();
+  if (c >= C) return;  // a whole warp, as in finalize_stats
+  const Moments m = merge_bands(partial, bands, C, c);
+  if (threadIdx.x % 32 != 0) return;
+  const double v = m.n > 0.0 ? m.m2 / m.n : 0.0;
+  const double is = 1.0 / sqrt(v + static_cast<double>(eps));
+  const float isf = static_cast<float>(is);
+  mean[c] = static_cast<float>(m.mean);
+  invstd[c] = isf;
+  var[c] = static_cast<float>(v);
+  scale[c] = bn_scale(weight[c], isf);
+}
+
+template <class TT, int V>
+void forward_from_partials_typed(const BnShape& s, const BnPlan& p, const void* x_, const double* partial, int bands,
+                                 const float* weight, const float* bias, float eps, void* y_, float* mean,
+                                 float* invstd, float* var, float* workspace, cudaStream_t stream) {
+  using S = typename TT::S;
+  finalize_partials<<<finalize_blocks(s.C), kFinalizeBlock, 0, stream>>>(partial, bands, s.C, weight, eps, mean,
+                                                                           invstd, var, workspace);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_apply<V>(s, p, NormalizeOp<TT>{static_cast<const S*>(x_), static_cast<S*>(y_), {mean, workspace, bias}},
+                  stream);
+}
+
+template <class TT, int V>
+struct FromPartialsLaunch {
+  template <class... A>
+  static void run(A... a) { forward_from_partials_typed<TT, V>(a...); }
+};
+
+}  // namespace
+
+void launch_forward_from_partials(const BnShape& s, const BnPlan& p, DType dt, const void* x, const double* partial,
+                                  int bands, const float* weight, const float* bias, float eps, void* y, float* mean,
+                                  float* invstd, float* var, float* workspace, cudaStream_t stream) {
+  dispatch<FromPartialsLaunch>(dt, p.vec, s, p, x, partial, bands, weight, bias, eps, y, mean, invstd, var, workspace,
+                               stream);
+}
+
 // --- sync_bn: the same passes, split where the statistics or the gradient sums are combined across ranks ----------
 //
 // The reduce and apply passes and the backward's finalize are the ones above (the same instantiations); only the

@@ -55,6 +55,13 @@ size_t workspace_floats(const BnShape& s, const BnPlan& p);
 void launch_forward(const BnShape& s, const BnPlan& p, DType dt, const void* x, const float* weight, const float* bias,
                     float eps, void* y, float* mean, float* invstd, float* var, float* workspace, cudaStream_t stream);
 
+// launch_forward with the statistics of x given as partial [bands][3][C] fp64 = (count, mean, M2) per block and
+// channel (the depthwise forward's, depthwise_fwd_stats) instead of computed by a pass over x: the bands merged in
+// fp64 with Chan's formula in a fixed order, then the same normalize. workspace: C floats.
+void launch_forward_from_partials(const BnShape& s, const BnPlan& p, DType dt, const void* x, const double* partial,
+                                  int bands, const float* weight, const float* bias, float eps, void* y, float* mean,
+                                  float* invstd, float* var, float* workspace, cudaStream_t stream);
+
 // The three gradients of y = relu(batch_norm(x)), the ReLU's backward (grad_y where y > 0) folded in. The mask is
 // recomputed from x, weight, bias and the saved statistics exactly as the forward computed y, so y is not read.
 void launch_backward(const BnShape& s, const BnPlan& p, DType dt, const void* grad_y, const void* x, const float* weight,

@@ -45,6 +45,14 @@ enum Act : int { kActNone = 0, kActReLU = 1, kActReLU6 = 2 };
 void launch_forward(const DepthwiseShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                     cudaStream_t stream);
 
+// The forward with the statistics of y per block (no bias, no activation): whether the case is the statistics walk's
+// (NHWC 3x3, equal strides 1 or 2, dilation 1, whole 32-bit words of channels, 4-byte pointers, in the specialised
+// kernels' domain), the bands of its partial[bands][3][C] fp64 (0 when it is not), and the launch.
+bool forward_stats_fits(const DepthwiseShape& s, DType dt, const void* x, const void* y);
+int forward_stats_bands(const DepthwiseShape& s, DType dt);
+void launch_forward_stats(const DepthwiseShape& s, DType dt, const void* x, const void* w, void* y, double* partial,
+                          cudaStream_t stream);
+
 // grad_input from grad_out (gather over the taps that touch each input pixel).
 void launch_dgrad(const DepthwiseShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,
                   cudaStream_t stream);

@@ -117,6 +117,24 @@ void launch_forward(const DepthwiseShape& g, DType dt, const void* x, const void
   forward_tiled(s, dt, x, w, bias, y, stream);
 }
 
+// The forward with statistics (depthwise_forward.cu): the column walk only, with no fallback, so that its partials
+// always have one layout; the op refuses other cases (kernels/ops.py checks first).
+bool forward_stats_fits(const DepthwiseShape& g, DType dt, const void* x, const void* y) {
+  ConvShape s;
+  return g.act == kActNone && narrow_shape(g, &s) && column_fits(s, dt, x, y);
+}
+
+int forward_stats_bands(const DepthwiseShape& g, DType dt) {
+  ConvShape s;
+  return narrow_shape(g, &s) ? forward_nhwc_column_stats_bands(s, dt) : 0;
+}
+
+void launch_forward_stats(const DepthwiseShape& g, DType dt, const void* x, const void* w, void* y, double* partial,
+                          cudaStream_t stream) {
+  ConvShape s;
+  if (narrow_shape(g, &s)) forward_nhwc_column_stats(s, dt, x, w, y, partial, stream);
+}
+
 // Input gradient (depthwise_input_grad.cu):
 //   outside narrow_shape's domain                                       generic
 //   NHWC 5x5/7x7 s1, whole 32-bit words of channels, FWD_COLUMN_K57 >= 2   column walk, partial sums, kernel rotated

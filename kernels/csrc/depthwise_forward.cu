@@ -2,7 +2,8 @@
 // technique. Which one runs a case is decided by the forward table in depthwise_dispatch.cpp.
 //   tiled:      NHWC and NCHW, 3/5/7 square, stride 1/2, dilation 1, 16/32-bit (register tiles of a few columns)
 //   vec3x3:     NCHW 3x3, stride 1, padding 1, 16-bit (vector loads; the kernel is in stencil_3x3.cuh)
-//   column:     NHWC 3x3, stride 1/2, whole 32-bit words of channels (column walk; the kernel is in stencil_3x3.cuh)
+//   column:     NHWC 3x3, stride 1/2, whole 32-bit words of channels (column walk; the kernel is in stencil_3x3.cuh),
+//               and its variant that also writes the statistics of y per block (depthwise_fwd_stats)
 //   generic:    everything else (one output element per thread)
 // The 5x5/7x7 walks (NHWC and NCHW, behind knobs that are off by default) are in depthwise_k57.cu.
 #include <c10/cuda/CUDAException.h>
@@ -258,6 +259,17 @@ void column_forward(const ConvShape& s, DType dt, const void* x, const void* w, 
   }
 }
 
+// The statistics walk: stride and rows per lane to their instantiation.
+template <class TT>
+void column_forward_stats(const ConvShape& s, DType dt, const void* x, const void* w, void* y, double* partial,
+                          cudaStream_t stream) {
+  if (column_stats_rows(s, dt) == 2) {
+    (s.SH == 1 ? launch_column_stats<TT, 1, 2> : launch_column_stats<TT, 2, 2>)(s, dt, x, w, y, partial, stream);
+  } else {
+    (s.SH == 1 ? launch_column_stats<TT, 1, 1> : launch_column_stats<TT, 2, 1>)(s, dt, x, w, y, partial, stream);
+  }
+}
+
 // ---- generic ----
 
 // Any kernel size, stride, padding, dilation and depth multiplier: output channel oc reads input channel oc / M.
@@ -326,6 +338,18 @@ void forward_nhwc_column(const ConvShape& s, DType dt, const void* x, const void
     case DType::F16: return column_forward<F16T>(s, dt, x, w, bias, y, stream);
     case DType::BF16: return column_forward<BF16T>(s, dt, x, w, bias, y, stream);
     default: return;  // the dispatch's column test excludes fp64
+  }
+}
+
+int forward_nhwc_column_stats_bands(const ConvShape& s, DType dt) { return column_stats_tiling(s, dt).tiles_h; }
+
+void forward_nhwc_column_stats(const ConvShape& s, DType dt, const void* x, const void* w, void* y, double* partial,
+                               cudaStream_t stream) {
+  switch (dt) {
+    case DType::F32: return column_forward_stats<F32T>(s, dt, x, w, y, partial, stream);
+    case DType::F16: return column_forward_stats<F16T>(s, dt, x, w, y, partial, stream);
+    case DType::BF16: return column_forward_stats<BF16T>(s, dt, x, w, y, partial, stream);
+    default: return;  // the op's check (forward_stats_fits) excludes fp64
   }
 }
 

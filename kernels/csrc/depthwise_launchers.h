@@ -14,6 +14,12 @@ namespace mdw {
 // NHWC 3x3, stride 1 or 2, whole 32-bit words of channels: a lane walks one output row (column walk).
 void forward_nhwc_column(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                          cudaStream_t stream);
+// The same walk without bias or activation that also writes, per band of rows (one block per band and channel group),
+// the statistics of y as stored: partial[band][3][C] fp64 = (count, mean, M2) per channel, for the BatchNorm that
+// reads y (mobilenet_bn::bn_relu_fwd_from_partials). forward_nhwc_column_stats_bands: the number of bands.
+int forward_nhwc_column_stats_bands(const ConvShape& s, DType dt);
+void forward_nhwc_column_stats(const ConvShape& s, DType dt, const void* x, const void* w, void* y, double* partial,
+                               cudaStream_t stream);
 // NHWC 5x5 or 7x7, stride 1 or 2, whole 32-bit words of channels: a lane walks one output row carrying partial sums.
 void forward_nhwc_column_k57(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                              cudaStream_t stream);

@@ -109,6 +109,29 @@ at::Tensor depthwise_fwd(const at::Tensor& x_in, const at::Tensor& w_in, const s
   return y;
 }
 
+// y = conv(x, w) (no bias, no activation) and the statistics of y per band of rows, partial [bands][3][C] fp64 =
+// (count, mean, M2) per channel, for mobilenet_bn::bn_relu_fwd_from_partials. Only the NHWC column walk takes it
+// (forward_stats_fits); kernels/ops.py depthwise_conv2d_stats checks the case first.
+std::tuple<at::Tensor, at::Tensor> depthwise_fwd_stats(const at::Tensor& x_in, const at::Tensor& w_in,
+                                                       at::IntArrayRef stride, at::IntArrayRef padding) {
+  const c10::MemoryFormat fmt = layout_of(x_in);
+  const int64_t dilation[2] = {1, 1};
+  const DepthwiseShape s = check_and_shape(x_in, w_in, stride, padding, dilation, fmt);
+  c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = in_layout(x_in, fmt);
+  const at::Tensor w = w_in.contiguous();
+  const DType dt = to_dtype(x.scalar_type());
+  at::Tensor y = at::empty({s.N, s.C * s.M, s.OH, s.OW}, x.options().memory_format(fmt));
+  TORCH_CHECK(s.M == 1 && y.numel() > 0 && forward_stats_fits(s, dt, x.const_data_ptr(), y.const_data_ptr()),
+              "depthwise_fwd_stats: only NHWC 3x3 convolutions with stride 1 or 2, dilation 1 and whole 32-bit words "
+              "of channels (float32, or an even number of 16-bit channels) are supported");
+  const int bands = forward_stats_bands(s, dt);
+  at::Tensor partial = at::empty({bands, 3, s.C}, x.options().dtype(at::kDouble));
+  launch_forward_stats(s, dt, x.const_data_ptr(), w.const_data_ptr(), y.mutable_data_ptr(),
+                       partial.mutable_data_ptr<double>(), c10::cuda::getCurrentCUDAStream().stream());
+  return {y, partial};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_bwd(const at::Tensor& grad_out, const at::Tensor& x_in,
                                                              const at::Tensor& w_in, at::IntArrayRef stride,
                                                              at::IntArrayRef padding, at::IntArrayRef dilation,
@@ -165,6 +188,9 @@ TORCH_LIBRARY(mobilenet_dw, m) {
   m.def(
       "depthwise_bwd(Tensor grad_out, Tensor x, Tensor w, int[2] stride, int[2] padding, int[2] dilation, "
       "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+  // The forward without bias or activation that also returns the statistics of y per band of rows (fp64
+  // [bands, 3, C]: count, mean, M2), for the BatchNorm that follows (mobilenet_bn::bn_relu_fwd_from_partials).
+  m.def("depthwise_fwd_stats(Tensor x, Tensor w, int[2] stride, int[2] padding) -> (Tensor, Tensor)");
   // The launch knobs (MDW_* environment, launch_plan.h) are read once and kept; this re-reads them.
   m.def("reload_knobs() -> ()", &mdw::reload_knobs);
 }
@@ -172,4 +198,5 @@ TORCH_LIBRARY(mobilenet_dw, m) {
 TORCH_LIBRARY_IMPL(mobilenet_dw, CUDA, m) {
   m.impl("depthwise_fwd", &mdw::depthwise_fwd);
   m.impl("depthwise_bwd", &mdw::depthwise_bwd);
+  m.impl("depthwise_fwd_stats", &mdw::depthwise_fwd_stats);
 }

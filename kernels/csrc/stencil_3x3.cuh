@@ -179,6 +179,66 @@ __device__ __forceinline__ void load_fwd_steps(const FwdColumnRow& row, int W, i
   }
 }
 
+// STATS: per-lane statistics of the outputs as stored (rounded to TT, so exactly the values a BatchNorm of y reads),
+// shifted by the lane's own first output per channel (the pivot) so that a large mean does not cancel the variance
+// away in fp32. No bias or activation changes this: the values are whatever the epilogue stores.
+template <class TT, int V>
+struct ColumnStats {
+  float pivot[V], s1[V], s2[V];
+  __device__ __forceinline__ void add(const float (&a)[V], bool first) {
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+      const float y = TT::to_acc(TT::from_acc(a[v]));
+      if (first) pivot[v] = y;
+      const float d = y - pivot[v];
+      s1[v] += d;
+      s2[v] = fmaf(d, d, s2[v]);
+    }
+  }
+};
+
+// The block's statistics per channel into partial[band][3][C] (fp64: count, mean, M2 = sum of squared deviations):
+// every lane's (count, pivot, s1, s2) goes through shared memory, then lane cv (the band's first row of lanes) adds
+// rows sy = 0 .. sy_n - 1 of its channels in that order, in fp64, as sums shifted by row 0's pivot (ref): with
+// delta = pivot - ref, a row adds s1 + n * delta and s2 + delta * (2 * s1 + n * delta), the sums of y - ref. ref is
+// a value of the block, so these do not cancel the block's M2 away (in fp64 even less than the lanes' fp32 sums),
+// and no division is on the chain. Each (band, channel) has exactly one block, so the result depends on the shape
+// alone: bitwise repeatable, no atomics.
+template <class TT, int V>
+__device__ __forceinline__ void write_column_stats(const ColumnStats<TT, V>& st, float count, const Tiling& t, int cv,
+                                                   int cw, int words, int band, double* __restrict__ partial) {
+  __shared__ float red[1 + 3 * V][256];  // blocks have at most 256 lanes (column_tiling)
+  const int lane = threadIdx.x;
+  red[0][lane] = count;
+#pragma unroll
+  for (int v = 0; v < V; ++v) {
+    red[1 + v][lane] = st.pivot[v];
+    red[1 + V + v][lane] = st.s1[v];
+    red[1 + 2 * V + v][lane] = st.s2[v];
+  }
+  __syncthreads();
+  if (lane >= t.lanes_c || cw >= words) return;  // lane < lanes_c: the row sy = 0 (always active), cv = lane
+  const int C = words * V;
+#pragma unroll
+  for (int v = 0; v < V; ++v) {
+    const double ref = red[1 + v][cv];
+    double n = 0.0, a = 0.0, b = 0.0;
+    for (int sy = 0; sy < t.sy_n; ++sy) {
+      const int l = cv + t.lanes_c * sy;
+      const double nl = red[0][l], s1 = red[1 + V + v][l], s2 = red[1 + 2 * V + v][l];
+      const double delta = nl > 0.0 ? static_cast<double>(red[1 + v][l]) - ref : 0.0;
+      n += nl;
+      a += fma(nl, delta, s1);
+      b += fma(delta, fma(nl, delta, 2.0 * s1), s2);
+    }
+    const double shifted_mean = a / n;
+    double* out = partial + static_cast<size_t>(band) * 3 * C + cw * V + v;
+    out[0] = n;
+    out[C] = ref + shifted_mean;
+    out[2 * C] = fmax(b - a * shifted_mean, 0.0);
+  }
+}
+
 // Lanes: lane = cv + lanes_c * row, the block's rows are a band of consecutive rows of the flattened
 // (n, oh / R) index (bands span images, so the 7- and 14-row layers still fill a block), and block b is
 // channel group b % groups of band b / groups. R = 2: a lane row is a pair of output rows oh = 2p,
@@ -191,26 +251,32 @@ __device__ __forceinline__ void load_fwd_steps(const FwdColumnRow& row, int W, i
 // the start of the output, which the next layer's kernel reads first. FLIP: the kernel rotated 180
 // degrees, no bias and no activation (the input gradient of a stride-1 convolution, run on the flipped shape).
 // 4 blocks of 256 per SM (64 registers), as the wgrad column kernel; MINB = 3 (up to 85 registers) for the
-// deeper unrolls of FWD_COLUMN_DEEP.
-template <class TT, int S, int U, bool FLIP, int R, int MINB>
+// deeper unrolls of FWD_COLUMN_DEEP. STATS: also the statistics of the stored outputs per (band, channel) into
+// partial (write_column_stats); then no lane returns early (the block meets at a barrier): lanes without a row or
+// word of their own set up a real one, walk none of it and count nothing.
+template <class TT, int S, int U, bool FLIP, int R, int MINB, bool STATS = false>
 __global__ void __launch_bounds__(256, MINB)
     fwd_nhwc_column_kernel(const uint32_t* __restrict__ x, const typename TT::S* __restrict__ w,
-                           const typename TT::S* __restrict__ bias, uint32_t* __restrict__ y, ConvShape s, Tiling t) {
+                           const typename TT::S* __restrict__ bias, uint32_t* __restrict__ y, ConvShape s, Tiling t,
+                           double* __restrict__ partial) {
   static_assert(R == 1 || R == 2, "R: output rows per lane");
   constexpr int K = kK, KK = K * K;
   constexpr int KR = K + S * (R - 1);            // input rows held
   constexpr int V = 4 / sizeof(typename TT::S);  // channels per 32-bit word
   constexpr int KH = K - S;                      // window columns carried from one step to the next
   const int lane = threadIdx.x;
-  if (lane >= t.threads) return;
+  if (!STATS && lane >= t.threads) return;
   const NhwcLane ln = nhwc_lane(lane, t);
   const int words = s.C / V;
-  const int cw = (blockIdx.x % t.groups) * t.lanes_c + ln.cv;
+  const int cw_own = (blockIdx.x % t.groups) * t.lanes_c + ln.cv;
   const int OHR = R == 1 ? s.OH : (s.OH + 1) >> 1;  // lane rows per image
   const int bands = gridDim.x / t.groups;
   const int band = t.reverse ? bands - 1 - static_cast<int>(blockIdx.x) / t.groups : blockIdx.x / t.groups;
-  const int r = band * t.sy_n + ln.sy;
-  if (cw >= words || r >= s.N * OHR) return;
+  const int r_own = band * t.sy_n + ln.sy;
+  if (!STATS && (cw_own >= words || r_own >= s.N * OHR)) return;
+  const bool active = !STATS || (lane < t.threads && cw_own < words && r_own < s.N * OHR);
+  const int cw = STATS ? min(cw_own, words - 1) : cw_own;
+  const int r = STATS ? min(r_own, s.N * OHR - 1) : r_own;
   const int n = r / OHR, oh = (r - n * OHR) * R;
   const bool second = R == 2 && oh + 1 < s.OH;  // the lane's second output row exists
 
@@ -257,7 +323,13 @@ __global__ void __launch_bounds__(256, MINB)
     }
   }
 
-  for (int t0 = 0; t0 < s.OW; t0 += U) {
+  ColumnStats<TT, V> st;
+  if constexpr (STATS) {
+#pragma unroll
+    for (int v = 0; v < V; ++v) st.pivot[v] = st.s1[v] = st.s2[v] = 0.f;
+  }
+  const int walk_end = STATS && !active ? 0 : s.OW;
+  for (int t0 = 0; t0 < walk_end; t0 += U) {
     // Most groups lie inside the image and the row: no bounds tests there. Columns outside load
     // zeros (the padding); steps past OW (a partial last group) neither load nor store.
     uint32_t raw[U][KR][S];
@@ -307,8 +379,16 @@ __global__ void __launch_bounds__(256, MINB)
       if (t0 + u < s.OW) {
         store_global(yp + (t0 + u) * words, narrow_word<TT, V>(acc[0]));
         if (R == 2 && second) store_global(yp + (ystep2 + (t0 + u) * words), narrow_word<TT, V>(acc[R - 1]));
+        if constexpr (STATS) {
+          st.add(acc[0], u == 0 && t0 == 0);
+          if (R == 2 && second) st.add(acc[R - 1], false);
+        }
       }
     }
+  }
+  if constexpr (STATS) {
+    const float count = active ? static_cast<float>(s.OW) * (second ? 2.f : 1.f) : 0.f;
+    write_column_stats<TT, V>(st, count, t, ln.cv, cw_own, words, band, partial);
   }
 }
 
@@ -352,7 +432,37 @@ void launch_column(const ConvShape& s, DType dt, const void* x, const void* w, c
   const dim3 grid(t.groups * t.tiles_h);
   fwd_nhwc_column_kernel<TT, S, U, FLIP, R, kMinBlocks><<<grid, t.block, 0, stream>>>(
       static_cast<const uint32_t*>(x), static_cast<const Sx*>(w), static_cast<const Sx*>(bias),
-      static_cast<uint32_t*>(y), s, t);
+      static_cast<uint32_t*>(y), s, t, nullptr);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The statistics walk (STATS): one row per lane or two as the plain forward's auto rule picks them (column_forward),
+// the plain walk's unroll; no bias, no activation. 16-bit at 3 blocks per SM (up to 85 registers): its 6 more
+// floats per lane (pivot and sums of 2 channels) spilled 36-96 bytes at 4 (64 registers); fp32 fits 4. The same
+// FMAs in the same order as the plain forward, so y is bitwise its y. partial: [bands][3][C] fp64, bands =
+// column_stats_tiling(s, dt).tiles_h.
+inline int column_stats_rows(const ConvShape& s, DType dt) {
+  const int rows = knob(Knob::kFwdColumnRows, dt);
+  return rows == 2 || (rows == 0 && s.SH == 1 && s.OW <= 28) ? 2 : 1;
+}
+
+inline Tiling column_stats_tiling(const ConvShape& s, DType dt) {
+  const int V = dt == DType::F32 ? 1 : 2;
+  const int R = column_stats_rows(s, dt);
+  return column_tiling(s.N * (R == 1 ? s.OH : (s.OH + 1) / 2), s.C / V);
+}
+
+template <class TT, int S, int R>
+void launch_column_stats(const ConvShape& s, DType dt, const void* x, const void* w, void* y, double* partial,
+                         cudaStream_t stream) {
+  using Sx = typename TT::S;
+  constexpr int U = R == 1 ? kColumnUnroll : column_unroll_r2<TT, S>();
+  constexpr int kMinBlocks = sizeof(Sx) == 4 ? 4 : 3;
+  Tiling t = column_stats_tiling(s, dt);
+  t.reverse = knob(Knob::kColumnReverse, dt);
+  const dim3 grid(t.groups * t.tiles_h);
+  fwd_nhwc_column_kernel<TT, S, U, false, R, kMinBlocks, true><<<grid, t.block, 0, stream>>>(
+      static_cast<const uint32_t*>(x), static_cast<const Sx*>(w), nullptr, static_cast<uint32_t*>(y), s, t, partial);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
