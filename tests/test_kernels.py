@@ -219,8 +219,9 @@ def test_large_kernel_shapes(dw, dtype, layout):
 def test_large_kernel_passes_run_the_kernels_the_column_knobs_pick(dw):
     from torch.profiler import ProfilerActivity, profile
 
-    nhwc_setting = int(os.environ.get("MDW_FWD_COLUMN_K57", "0"))
-    nchw_setting = int(os.environ.get("MDW_NCHW_COLUMN_K57", "0"))
+    # unset is -1, by shape: on these 20x20 inputs the NHWC passes do not walk and the NCHW forward does
+    nhwc_setting = int(os.environ.get("MDW_FWD_COLUMN_K57", "-1"))
+    nchw_setting = int(os.environ.get("MDW_NCHW_COLUMN_K57", "-1"))
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for dtype, k, layout in itertools.product(DTYPES, (5, 7), ("nchw", "nhwc")):
             x = _make_input(2, 16, 20, 20, dtype, layout, None).requires_grad_()
@@ -236,7 +237,7 @@ def test_large_kernel_passes_run_the_kernels_the_column_knobs_pick(dw):
     nchw = [n for n in names if "fwd_nchw_column_k_kernel" in n]
     assert (len(forward) >= 6) if nhwc_setting >= 1 else not forward, names
     assert (len(rotated) >= 6) if nhwc_setting >= 2 else not rotated, names
-    assert (len(nchw) >= 6) if nchw_setting == 1 else not nchw, names
+    assert (len(nchw) >= 6) if nchw_setting != 0 else not nchw, names
 
 
 @pytest.mark.gpu
@@ -265,10 +266,43 @@ def test_reload_knobs_makes_the_kernels_read_a_changed_environment(dw, monkeypat
 
 @pytest.mark.gpu
 @cuda
+def test_large_kernel_walks_by_default_where_the_suites_measured_them_faster(dw, monkeypatch):
+    # The knobs' default (-1) picks by shape (csrc/depthwise_dispatch.cpp k57_nhwc_walk, k57_nchw_walk): NHWC walks
+    # from 28 input rows up, forward and stride-1 input gradient; NCHW walks except 5x5 on 7 rows or fewer.
+    from torch.profiler import ProfilerActivity, profile
+
+    def kernels_of(layout, k, h):
+        x = _make_input(2, 16, h, h, torch.float16, layout, None).requires_grad_()
+        w = torch.randn(16, 1, k, k, device="cuda", dtype=torch.float16, requires_grad=True)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            y = dw(x, w, None, 1, k // 2, 1)
+            torch.autograd.grad(y, (x, w), torch.ones_like(y))
+            torch.cuda.synchronize()
+        return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+    for name in ("MDW_FWD_COLUMN_K57", "MDW_NCHW_COLUMN_K57"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name + "_F16", raising=False)
+    torch.ops.mobilenet_dw.reload_knobs()
+    try:
+        for k, h, walks in ((7, 32, True), (5, 28, True), (7, 16, False), (5, 7, False)):
+            walk = [n for n in kernels_of("nhwc", k, h) if "fwd_nhwc_column_k_kernel" in n]
+            assert (len(walk) == 2) if walks else not walk, (k, h, walk)  # the forward and the rotated input grad
+        for k, h, walks in ((7, 7, True), (5, 14, True), (5, 7, False)):
+            walk = [n for n in kernels_of("nchw", k, h) if "fwd_nchw_column_k_kernel" in n]
+            assert bool(walk) == walks, (k, h, walk)
+    finally:
+        monkeypatch.undo()
+        torch.ops.mobilenet_dw.reload_knobs()
+
+
+@pytest.mark.gpu
+@cuda
 @pytest.mark.parametrize("knobs", ["MDW_FWD_COLUMN_K57=1", "MDW_FWD_COLUMN_K57=2 MDW_NCHW_COLUMN_K57=1"])
 def test_large_kernel_column_walks_keep_results(knobs):
-    # FWD_COLUMN_K57 (off by default) routes NHWC 5x5/7x7 to the column walk (stencil_column_k57.cuh): the forward
-    # at 1, the stride-1 input gradient too at 2; NCHW_COLUMN_K57 = 1 the NCHW forward to its walk down the columns.
+    # FWD_COLUMN_K57 (by shape by default) routes every NHWC 5x5/7x7 case it fits to the column walk
+    # (stencil_column_k57.cuh): the forward at 1, the stride-1 input gradient too at 2; NCHW_COLUMN_K57 = 1 the NCHW
+    # forward to its walk down the columns.
     # Knobs are read once per process, hence the subprocess.
     env = dict(os.environ, **dict(kv.split("=") for kv in knobs.split()))
     tests = ["test_large_kernel_shapes", "test_large_kernel_passes_run_the_kernels_the_column_knobs_pick",

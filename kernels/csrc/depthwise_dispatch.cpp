@@ -92,26 +92,41 @@ bool narrow_shape(const DepthwiseShape& g, ConvShape* s) {
   return true;
 }
 
+// The 5x5/7x7 walks' knobs at -1 (their default) choose by shape, as the H200 suites measured them
+// (docs/results/depthwise_convnext_t_h200.md, depthwise_mobilenet_v3_h200.md): in NHWC the walk is faster from 28x28
+// inputs up and slower below; in NCHW it is faster everywhere but 5x5 on 7x7 inputs.
+bool k57_nhwc_walk(const ConvShape& s, DType dt, int level) {
+  const int v = knob(Knob::kFwdColumnK57, dt);
+  return v < 0 ? s.H >= 28 : v >= level;
+}
+
+bool k57_nchw_walk(const ConvShape& s, DType dt) {
+  const int v = knob(Knob::kNchwColumnK57, dt);
+  return v < 0 ? !(s.KH == 5 && s.H <= 7) : v == 1;
+}
+
 }  // namespace
 
 // Forward (depthwise_forward.cu):
 //   outside narrow_shape's domain                                       generic
 //   NHWC 5x5/7x7 s1/s2, whole 32-bit words of channels, FWD_COLUMN_K57 >= 1   column walk, partial sums (K = 5, 7)
+//     (-1, the default: inputs of 28 rows or more)
 //   outside the tiled kernels' cases (see tiled_fits)                   generic
 //   NHWC 3x3 s1/s2, whole 32-bit words of channels, FWD_COLUMN >= 1     column walk
 //   NCHW 5x5/7x7 s1/s2, NCHW_COLUMN_K57 = 1                             walk down the columns, partial sums
+//     (-1, the default: all but 5x5 on inputs of 7 rows or fewer)
 //   NCHW 3x3 s1 p1, 16-bit, rows of whole aligned 16-byte vectors       vector loads (the launcher checks)
 //   the rest of the tiled cases                                          tiled
 void launch_forward(const DepthwiseShape& g, DType dt, const void* x, const void* w, const void* bias, void* y,
                     cudaStream_t stream) {
   ConvShape s;
   if (!narrow_shape(g, &s)) return forward_generic(g, dt, x, w, bias, y, stream);
-  if (knob(Knob::kFwdColumnK57, dt) >= 1 && column_k57_fits(s, dt, x, y))
+  if (k57_nhwc_walk(s, dt, 1) && column_k57_fits(s, dt, x, y))
     return forward_nhwc_column_k57(s, dt, x, w, bias, y, stream);
   if (!tiled_fits(s, dt, x, y, nhwc_vec(dt))) return forward_generic(g, dt, x, w, bias, y, stream);
   if (knob(Knob::kFwdColumn, dt) >= 1 && column_fits(s, dt, x, y))
     return forward_nhwc_column(s, dt, x, w, bias, y, stream);
-  if (!s.channels_last && s.KH >= 5 && knob(Knob::kNchwColumnK57, dt) == 1)
+  if (!s.channels_last && s.KH >= 5 && k57_nchw_walk(s, dt))
     return forward_nchw_column_k57(s, dt, x, w, bias, y, stream);
   if (forward_nchw_vec3x3(s, dt, x, w, bias, y, stream)) return;
   forward_tiled(s, dt, x, w, bias, y, stream);
@@ -138,6 +153,7 @@ void launch_forward_stats(const DepthwiseShape& g, DType dt, const void* x, cons
 // Input gradient (depthwise_input_grad.cu):
 //   outside narrow_shape's domain                                       generic
 //   NHWC 5x5/7x7 s1, whole 32-bit words of channels, FWD_COLUMN_K57 >= 2   column walk, partial sums, kernel rotated
+//     (-1, the default: inputs of 28 rows or more)
 //   outside the tiled kernels' cases (see tiled_fits)                   generic
 //   NHWC 3x3 s1, whole 32-bit words of channels, FWD_COLUMN >= 2        column walk, kernel rotated
 //   NCHW 3x3 s1 p1, 16-bit, rows of whole aligned 16-byte vectors       vector loads, kernel rotated (the launcher checks)
@@ -145,7 +161,7 @@ void launch_forward_stats(const DepthwiseShape& g, DType dt, const void* x, cons
 void launch_dgrad(const DepthwiseShape& g, DType dt, const void* go, const void* w, void* gx, cudaStream_t stream) {
   ConvShape s;
   if (!narrow_shape(g, &s)) return input_grad_generic(g, dt, go, w, gx, stream);
-  if (knob(Knob::kFwdColumnK57, dt) >= 2 && input_grad_column_k57_fits(s, dt, go, gx))
+  if (k57_nhwc_walk(s, dt, 2) && input_grad_column_k57_fits(s, dt, go, gx))
     return input_grad_nhwc_column_k57(s, dt, go, w, gx, stream);
   if (!tiled_fits(s, dt, go, gx, nhwc_vec(dt))) return input_grad_generic(g, dt, go, w, gx, stream);
   if (knob(Knob::kFwdColumn, dt) >= 2 && input_grad_column_fits(s, dt, go, gx))

@@ -55,8 +55,8 @@ int knob(Knob k, DType dt) {
         {2, 0, 0, 1},     // FWD_COLUMN_ROWS (column-walking forward: output rows per lane; 0: auto, see depthwise_forward.cu)
         {1, 1, 1, 1},     // COLUMN_REVERSE (column walks: images last to first, see stencil_3x3.cuh)
         {0, 0, 0, 0},     // FWD_COLUMN_DEEP (16-bit stride-1 column forward: more steps in flight, see depthwise_forward.cu)
-        {0, 0, 0, 0},     // FWD_COLUMN_K57 (NHWC 5x5/7x7 column walk; 2: also the stride-1 input gradient; not yet measured)
-        {0, 0, 0, 0},     // NCHW_COLUMN_K57 (NCHW 5x5/7x7 forward down the columns; not yet measured)
+        {-1, -1, -1, 0},  // FWD_COLUMN_K57 (NHWC 5x5/7x7 column walk; 2: also the stride-1 input gradient; -1: by shape)
+        {-1, -1, -1, 0},  // NCHW_COLUMN_K57 (NCHW 5x5/7x7 forward down the columns; -1: by shape; fp64 not measured)
     };
     const std::string base = std::string("MDW_") + names[ki];
     int v = env_int(base.c_str(), defaults[ki][di]);

@@ -124,8 +124,9 @@ enum class Knob {
   kFwdColumnRows,  // column-walking forward: output rows per lane (1 or 2; 0: by shape, see depthwise_forward.cu)
   kColumnReverse,  // column-walking forward/input gradient: blocks walk the images last to first (1) or first to last (0)
   kFwdColumnDeep,  // 16-bit stride-1 column-walking forward: twice the steps in flight at 3 blocks per SM (1) or not (0)
-  kFwdColumnK57,   // NHWC 5x5/7x7 column-walking forward (1), and the stride-1 input gradient too (2); 0: tiled
-  kNchwColumnK57,  // NCHW 5x5/7x7 forward walking down the columns (1) or tiled (0)
+  kFwdColumnK57,   // NHWC 5x5/7x7 column-walking forward (1), and the stride-1 input gradient too (2); 0: tiled;
+                   // -1: by shape (depthwise_dispatch.cpp)
+  kNchwColumnK57,  // NCHW 5x5/7x7 forward walking down the columns (1) or tiled (0); -1: by shape
   kCount
 };
 int knob(Knob k, DType dt);
