@@ -98,7 +98,10 @@ def stats_unsupported(x, weight, bias, stride, padding, dilation) -> str | None:
         return (f"stride {tuple(stride)}, dilation {tuple(dilation)}, padding {padding!r}: the walk takes equal "
                 "strides 1 or 2, dilation 1 and numeric padding")
     elem = dtype.itemsize
-    if (c * elem) % 4 or (x.dtype == dtype and (x.storage_offset() * elem) % 4):
+    # The offset is data, not metadata, to torch.compile (a graph break); traced, the op's own check
+    # (forward_stats_fits) refuses a misaligned input instead.
+    misaligned = (x.dtype == dtype and not torch.compiler.is_compiling() and (x.storage_offset() * elem) % 4)
+    if (c * elem) % 4 or misaligned:
         return f"{c} channels of {dtype} are not whole 32-bit words (or the input is not 4-byte aligned)"
     _, _, oh, ow = out_shape(x.shape, weight.shape, stride, padding, dilation)
     if (c > 65535 or max(padding) > 2**20 or n * c * h * w >= 2**31 or n * c * oh * ow >= 2**31

@@ -66,9 +66,17 @@ def conv_fn(backend: str):
     return get_backend(backend).conv2d
 
 
-def knob_switch(ab: dict[str, str]):
+def reload_kernel_knobs() -> None:
+    """The custom kernels read the MDW_* environment again at their next launch (knob() keeps what it read)."""
+    import kernels
+
+    kernels.load()  # the op is registered on load, and torch's or cuDNN's rows may run before any custom one
+    torch.ops.mobilenet_dw.reload_knobs()
+
+
+def knob_switch(ab: dict[str, str], reload=reload_kernel_knobs):
     """use(backend), before a backend runs: AB_BACKEND gets --ab's MDW_* settings, every other backend the process's
-    own; the kernels read them again at their next launch (knob() keeps what it read until reload_knobs)."""
+    own; then reload() makes the kernels read them."""
     base = {k: os.environ.get(k) for k in ab}
 
     def use(backend):
@@ -77,7 +85,7 @@ def knob_switch(ab: dict[str, str]):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        torch.ops.mobilenet_dw.reload_knobs()
+        reload()
 
     return use
 

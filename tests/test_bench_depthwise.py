@@ -109,14 +109,10 @@ def test_ab_option_reads_knob_settings_and_refuses_other_text(capsys):
 
 
 def test_knob_switch_gives_the_ab_backend_its_settings_and_the_others_the_process_environment(monkeypatch):
-    from types import SimpleNamespace
-
     reloads = []
-    monkeypatch.setattr(bench, "torch", SimpleNamespace(ops=SimpleNamespace(
-        mobilenet_dw=SimpleNamespace(reload_knobs=lambda: reloads.append(1)))))
     monkeypatch.setenv("MDW_COLUMN_REVERSE", "1")
     monkeypatch.delenv("MDW_FWD_COLUMN_K57", raising=False)
-    use = bench.knob_switch({"MDW_FWD_COLUMN_K57": "2", "MDW_COLUMN_REVERSE": "0"})
+    use = bench.knob_switch({"MDW_FWD_COLUMN_K57": "2", "MDW_COLUMN_REVERSE": "0"}, reload=lambda: reloads.append(1))
     use(bench.AB_BACKEND)
     assert (bench.os.environ["MDW_FWD_COLUMN_K57"], bench.os.environ["MDW_COLUMN_REVERSE"]) == ("2", "0")
     use("custom")

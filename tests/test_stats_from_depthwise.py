@@ -257,10 +257,12 @@ def test_pair_with_the_switch_on_equals_off(case, dtype, large_mean):
     # two steps each: the second starts from the running statistics the first updated
     runs = {name: [_pair(block, x, dtype), _pair(block, x, dtype)] for name, block in (("off", off), ("on", on))}
     a, b = runs["off"][1], runs["on"][1]
-    # the batch statistics agree to fp32 rounding, so the running statistics do, and y to one rounding of its dtype
+    # The running statistics agree to the statistics' rounding, and y to one rounding of its dtype. The plain path
+    # accumulates in fp32, the partials in fp64: with bf16 at a mean of 300 (ulp 2, variance ~1000) they differ by
+    # up to 6e-6 relative on an H200, so the bound is the partials test's 1e-4.
     assert torch.equal(a[7], b[7])
     for i in (5, 6):
-        assert torch.allclose(a[i], b[i], rtol=1e-5, atol=1e-6)
+        assert torch.allclose(a[i], b[i], rtol=1e-4, atol=1e-6)
     assert _rel(b[0], a[0]) < {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
     # the gradients: each against float64 with its own ReLU mask (one element within rounding of 0 may pass the
     # gradient in one and not the other, which moves a gradient by a whole grad_y value)
