@@ -8,6 +8,12 @@ kernels.KernelUnavailable where the kernels cannot run.
   bn_relu_bwd(grad_y, x, weight, bias, mean, invstd) -> (grad_x, grad_weight, grad_bias)
       the ReLU's backward folded in (grad_y where y > 0, the mask recomputed from x); grad_x in x's dtype and layout,
       the others fp32.
+  bn_relu_fwd_update(x, weight, bias, running_mean!, running_var!, num_batches_tracked!, eps, momentum)
+      -> (y, mean, invstd, var)
+      bn_relu_fwd that also applies bn_update_running_stats' update (momentum in [0, 1]) in its finalize kernel, with
+      the same results bit for bit and one kernel less. An op that mutates its inputs cannot take
+      torch.library.register_autograd, so its autograd is a torch.autograd.Function; public as
+      `batch_norm_relu_train_update`.
   bn_relu_fwd_from_partials(x, partials, weight, bias, eps) -> (y, mean, invstd, var)
       bn_relu_fwd with x's statistics given as per-block partials [bands, 3, C] fp64 (count, mean, M2), as
       mobilenet_dw::depthwise_fwd_stats returns them with x (kernels.ops.depthwise_conv2d_stats): no statistics pass
@@ -40,11 +46,12 @@ from . import kernel_layout, load
 
 load()
 
-__all__ = ["batch_norm_relu_train", "batch_norm_relu_from_partials", "update_running_stats", "local_batch_stats", "batch_norm_relu_normalize",
+__all__ = ["batch_norm_relu_train", "batch_norm_relu_train_update", "batch_norm_relu_from_partials", "update_running_stats", "local_batch_stats", "batch_norm_relu_normalize",
            "batch_norm_relu_grad_sums", "batch_norm_relu_input_grad", "update_running_stats_unbiased"]
 
 _fwd = torch.ops.mobilenet_bn.bn_relu_fwd.default
 _bwd = torch.ops.mobilenet_bn.bn_relu_bwd.default
+_fwd_update = torch.ops.mobilenet_bn.bn_relu_fwd_update.default
 _fwd_partials = torch.ops.mobilenet_bn.bn_relu_fwd_from_partials.default
 _update = torch.ops.mobilenet_bn.bn_update_running_stats.default
 _local_stats = torch.ops.mobilenet_bn.bn_local_stats.default
@@ -65,6 +72,11 @@ def _fwd_fake(x, weight, bias, eps):
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=_layout(x))
     stats = [x.new_empty(c, dtype=torch.float32) for _ in range(3)]
     return (y, *stats)
+
+
+@torch.library.register_fake("mobilenet_bn::bn_relu_fwd_update")
+def _fwd_update_fake(x, weight, bias, running_mean, running_var, num_batches_tracked, eps, momentum):
+    return _fwd_fake(x, weight, bias, eps)
 
 
 @torch.library.register_fake("mobilenet_bn::bn_relu_fwd_from_partials")
@@ -179,6 +191,10 @@ def _fwd_autocast_args(x, weight, bias, eps):
     return x, _f32(weight), _f32(bias), eps
 
 
+def _fwd_update_autocast_args(x, weight, bias, running_mean, running_var, num_batches_tracked, eps, momentum):
+    return x, _f32(weight), _f32(bias), running_mean, running_var, num_batches_tracked, eps, momentum
+
+
 def _fwd_partials_autocast_args(x, partials, weight, bias, eps):
     return x, partials, _f32(weight), _f32(bias), eps  # partials stay fp64
 
@@ -191,6 +207,22 @@ _lib = torch.library.Library("mobilenet_bn", "FRAGMENT")
 _register_autocast("bn_relu_fwd", _fwd_autocast_args)
 _register_autocast("bn_relu_bwd", _bwd_autocast_args)
 _register_autocast("bn_relu_fwd_from_partials", _fwd_partials_autocast_args)
+_register_autocast("bn_relu_fwd_update", _fwd_update_autocast_args)
+
+
+class _TrainWithUpdate(torch.autograd.Function):
+    """bn_relu_fwd_update with bn_relu_fwd's backward (_setup_context and _backward above)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked, eps, momentum):
+        out = _fwd_update(x, weight, bias, running_mean, running_var, num_batches_tracked, eps, momentum)
+        _setup_context(ctx, (x, weight, bias, eps), out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_y, _grad_mean, _grad_invstd, _grad_var):
+        grad_x, grad_weight, grad_bias, _ = _backward(ctx, grad_y, None, None, None)
+        return grad_x, grad_weight, grad_bias, None, None, None, None, None
 
 
 def _check_supported(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> None:
@@ -225,6 +257,23 @@ def batch_norm_relu_train(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 
     Differentiable in x, weight and bias (weight and bias are used in fp32, cast if they are not)."""
     _check_supported(x, weight, bias)
     return _fwd(x, _f32(weight), _f32(bias), float(eps))
+
+
+def batch_norm_relu_train_update(x: Tensor, weight: Tensor, bias: Tensor, running_mean: Tensor, running_var: Tensor,
+                                 num_batches_tracked: Tensor, eps: float, momentum: float):
+    """batch_norm_relu_train, and in the same op (its finalize kernel) the running-statistics update of
+    update_running_stats with this momentum in [0, 1]: the same (y, mean, invstd, var) and running statistics bit for
+    bit, one kernel less. momentum=None (the cumulative average) is update_running_stats' alone."""
+    _check_supported(x, weight, bias)
+    if momentum is None or not 0.0 <= momentum <= 1.0:
+        raise ValueError(f"batch_norm_relu_train_update: momentum must be in [0, 1], got {momentum} (for "
+                         "momentum=None use batch_norm_relu_train and update_running_stats)")
+    _check_channel_vectors(x, running_mean=running_mean, running_var=running_var)
+    if x.numel() // x.shape[1] < 2:
+        raise ValueError(f"batch_norm_relu_train_update: the unbiased variance needs more than 1 value per channel, "
+                         f"got {x.numel() // x.shape[1]}")
+    return _TrainWithUpdate.apply(x, _f32(weight), _f32(bias), running_mean, running_var, num_batches_tracked,
+                                  float(eps), float(momentum))
 
 
 def batch_norm_relu_from_partials(x: Tensor, partials: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5):

@@ -16,6 +16,7 @@ rank); norm=apex is refused.
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 from typing import Callable
@@ -61,6 +62,12 @@ class NormImpl:
 
 
 _REGISTRY: Registry[NormImpl] = Registry("norm")
+
+# norm=custom's running-statistics update: "fused" into the forward op, or "separate" (its own op after it), read
+# once per process, for A/B runs of the two (docs/kernels.md).
+_RUNNING_UPDATE = os.environ.get("MBN_RUNNING_UPDATE", "fused")
+if _RUNNING_UPDATE not in ("fused", "separate"):
+    raise ValueError(f"MBN_RUNNING_UPDATE must be fused or separate, got {_RUNNING_UPDATE!r}")
 
 
 def register_norm(impl: NormImpl) -> NormImpl:
@@ -154,12 +161,22 @@ class CustomBatchNormReLU(nn.BatchNorm2d):
 
     def _train_forward(self, x: Tensor) -> Tensor:
         _check_batch_size(x)
-        from kernels.norm_ops import batch_norm_relu_train
+        from kernels.norm_ops import batch_norm_relu_train, batch_norm_relu_train_update
 
+        if self._update_in_forward():
+            return batch_norm_relu_train_update(x, self.weight, self.bias, self.running_mean, self.running_var,
+                                                self.num_batches_tracked, self.eps, self.momentum)[0]
         y, mean, _invstd, var = batch_norm_relu_train(x, self.weight, self.bias, self.eps)
         if self.training and self.track_running_stats:
             self._update_running_stats(mean, var, x.numel() // x.shape[1])
         return y
+
+    def _update_in_forward(self) -> bool:
+        """The forward op updates the running statistics itself (one kernel per layer less; the same bits): with a
+        momentum, outside torch.compile (whose graphs take the functional ops: an op that mutates its inputs has its
+        autograd in a torch.autograd.Function), unless MBN_RUNNING_UPDATE=separate asks for the two ops (an A/B)."""
+        return (self.training and self.track_running_stats and self.momentum is not None and _RUNNING_UPDATE == "fused"
+                and not torch.compiler.is_compiling())
 
     @torch.no_grad()
     def _update_running_stats(self, mean: Tensor, var: Tensor, count: int) -> None:

@@ -420,6 +420,67 @@ def test_running_statistics_update_opcheck(ops):
     torch.library.opcheck(torch.ops.mobilenet_bn.bn_update_running_stats.default, args)
 
 
+def _running_stats(c, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.rand(c, device="cuda", generator=g) - 0.5, torch.rand(c, device="cuda", generator=g) + 0.5,
+            torch.tensor(7, device="cuda", dtype=torch.long)]
+
+
+def _leaves(*tensors):
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+@gpu
+@pytest.mark.parametrize("momentum", [0.1, 0.0, 1.0])
+@pytest.mark.parametrize("channels_last", [True, False], ids=["nhwc", "nchw"])
+@pytest.mark.parametrize("dtype", _DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_forward_with_the_update_equals_forward_then_update_bitwise(ops, dtype, channels_last, momentum):
+    for i, shape in enumerate([(8, 40, 14, 14), (2, 1024, 7, 7), (3, 13, 9, 11)]):
+        x, grad, weight, bias = _make_case(shape, dtype, channels_last, mean=1.5, seed=20 + i)
+        fused_stats, two_stats = _running_stats(shape[1], i), _running_stats(shape[1], i)
+        fused_in, two_in = _leaves(x, weight, bias), _leaves(x, weight, bias)
+        fused = ops.batch_norm_relu_train_update(*fused_in, *fused_stats, 1e-5, momentum)
+        two = ops.batch_norm_relu_train(*two_in, 1e-5)
+        ops.update_running_stats(*two_stats, two[1], two[3], momentum, x.numel() // shape[1])
+        fused[0].backward(grad)
+        two[0].backward(grad)
+        for a, b in zip([*fused, *fused_stats, *(t.grad for t in fused_in)], [*two, *two_stats, *(t.grad for t in two_in)]):
+            assert torch.equal(a, b), (shape, a.shape)
+        assert fused_stats[2].item() == 8
+
+
+@gpu
+def test_forward_with_the_update_refuses_a_cumulative_momentum(ops):
+    x, _, weight, bias = _make_case((2, 4, 3, 3), torch.float32, True)
+    for momentum in (None, -0.5, 1.5):
+        with pytest.raises(ValueError, match="momentum must be in"):
+            ops.batch_norm_relu_train_update(x, weight, bias, *_running_stats(4, 0), 1e-5, momentum)
+
+
+@gpu
+def test_forward_with_the_update_opcheck(ops):
+    x, _, weight, bias = _make_case((4, 12, 6, 6), torch.float16, True)
+    torch.library.opcheck(torch.ops.mobilenet_bn.bn_relu_fwd_update.default,
+                          (x, weight, bias, *_running_stats(12, 1), 1e-5, 0.1))
+
+
+@gpu
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_the_module_updates_its_statistics_in_the_forward_op_when_it_has_a_momentum(momentum):
+    from torch.profiler import ProfilerActivity, profile
+
+    bn = CustomBatchNormReLU(24, momentum=momentum).cuda()
+    x = torch.randn(8, 24, 14, 14, device="cuda").contiguous(memory_format=torch.channels_last)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        bn(x)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert any("finalize_stats" in k for k in kernels), kernels
+    # momentum=None's cumulative average needs the batch count every channel reads: the update's own kernel
+    assert any("update_running_stats" in k for k in kernels) == (momentum is None), kernels
+    assert bn.num_batches_tracked.item() == 1 and not torch.equal(bn.running_var, torch.ones(24, device="cuda"))
+
+
 @gpu
 @pytest.mark.parametrize("channels_last", [True, False], ids=["nhwc", "nchw"])
 @pytest.mark.parametrize("dtype", _DTYPES, ids=lambda d: str(d).split(".")[-1])

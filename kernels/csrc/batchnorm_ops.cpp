@@ -65,8 +65,9 @@ uintptr_t address(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.co
 
 using mdw::num_sms;  // cached per device (launch_plan.cpp): no query, so no synchronisation, in a capture
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_fwd(const at::Tensor& x_in, const at::Tensor& weight,
-                                                                       const at::Tensor& bias, double eps) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_with(const at::Tensor& x_in, const at::Tensor& weight,
+                                                                        const at::Tensor& bias, double eps,
+                                                                        RunningUpdate update) {
   check_input(x_in);
   check_channel_vector(weight, x_in, "weight");
   check_channel_vector(bias, x_in, "bias");
@@ -85,8 +86,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_fwd(const at:
   launch_forward(s, p, dt, x.const_data_ptr(), w.const_data_ptr<float>(), b.const_data_ptr<float>(),
                  static_cast<float>(eps), y.mutable_data_ptr(), mean.mutable_data_ptr<float>(),
                  invstd.mutable_data_ptr<float>(), var.mutable_data_ptr<float>(), workspace.mutable_data_ptr<float>(),
-                 c10::cuda::getCurrentCUDAStream());
+                 update, c10::cuda::getCurrentCUDAStream());
   return {y, mean, invstd, var};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_fwd(const at::Tensor& x, const at::Tensor& weight,
+                                                                       const at::Tensor& bias, double eps) {
+  return forward_with(x, weight, bias, eps, RunningUpdate{});
 }
 
 // The four per-channel vectors every pass after the statistics takes.
@@ -197,6 +203,28 @@ void bn_update_running_stats(at::Tensor& running_mean, at::Tensor& running_var, 
                               count, momentum, running_mean.mutable_data_ptr<float>(),
                               running_var.mutable_data_ptr<float>(), num_batches_tracked.mutable_data_ptr<int64_t>(),
                               c10::cuda::getCurrentCUDAStream());
+}
+
+// bn_relu_fwd, and the running statistics updated as bn_update_running_stats does, by the forward's finalize kernel.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_fwd_update(
+    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, at::Tensor& running_mean,
+    at::Tensor& running_var, at::Tensor& num_batches_tracked, double eps, double momentum) {
+  check_input(x);
+  TORCH_CHECK(momentum >= 0, "batch_norm_relu: the forward's running-statistics update needs momentum in [0, 1], got ",
+              momentum, " (the cumulative average, momentum=None, is bn_update_running_stats')");
+  check_running_stats(running_mean, running_var, num_batches_tracked, running_mean, running_var, momentum);
+  TORCH_CHECK(running_mean.size(0) == x.size(1) && running_mean.device() == x.device(),
+              "batch_norm_relu running statistics: running_mean must be a (", x.size(1), ",) tensor on ", x.device());
+  const int64_t count = x.numel() / x.size(1);
+  TORCH_CHECK(count > 1, "batch_norm_relu running statistics: the unbiased variance needs more than 1 value per "
+              "channel, got ", count);
+  RunningUpdate update;
+  update.running_mean = running_mean.mutable_data_ptr<float>();
+  update.running_var = running_var.mutable_data_ptr<float>();
+  update.num_batches_tracked = num_batches_tracked.mutable_data_ptr<int64_t>();
+  update.momentum = momentum;
+  update.count = count;
+  return forward_with(x, weight, bias, eps, update);
 }
 
 // --- sync_bn: the fused passes split where the ranks combine their statistics and gradient sums ------------------
@@ -330,6 +358,11 @@ TORCH_LIBRARY(mobilenet_bn, m) {
   m.def(
       "bn_update_running_stats_unbiased(Tensor(a!) running_mean, Tensor(b!) running_var, "
       "Tensor(c!) num_batches_tracked, Tensor mean, Tensor unbiased_var, float momentum) -> ()");
+  // bn_relu_fwd that also updates the running statistics (momentum in [0, 1]) in its finalize kernel: one kernel
+  // per layer less than bn_relu_fwd followed by bn_update_running_stats, with the same results bit for bit.
+  m.def(
+      "bn_relu_fwd_update(Tensor x, Tensor weight, Tensor bias, Tensor(a!) running_mean, Tensor(b!) running_var, "
+      "Tensor(c!) num_batches_tracked, float eps, float momentum) -> (Tensor, Tensor, Tensor, Tensor)");
   // The forward with x's statistics given as per-block partials (mobilenet_dw::depthwise_fwd_stats' second
   // output): no statistics pass over x. The backward is bn_relu_bwd's.
   m.def(
@@ -339,6 +372,7 @@ TORCH_LIBRARY(mobilenet_bn, m) {
 
 TORCH_LIBRARY_IMPL(mobilenet_bn, CUDA, m) {
   m.impl("bn_relu_fwd", &mbn::bn_relu_fwd);
+  m.impl("bn_relu_fwd_update", &mbn::bn_relu_fwd_update);
   m.impl("bn_relu_fwd_from_partials", &mbn::bn_relu_fwd_from_partials);
   m.impl("bn_relu_bwd", &mbn::bn_relu_bwd);
   m.impl("bn_update_running_stats", &mbn::bn_update_running_stats);

@@ -438,22 +438,44 @@ __device__ __forceinline__ ChannelMoments channel_moments(const ChannelSums& s, 
   return {static_cast<double>(TT::to_acc(x[static_cast<size_t>(c) * pivot_stride])) + shifted_mean, v};
 }
 
-// Batch statistics from the pivot-shifted sums, and the forward's scale (weight * invstd).
+// running = (1 - f) * running + f * batch for channel c, with the unbiased variance, in the operations and roundings
+// of nn.BatchNorm2d's update written as torch ops (mul_, add_), so the two agree bit for bit.
+__device__ __forceinline__ void update_channel(int c, float mean, float var, float unbias, float f, float keep,
+                                               float* running_mean, float* running_var) {
+  running_mean[c] = __fadd_rn(__fmul_rn(running_mean[c], keep), __fmul_rn(mean, f));
+  running_var[c] = __fadd_rn(__fmul_rn(running_var[c], keep), __fmul_rn(__fmul_rn(var, unbias), f));
+}
+
+// RunningUpdate as the finalize kernel takes it: the factors rounded on the host as launch_update rounds them.
+struct FinalizeUpdate {
+  float* running_mean;  // nullptr: no update
+  float* running_var;
+  int64_t* num_batches_tracked;
+  float momentum, keep, unbias;
+};
+
+// Batch statistics from the pivot-shifted sums, and the forward's scale (weight * invstd); with u.running_mean, the
+// running statistics too (momentum >= 0, so no channel needs the batch count that channel 0 increments).
 template <class TT>
 __global__ void __launch_bounds__(kFinalizeWarps * 32)
     finalize_stats(const float* partial, int chunks, int C, double count, const typename TT::S* x, int pivot_stride,
-                   const float* weight, float eps, float* mean, float* invstd, float* var, float* scale) {
+                   const float* weight, float eps, float* mean, float* invstd, float* var, float* scale,
+                   FinalizeUpdate u) {
   const int c = finalize_channel();
   if (c >= C) return;  // a whole warp: the shuffles in sum_chunks see full warps only
   const ChannelSums s = sum_chunks(partial, chunks, C, c);
   if (threadIdx.x % 32 != 0) return;
   const ChannelMoments m = channel_moments<TT>(s, count, x, pivot_stride, c);
   const double is = 1.0 / sqrt(m.var + static_cast<double>(eps));
-  const float mf = static_cast<float>(m.mean), isf = static_cast<float>(is);
+  const float mf = static_cast<float>(m.mean), isf = static_cast<float>(is), vf = static_cast<float>(m.var);
   mean[c] = mf;
   invstd[c] = isf;
-  var[c] = static_cast<float>(m.var);
+  var[c] = vf;
   scale[c] = bn_scale(weight[c], isf);
+  if (u.running_mean != nullptr) {
+    update_channel(c, mf, vf, u.unbias, u.momentum, u.keep, u.running_mean, u.running_var);
+    if (c == 0) *u.num_batches_tracked += 1;
+  }
 }
 
 // grad_bias = sum(g), grad_weight = sum(g * xhat), and the input gradient's coefficients:
@@ -476,9 +498,8 @@ __global__ void __launch_bounds__(kFinalizeWarps * 32)
   scale[c] = bn_scale(weight[c], invstd[c]);
 }
 
-// running = (1 - f) * running + f * batch, with the unbiased variance, in the operations and roundings of
-// nn.BatchNorm2d's update written as torch ops (mul_, add_), so the two agree bit for bit. One block: every thread
-// reads the old batch count before thread 0 increments it (the cumulative average's f = 1 / count needs the new one).
+// The running statistics from this batch's (update_channel). One block: every thread reads the old batch count
+// before thread 0 increments it (the cumulative average's f = 1 / count needs the new one).
 __global__ void __launch_bounds__(256)
     update_running_stats(int C, const float* mean, const float* var, float unbias, float momentum, float keep,
                          float* running_mean, float* running_var, int64_t* num_batches_tracked) {
@@ -488,10 +509,8 @@ __global__ void __launch_bounds__(256)
   const bool cumulative = momentum < 0.f;
   const float f = cumulative ? __fdiv_rn(1.f, static_cast<float>(batches)) : momentum;
   if (cumulative) keep = __fsub_rn(1.f, f);
-  for (int c = threadIdx.x; c < C; c += blockDim.x) {
-    running_mean[c] = __fadd_rn(__fmul_rn(running_mean[c], keep), __fmul_rn(mean[c], f));
-    running_var[c] = __fadd_rn(__fmul_rn(running_var[c], keep), __fmul_rn(__fmul_rn(var[c], unbias), f));
-  }
+  for (int c = threadIdx.x; c < C; c += blockDim.x)
+    update_channel(c, mean[c], var[c], unbias, f, keep, running_mean, running_var);
 }
 
 // --- host side ----------------------------------------------------------------------------------------------------
@@ -543,11 +562,21 @@ int finalize_blocks(int C) { return ceil_div(C, kFinalizeWarps); }
 // StatsOp's pivot_stride: elements between channel c's first element and channel c + 1's.
 int pivot_stride_of(const BnShape& s) { return s.nhwc ? 1 : s.HW; }
 
+// 1 - momentum in double, then rounded, as torch turns the Python scalar of mul_(1 - momentum) into a float.
+float keep_of(double momentum) { return static_cast<float>(1.0 - momentum); }
+
+// count / (count - 1), the factor that turns a biased variance over `count` values into the unbiased one.
+float unbias_of(int64_t count) { return static_cast<float>(static_cast<double>(count) / static_cast<double>(count - 1)); }
+
+FinalizeUpdate finalize_update(const RunningUpdate& r) {
+  return {r.running_mean, r.running_var, r.num_batches_tracked, static_cast<float>(r.momentum), keep_of(r.momentum),
+          r.running_mean != nullptr ? unbias_of(r.count) : 1.f};
+}
+
 // The running-statistics update; `unbias` turns the batch's variance into the unbiased one (1 when it already is).
 void launch_update(int C, const float* mean, const float* var, float unbias, double momentum, float* running_mean,
                    float* running_var, int64_t* num_batches_tracked, cudaStream_t stream) {
-  // 1 - momentum in double, then rounded, as torch turns the Python scalar of mul_(1 - momentum) into a float.
-  const float keep = static_cast<float>(1.0 - momentum);
+  const float keep = keep_of(momentum);
   update_running_stats<<<1, 256, 0, stream>>>(C, mean, var, unbias, static_cast<float>(momentum), keep, running_mean,
                                                running_var, num_batches_tracked);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -556,7 +585,7 @@ void launch_update(int C, const float* mean, const float* var, float unbias, dou
 template <class TT, int V>
 void forward_typed(const BnShape& s, const BnPlan& p, const void* x_, const float* weight, const float* bias,
                    float eps, void* y_, float* mean, float* invstd, float* var, float* workspace,
-                   cudaStream_t stream) {
+                   const RunningUpdate* update, cudaStream_t stream) {
   using S = typename TT::S;
   const S* x = static_cast<const S*>(x_);
   const Workspace ws = split_workspace(workspace, s, p);
@@ -564,7 +593,7 @@ void forward_typed(const BnShape& s, const BnPlan& p, const void* x_, const floa
   launch_reduce<V>(s, p, StatsOp<TT>{x, pivot_stride}, ws.partial, stream);
   finalize_stats<TT><<<finalize_blocks(s.C), kFinalizeBlock, 0, stream>>>(
       ws.partial, p.reduce.chunks, s.C, static_cast<double>(s.N) * s.HW, x, pivot_stride, weight, eps, mean, invstd,
-      var, ws.k[0]);
+      var, ws.k[0], finalize_update(*update));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   launch_apply<V>(s, p, NormalizeOp<TT>{x, static_cast<S*>(y_), {mean, ws.k[0], bias}}, stream);
 }
@@ -680,8 +709,8 @@ size_t workspace_floats(const BnShape& s, const BnPlan& p) {
 
 void launch_forward(const BnShape& s, const BnPlan& p, DType dt, const void* x, const float* weight, const float* bias,
                     float eps, void* y, float* mean, float* invstd, float* var, float* workspace,
-                    cudaStream_t stream) {
-  dispatch<ForwardLaunch>(dt, p.vec, s, p, x, weight, bias, eps, y, mean, invstd, var, workspace, stream);
+                    const RunningUpdate& update, cudaStream_t stream) {
+  dispatch<ForwardLaunch>(dt, p.vec, s, p, x, weight, bias, eps, y, mean, invstd, var, workspace, &update, stream);
 }
 
 void launch_backward(const BnShape& s, const BnPlan& p, DType dt, const void* grad_y, const void* x, const float* weight,
@@ -694,8 +723,7 @@ void launch_backward(const BnShape& s, const BnPlan& p, DType dt, const void* gr
 void launch_update_running_stats(int C, const float* mean, const float* var, int64_t count, double momentum,
                                  float* running_mean, float* running_var, int64_t* num_batches_tracked,
                                  cudaStream_t stream) {
-  const float unbias = static_cast<float>(static_cast<double>(count) / static_cast<double>(count - 1));
-  launch_update(C, mean, var, unbias, momentum, running_mean, running_var, num_batches_tracked, stream);
+  launch_update(C, mean, var, unbias_of(count), momentum, running_mean, running_var, num_batches_tracked, stream);
 }
 
 // --- the forward from statistics partials of x (the depthwise forward's, depthwise_fwd_stats) ---------------------

@@ -51,9 +51,21 @@ BnPlan make_plan(const BnShape& s, DType dt, uintptr_t address_bits, int num_sms
 // fp32 elements of workspace the forward and backward launchers need.
 size_t workspace_floats(const BnShape& s, const BnPlan& p);
 
-// y = relu(batch_norm(x)); mean, invstd (1 / sqrt(var + eps)) and biased var per channel, all fp32.
+// The running statistics a forward updates as it finalizes the batch statistics (no kernel of its own), with
+// launch_update_running_stats' arithmetic for momentum in [0, 1]; running_mean == nullptr: no update.
+struct RunningUpdate {
+  float* running_mean = nullptr;
+  float* running_var = nullptr;
+  int64_t* num_batches_tracked = nullptr;
+  double momentum = 0.0;
+  int64_t count = 0;  // values per channel, for the unbiased variance
+};
+
+// y = relu(batch_norm(x)); mean, invstd (1 / sqrt(var + eps)) and biased var per channel, all fp32; and the running
+// statistics where `update` names them.
 void launch_forward(const BnShape& s, const BnPlan& p, DType dt, const void* x, const float* weight, const float* bias,
-                    float eps, void* y, float* mean, float* invstd, float* var, float* workspace, cudaStream_t stream);
+                    float eps, void* y, float* mean, float* invstd, float* var, float* workspace,
+                    const RunningUpdate& update, cudaStream_t stream);
 
 // launch_forward with the statistics of x given as partial [bands][3][C] fp64 = (count, mean, M2) per block and
 // channel (the depthwise forward's, depthwise_fwd_stats) instead of computed by a pass over x: the bands merged in
