@@ -93,7 +93,7 @@ bool narrow_shape(const DepthwiseShape& g, ConvShape* s) {
 }
 
 // The 5x5/7x7 walks' knobs at -1 (their default) choose by shape, as the H200 suites measured them
-// (docs/results/depthwise_convnext_t_h200.md, depthwise_mobilenet_v3_h200.md): in NHWC the walk is faster from 28x28
+// (docs/results/depthwise_{convnext_t,mobilenet_v3}_h200_walks_forced.md): in NHWC the walk is faster from 28x28
 // inputs up and slower below; in NCHW it is faster everywhere but 5x5 on 7x7 inputs.
 bool k57_nhwc_walk(const ConvShape& s, DType dt, int level) {
   const int v = knob(Knob::kFwdColumnK57, dt);
