@@ -16,6 +16,7 @@ rank); norm=apex is refused.
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .depthwise import BackendUnavailable
+from .errors import ConfigError
 from .registry import Registry
 
 __all__ = [
@@ -63,11 +65,15 @@ class NormImpl:
 
 _REGISTRY: Registry[NormImpl] = Registry("norm")
 
-# norm=custom's running-statistics update: "fused" into the forward op, or "separate" (its own op after it), read
-# once per process, for A/B runs of the two (docs/kernels.md).
-_RUNNING_UPDATE = os.environ.get("MBN_RUNNING_UPDATE", "fused")
-if _RUNNING_UPDATE not in ("fused", "separate"):
-    raise ValueError(f"MBN_RUNNING_UPDATE must be fused or separate, got {_RUNNING_UPDATE!r}")
+@functools.cache
+def _running_update_mode() -> str:
+    """norm=custom's running-statistics update: "fused" into the forward op, or "separate" (its own op after it),
+    read once per process at the first training forward, for A/B runs of the two (docs/kernels.md)."""
+    mode = os.environ.get("MBN_RUNNING_UPDATE", "fused")
+    if mode not in ("fused", "separate"):
+        raise ConfigError(f"MBN_RUNNING_UPDATE must be fused or separate, got {mode!r}; unset it for the default "
+                          "(fused)")
+    return mode
 
 
 def register_norm(impl: NormImpl) -> NormImpl:
@@ -175,8 +181,8 @@ class CustomBatchNormReLU(nn.BatchNorm2d):
         """The forward op updates the running statistics itself (one kernel per layer less; the same bits): with a
         momentum, outside torch.compile (whose graphs take the functional ops: an op that mutates its inputs has its
         autograd in a torch.autograd.Function), unless MBN_RUNNING_UPDATE=separate asks for the two ops (an A/B)."""
-        return (self.training and self.track_running_stats and self.momentum is not None and _RUNNING_UPDATE == "fused"
-                and not torch.compiler.is_compiling())
+        return (self.training and self.track_running_stats and self.momentum is not None
+                and not torch.compiler.is_compiling() and _running_update_mode() == "fused")
 
     @torch.no_grad()
     def _update_running_stats(self, mean: Tensor, var: Tensor, count: int) -> None:

@@ -79,6 +79,22 @@ def test_apex_without_apex_says_how_to_install(monkeypatch):
             get_norm("apex").check(torch.device(device))
 
 
+def test_a_wrong_running_update_mode_is_refused_naming_the_choices(monkeypatch):
+    from mobilenet import norm
+    from mobilenet.errors import ConfigError
+
+    monkeypatch.setenv("MBN_RUNNING_UPDATE", "both")
+    norm._running_update_mode.cache_clear()
+    try:
+        with pytest.raises(ConfigError, match="must be fused or separate, got 'both'"):
+            norm._running_update_mode()
+        monkeypatch.setenv("MBN_RUNNING_UPDATE", "separate")
+        norm._running_update_mode.cache_clear()
+        assert norm._running_update_mode() == "separate"
+    finally:
+        norm._running_update_mode.cache_clear()
+
+
 def test_norm_unavailable_is_a_backend_unavailable():
     assert issubclass(NormUnavailable, BackendUnavailable)
 
