@@ -172,6 +172,10 @@ class PerfConfig:
     # training stream and wait behind its kernels. auto: 32 for data=dali (faster DALI-fed training, eager and
     # captured), CUDA's default otherwise (mobilenet/streams.py).
     max_connections: str = "auto"
+    # amp=true only: the fp32 -> fp16/bf16 casts of every convolution and linear weight as one kernel, and their
+    # gradients' casts back as one, instead of two small kernels per weight (mobilenet/amp_weights.py). Off until
+    # measured. Not with compile=true or several processes.
+    amp_weight_cast: bool = False
 
 
 @dataclass

@@ -72,6 +72,9 @@ def validate(cfg, device: torch.device) -> None:
     backend.check(device)  # first: a GPU-only backend on a CPU is the root cause to report
     get_norm(cfg.norm.name).check(device)
     _check_stats_from_depthwise(cfg)
+    if cfg.perf.amp_weight_cast and (not cfg.amp or cfg.compile):
+        raise ConfigError("perf.amp_weight_cast=true needs amp=true and compile=false (it replaces autocast's weight "
+                          f"casts; got amp={cfg.amp}, compile={cfg.compile}); or set perf.amp_weight_cast=false")
     if cfg.amp and enum_value(cfg.amp_dtype) == "fp16" and device.type != "cuda":
         raise ConfigError("amp=true with amp_dtype=fp16 needs a CUDA GPU (CPU autocast runs bf16 only); "
                           "use amp_dtype=bf16 on a CPU, or run on a GPU")
@@ -105,6 +108,9 @@ def _check_process_layout(cfg, dist: distributed.DistInfo, device: torch.device)
                           f"{device.type!r}: run on GPUs, or leave sync_bn=false (each rank then normalises its own batch)")
     if cfg.profile and dist.enabled:
         raise ConfigError("profile=true traces one process: run it without torchrun")
+    if cfg.perf.amp_weight_cast and dist.enabled:
+        raise ConfigError("perf.amp_weight_cast=true runs in one process only (DDP with it is untested): run it "
+                          "without torchrun, or set perf.amp_weight_cast=false")
 
 
 _WARNED: set[str] = set()
@@ -138,6 +144,10 @@ def build_for_run(cfg, device: torch.device, num_classes: int, model: nn.Module 
 def _forward_for_run(model: nn.Module, cfg, device: torch.device, dist: distributed.DistInfo) -> nn.Module:
     """What a training step calls: the model, wrapped for data parallelism and compiled as configured."""
     wrapped = model
+    if cfg.perf.amp_weight_cast:
+        from .amp_weights import WeightCastForward
+
+        wrapped = WeightCastForward(model, autocast_dtype(cfg))
     if dist.enabled:
         from torch.nn.parallel import DistributedDataParallel
 

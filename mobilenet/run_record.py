@@ -115,6 +115,9 @@ class TrainingRun:
         rows["CUDA graph"] = self.cuda_graph_state
         rows["CUDA stream"] = self.stream_state
         rows["CUDA work queues"] = self.queues_state
+        if self.cfg.amp:
+            rows["weight casts"] = ("one kernel each way for all weights (perf.amp_weight_cast)"
+                                    if self.cfg.perf.amp_weight_cast else "autocast's, one kernel per weight each way")
         if self.dist.enabled:
             rows["ranks"] = self.dist.world_size
             rows["sync_bn"] = self.sync_bn_state

@@ -1,0 +1,117 @@
+"""perf.amp_weight_cast: the autocast casts of every convolution and linear weight done as one kernel each way.
+
+Under autocast each convolution and linear layer casts its fp32 weight to fp16/bf16 in the forward (one small
+kernel per weight) and casts the weight's gradient back to fp32 in the backward (another): 62 kernels per
+MobileNetV1 step, about 1% of its GPU time on an H200 (docs/results/profile_h200_train_custom_norm_custom_fbb093a.md).
+Here those weights share one flat fp32 buffer (each parameter's data is a view of it, in the parameter's own memory
+format), the forward casts the buffer once and runs the model on views of the cast copy
+(torch.func.functional_call), and the backward gathers the low-precision gradients into one buffer and casts it
+once. The parameters stay the same nn.Parameter objects (same names, state_dict and optimizer), their values and
+gradients are the same numbers as autocast's casts give.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+__all__ = ["cast_parameters", "flatten_parameters", "WeightCastForward"]
+
+# The layers whose parameters autocast casts to the low dtype (BatchNorm's stay fp32).
+_CAST_LAYERS = (nn.Conv2d, nn.Linear)
+
+
+def cast_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of every parameter autocast casts in `model`'s forward, in module order."""
+    from .depthwise import DepthwiseConv2d
+
+    out = []
+    for module_name, module in model.named_modules():
+        if isinstance(module, _CAST_LAYERS + (DepthwiseConv2d,)):
+            for name, p in module.named_parameters(recurse=False):
+                out.append((f"{module_name}.{name}" if module_name else name, p))
+    return out
+
+
+def _dense_in_memory(t: Tensor) -> bool:
+    return t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
+
+
+def flatten_parameters(params: list[nn.Parameter]) -> tuple[Tensor, list[tuple[torch.Size, tuple, int]]]:
+    """Moves the parameters' data into one flat buffer, each a view in its own memory format; returns the buffer and
+    each view's (shape, strides, offset). Call it after every .to() of the model: .to() would give the parameters new
+    storage again."""
+    if not params:
+        raise ValueError("perf.amp_weight_cast: the model has no convolution or linear weights to cast")
+    device, dtype = params[0].device, params[0].dtype
+    for p in params:
+        if p.device != device or p.dtype != torch.float32 or not _dense_in_memory(p):
+            raise ValueError(f"perf.amp_weight_cast: every cast weight must be a dense float32 tensor on one device, "
+                             f"got {p.dtype} {tuple(p.shape)} strides {p.stride()} on {p.device}")
+    flat = torch.empty(sum(p.numel() for p in params), device=device, dtype=dtype)
+    layouts, offset = [], 0
+    with torch.no_grad():
+        for p in params:
+            view = flat.as_strided(p.shape, p.stride(), offset)
+            view.copy_(p)
+            p.data = view
+            layouts.append((p.shape, p.stride(), offset))
+            offset += p.numel()
+    return flat, layouts
+
+
+def _gather(grads, layouts, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The gradients laid out as the parameters are in the flat buffer, one flat tensor (one cat kernel)."""
+    parts = []
+    for g, (shape, stride, _offset) in zip(grads, layouts):
+        if g is None:
+            g = torch.zeros(shape, dtype=dtype, device=device)
+        if g.stride() != stride and not _same_order(g, stride):
+            g = torch.empty_strided(shape, stride, dtype=g.dtype, device=device).copy_(g)
+        parts.append(g.as_strided((g.numel(),), (1,)))
+    return torch.cat(parts)
+
+
+def _same_order(t: Tensor, stride: tuple) -> bool:
+    """t's elements lie in memory in the order `stride` gives (dimensions of size 1 may have any stride)."""
+    return t.is_non_overlapping_and_dense() and all(
+        a == b for a, b, n in zip(t.stride(), stride, t.shape) if n != 1)
+
+
+class _CastFlat(torch.autograd.Function):
+    """forward: the flat fp32 buffer cast once, returned as views in each parameter's layout. backward: the views'
+    gradients gathered and cast to fp32 once, returned as each parameter's gradient (views of one buffer)."""
+
+    @staticmethod
+    def forward(ctx, flat, dtype, layouts, *params):
+        low = flat.to(dtype)
+        ctx.layouts, ctx.low_dtype = layouts, dtype
+        return tuple(low.as_strided(shape, stride, offset) for shape, stride, offset in layouts)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        device = next(g.device for g in grads if g is not None)
+        flat = _gather(grads, ctx.layouts, ctx.low_dtype, device).float()
+        out = tuple(flat.as_strided(shape, stride, offset) for shape, stride, offset in ctx.layouts)
+        return (None, None, None, *out)
+
+
+class WeightCastForward(nn.Module):
+    """`model`'s forward with its convolution and linear weights cast by one kernel (see the module docstring),
+    under autocast to `dtype`. Outside autocast (or in eval mode) it runs the model as it is."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.model = model
+        self.dtype = dtype
+        named = cast_parameters(model)
+        self.names = [n for n, _ in named]
+        self.flat, self.layouts = flatten_parameters([p for _, p in named])
+        self._params = [p for _, p in named]
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not (self.model.training and torch.is_autocast_enabled(x.device.type)):
+            return self.model(x)
+        low = _CastFlat.apply(self.flat, self.dtype, self.layouts, *self._params)
+        return functional_call(self.model, dict(zip(self.names, low)), (x,))
