@@ -35,6 +35,7 @@ __all__ = [
     "NormUnavailable", "NormImpl", "register_norm", "available_norms", "get_norm", "applies_relu",
     "TorchBatchNormReLU", "CustomBatchNormReLU", "ApexBatchNormReLU", "SyncBatchNormReLU", "SyncCustomBatchNormReLU",
     "combine_rank_statistics", "convert_sync_batchnorm", "sync_bn_state", "check_stats_from_depthwise",
+    "running_update_label",
     "depthwise_norm_relu",
 ]
 
@@ -64,6 +65,22 @@ class NormImpl:
 
 
 _REGISTRY: Registry[NormImpl] = Registry("norm")
+
+def running_update_label(cfg, distributed: bool) -> str | None:
+    """Where norm=custom updated the running statistics in this run (the summary's row), None for other norms."""
+    if cfg.norm.name != "custom":
+        return None
+    if cfg.sync_bn and distributed:
+        return "a kernel of its own (sync_bn: from every rank's statistics)"
+    if cfg.compile:
+        return "a kernel of its own (torch.compile runs the functional ops)"
+    if _running_update_mode() == "separate":
+        return "a kernel of its own (MBN_RUNNING_UPDATE=separate)"
+    where = "in the forward op's finalize kernel"
+    if cfg.norm.stats_from_depthwise:
+        return where + " (a kernel of its own after each depthwise conv, whose statistics it takes)"
+    return where
+
 
 @functools.cache
 def _running_update_mode() -> str:

@@ -12,6 +12,7 @@ from . import streams
 from .config import enum_value
 from .distributed import DistInfo
 from .meter import Throughput
+from .norm import running_update_label
 
 
 def precision_label(cfg) -> str:
@@ -115,6 +116,9 @@ class TrainingRun:
         rows["CUDA graph"] = self.cuda_graph_state
         rows["CUDA stream"] = self.stream_state
         rows["CUDA work queues"] = self.queues_state
+        update = running_update_label(self.cfg, self.dist.enabled)
+        if update is not None:
+            rows["running statistics update"] = update
         if self.cfg.amp:
             rows["weight casts"] = ("one kernel each way for all weights (perf.amp_weight_cast)"
                                     if self.cfg.perf.amp_weight_cast else "autocast's, one kernel per weight each way")

@@ -95,6 +95,25 @@ def test_a_wrong_running_update_mode_is_refused_naming_the_choices(monkeypatch):
         norm._running_update_mode.cache_clear()
 
 
+def test_the_summary_says_where_the_running_statistics_were_updated(monkeypatch):
+    from mobilenet import norm
+
+    norm._running_update_mode.cache_clear()
+    monkeypatch.delenv("MBN_RUNNING_UPDATE", raising=False)
+    try:
+        label = norm.running_update_label
+        assert label(compose(["norm=torch"]), False) is None
+        assert label(compose(["norm=custom"]), False) == "in the forward op's finalize kernel"
+        assert "after each depthwise conv" in label(compose(["norm=custom", "norm.stats_from_depthwise=true"]), False)
+        assert "torch.compile" in label(compose(["norm=custom", "compile=true"]), False)
+        assert "sync_bn" in label(compose(["norm=custom", "sync_bn=true"]), True)
+        monkeypatch.setenv("MBN_RUNNING_UPDATE", "separate")
+        norm._running_update_mode.cache_clear()
+        assert "MBN_RUNNING_UPDATE=separate" in label(compose(["norm=custom"]), False)
+    finally:
+        norm._running_update_mode.cache_clear()
+
+
 def test_norm_unavailable_is_a_backend_unavailable():
     assert issubclass(NormUnavailable, BackendUnavailable)
 
