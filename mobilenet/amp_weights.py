@@ -49,27 +49,45 @@ def flatten_parameters(params: list[nn.Parameter]) -> tuple[Tensor, list[tuple[t
         if p.device != device or p.dtype != torch.float32 or not _dense_in_memory(p):
             raise ValueError(f"perf.amp_weight_cast: every cast weight must be a dense float32 tensor on one device, "
                              f"got {p.dtype} {tuple(p.shape)} strides {p.stride()} on {p.device}")
-    flat = torch.empty(sum(p.numel() for p in params), device=device, dtype=dtype)
-    layouts, offset = [], 0
+    offsets, end = [], 0
+    for p in params:
+        offsets.append(_aligned(end))
+        end = offsets[-1] + p.numel()
+    flat = torch.zeros(_aligned(end), device=device, dtype=dtype)
+    layouts = []
     with torch.no_grad():
-        for p in params:
+        for p, offset in zip(params, offsets):
             view = flat.as_strided(p.shape, p.stride(), offset)
             view.copy_(p)
             p.data = view
             layouts.append((p.shape, p.stride(), offset))
-            offset += p.numel()
     return flat, layouts
 
 
-def _gather(grads, layouts, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """The gradients laid out as the parameters are in the flat buffer, one flat tensor (one cat kernel)."""
-    parts = []
-    for g, (shape, stride, _offset) in zip(grads, layouts):
+# Every view starts on a multiple of this many elements (128 bytes in fp16): the kernels that read a weight pick
+# vectorised or tensor-core paths by its address, as they would for a weight of its own.
+ALIGN = 64
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // ALIGN) * ALIGN
+
+
+def _gather(grads, layouts, total: int, pad: Tensor) -> Tensor:
+    """The gradients laid out as the parameters are in the flat buffer (`total` elements, the gaps from `pad`'s
+    zeros), as one flat tensor: one cat kernel."""
+    parts, end = [], 0
+    for g, (shape, stride, offset) in zip(grads, layouts):
+        if offset > end:
+            parts.append(pad[:offset - end])
         if g is None:
-            g = torch.zeros(shape, dtype=dtype, device=device)
+            g = torch.zeros(shape, dtype=pad.dtype, device=pad.device)
         if g.stride() != stride and not _same_order(g, stride):
-            g = torch.empty_strided(shape, stride, dtype=g.dtype, device=device).copy_(g)
+            g = torch.empty_strided(shape, stride, dtype=g.dtype, device=g.device).copy_(g)
         parts.append(g.as_strided((g.numel(),), (1,)))
+        end = offset + g.numel()
+    if total > end:
+        parts.append(pad[:total - end])
     return torch.cat(parts)
 
 
@@ -84,15 +102,16 @@ class _CastFlat(torch.autograd.Function):
     gradients gathered and cast to fp32 once, returned as each parameter's gradient (views of one buffer)."""
 
     @staticmethod
-    def forward(ctx, flat, dtype, layouts, *params):
-        low = flat.to(dtype)
-        ctx.layouts, ctx.low_dtype = layouts, dtype
+    def forward(ctx, flat, pad, layouts, *params):
+        low = flat.to(pad.dtype)
+        ctx.layouts, ctx.total = layouts, flat.numel()
+        ctx.save_for_backward(pad)
         return tuple(low.as_strided(shape, stride, offset) for shape, stride, offset in layouts)
 
     @staticmethod
     def backward(ctx, *grads):
-        device = next(g.device for g in grads if g is not None)
-        flat = _gather(grads, ctx.layouts, ctx.low_dtype, device).float()
+        (pad,) = ctx.saved_tensors
+        flat = _gather(grads, ctx.layouts, ctx.total, pad).float()
         out = tuple(flat.as_strided(shape, stride, offset) for shape, stride, offset in ctx.layouts)
         return (None, None, None, *out)
 
@@ -109,9 +128,11 @@ class WeightCastForward(nn.Module):
         self.names = [n for n, _ in named]
         self.flat, self.layouts = flatten_parameters([p for _, p in named])
         self._params = [p for _, p in named]
+        # the zeros the backward fills the gaps between the gradients with, made once
+        self._pad = torch.zeros(ALIGN, dtype=dtype, device=self.flat.device)
 
     def forward(self, x: Tensor) -> Tensor:
         if not (self.model.training and torch.is_autocast_enabled(x.device.type)):
             return self.model(x)
-        low = _CastFlat.apply(self.flat, self.dtype, self.layouts, *self._params)
+        low = _CastFlat.apply(self.flat, self._pad, self.layouts, *self._params)
         return functional_call(self.model, dict(zip(self.names, low)), (x,))

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mobilenet.amp_weights import WeightCastForward, cast_parameters
+from mobilenet.amp_weights import ALIGN, WeightCastForward, cast_parameters
 from mobilenet.config import compose
 from mobilenet.engine import Trainer
 from mobilenet.errors import ConfigError
@@ -102,6 +102,8 @@ def test_the_parameters_keep_their_names_memory_format_and_live_in_one_buffer():
         obj, value, stride = before[name]
         assert p is obj and torch.equal(p, value) and p.stride() == stride, name
         assert (start <= p.data_ptr() < end) == (name in dict(named)), name
+        if name in dict(named):  # each view starts on its own 64-element boundary
+            assert (p.data_ptr() - start) % (ALIGN * 4) == 0, name
     state = copy.deepcopy(model.state_dict())
     fresh = _model(channels_last=False)
     fresh.load_state_dict(state)  # a checkpoint of the flattened model loads into a plain one
