@@ -46,8 +46,9 @@ from . import kernel_layout, load
 
 load()
 
-__all__ = ["batch_norm_relu_train", "batch_norm_relu_train_update", "batch_norm_relu_from_partials", "update_running_stats", "local_batch_stats", "batch_norm_relu_normalize",
-           "batch_norm_relu_grad_sums", "batch_norm_relu_input_grad", "update_running_stats_unbiased"]
+__all__ = ["batch_norm_relu_train", "batch_norm_relu_train_update", "batch_norm_relu_from_partials",
+           "update_running_stats", "local_batch_stats", "batch_norm_relu_normalize", "batch_norm_relu_grad_sums",
+           "batch_norm_relu_input_grad", "update_running_stats_unbiased"]
 
 _fwd = torch.ops.mobilenet_bn.bn_relu_fwd.default
 _bwd = torch.ops.mobilenet_bn.bn_relu_bwd.default
@@ -133,13 +134,18 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(mean, invstd, var)
 
 
-def _backward(ctx, grad_y, _grad_mean, _grad_invstd, _grad_var):
+def _grads(ctx, grad_y, needs) -> tuple:
+    """(grad_x, grad_weight, grad_bias) of the forward _setup_context saved, each None where `needs` (the three
+    inputs' needs_input_grad) says so: one bn_relu_bwd for all of the forward ops."""
     x, weight, bias, mean, invstd = ctx.saved_tensors
-    if grad_y is None or not any(ctx.needs_input_grad[:3]):
-        return None, None, None, None
-    grad_x, grad_weight, grad_bias = _bwd(grad_y.to(x.dtype), x, weight, bias, mean, invstd)
-    return (grad_x if ctx.needs_input_grad[0] else None, grad_weight if ctx.needs_input_grad[1] else None,
-            grad_bias if ctx.needs_input_grad[2] else None, None)
+    if grad_y is None or not any(needs):
+        return None, None, None
+    grads = _bwd(grad_y.to(x.dtype), x, weight, bias, mean, invstd)
+    return tuple(g if need else None for g, need in zip(grads, needs))
+
+
+def _backward(ctx, grad_y, _grad_mean, _grad_invstd, _grad_var):
+    return (*_grads(ctx, grad_y, ctx.needs_input_grad[:3]), None)
 
 
 torch.library.register_autograd("mobilenet_bn::bn_relu_fwd", _backward, setup_context=_setup_context)
@@ -153,13 +159,9 @@ def _partials_setup_context(ctx, inputs, output):
 def _partials_backward(ctx, grad_y, _grad_mean, _grad_invstd, _grad_var):
     # bn_relu_fwd's backward: grad_x is the full BatchNorm gradient (through the batch statistics), so the partials,
     # which are these statistics computed elsewhere, take none. Inputs: x, partials, weight, bias, eps.
-    x, weight, bias, mean, invstd = ctx.saved_tensors
-    needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3])
-    if grad_y is None or not any(needs):
-        return None, None, None, None, None
-    grad_x, grad_weight, grad_bias = _bwd(grad_y.to(x.dtype), x, weight, bias, mean, invstd)
-    return (grad_x if needs[0] else None, None, grad_weight if needs[1] else None, grad_bias if needs[2] else None,
-            None)
+    need = ctx.needs_input_grad
+    grad_x, grad_weight, grad_bias = _grads(ctx, grad_y, (need[0], need[2], need[3]))
+    return grad_x, None, grad_weight, grad_bias, None
 
 
 torch.library.register_autograd("mobilenet_bn::bn_relu_fwd_from_partials", _partials_backward,
@@ -211,7 +213,7 @@ _register_autocast("bn_relu_fwd_update", _fwd_update_autocast_args)
 
 
 class _TrainWithUpdate(torch.autograd.Function):
-    """bn_relu_fwd_update with bn_relu_fwd's backward (_setup_context and _backward above)."""
+    """bn_relu_fwd_update with bn_relu_fwd's backward (_setup_context and _grads above)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked, eps, momentum):
@@ -221,8 +223,7 @@ class _TrainWithUpdate(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y, _grad_mean, _grad_invstd, _grad_var):
-        grad_x, grad_weight, grad_bias, _ = _backward(ctx, grad_y, None, None, None)
-        return grad_x, grad_weight, grad_bias, None, None, None, None, None
+        return (*_grads(ctx, grad_y, ctx.needs_input_grad[:3]), None, None, None, None, None)
 
 
 def _check_supported(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> None:
@@ -269,9 +270,7 @@ def batch_norm_relu_train_update(x: Tensor, weight: Tensor, bias: Tensor, runnin
         raise ValueError(f"batch_norm_relu_train_update: momentum must be in [0, 1], got {momentum} (for "
                          "momentum=None use batch_norm_relu_train and update_running_stats)")
     _check_channel_vectors(x, running_mean=running_mean, running_var=running_var)
-    if x.numel() // x.shape[1] < 2:
-        raise ValueError(f"batch_norm_relu_train_update: the unbiased variance needs more than 1 value per channel, "
-                         f"got {x.numel() // x.shape[1]}")
+    _check_unbiased_count("batch_norm_relu_train_update", x.numel() // x.shape[1])
     return _TrainWithUpdate.apply(x, _f32(weight), _f32(bias), running_mean, running_var, num_batches_tracked,
                                   float(eps), float(momentum))
 
@@ -297,9 +296,13 @@ def update_running_stats(running_mean: Tensor, running_var: Tensor, num_batches_
     running = (1 - f) * running + f * batch with the unbiased variance var * count / (count - 1), where f = momentum,
     or 1 / num_batches_tracked for momentum=None. mean and var: this batch's mean and biased variance (fp32, as
     batch_norm_relu_train returns them) over `count` values per channel."""
-    if count < 2:
-        raise ValueError(f"update_running_stats: the unbiased variance needs more than 1 value per channel, got {count}")
+    _check_unbiased_count("update_running_stats", count)
     _update(running_mean, running_var, num_batches_tracked, mean, var, _momentum_arg(momentum), int(count))
+
+
+def _check_unbiased_count(op: str, count: int) -> None:
+    if count < 2:
+        raise ValueError(f"{op}: the unbiased variance needs more than 1 value per channel, got {count}")
 
 
 def _momentum_arg(momentum: float | None) -> float:

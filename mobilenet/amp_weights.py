@@ -38,6 +38,15 @@ def _dense_in_memory(t: Tensor) -> bool:
     return t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
 
 
+# Every view starts on a multiple of this many elements (128 bytes in fp16): the kernels that read a weight pick
+# vectorised or tensor-core paths by its address, as they would for a weight of its own.
+ALIGN = 64
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // ALIGN) * ALIGN
+
+
 def flatten_parameters(params: list[nn.Parameter]) -> tuple[Tensor, list[tuple[torch.Size, tuple, int]]]:
     """Moves the parameters' data into one flat buffer, each a view in its own memory format; returns the buffer and
     each view's (shape, strides, offset). Call it after every .to() of the model: .to() would give the parameters new
@@ -63,14 +72,6 @@ def flatten_parameters(params: list[nn.Parameter]) -> tuple[Tensor, list[tuple[t
             layouts.append((p.shape, p.stride(), offset))
     return flat, layouts
 
-
-# Every view starts on a multiple of this many elements (128 bytes in fp16): the kernels that read a weight pick
-# vectorised or tensor-core paths by its address, as they would for a weight of its own.
-ALIGN = 64
-
-
-def _aligned(offset: int) -> int:
-    return -(-offset // ALIGN) * ALIGN
 
 
 def _gather(grads, layouts, total: int, pad: Tensor) -> Tensor:
@@ -123,7 +124,6 @@ class WeightCastForward(nn.Module):
     def __init__(self, model: nn.Module, dtype: torch.dtype):
         super().__init__()
         self.model = model
-        self.dtype = dtype
         named = cast_parameters(model)
         self.names = [n for n, _ in named]
         self.flat, self.layouts = flatten_parameters([p for _, p in named])

@@ -66,6 +66,7 @@ class NormImpl:
 
 _REGISTRY: Registry[NormImpl] = Registry("norm")
 
+
 def running_update_label(cfg, distributed: bool) -> str | None:
     """Where norm=custom updated the running statistics in this run (the summary's row), None for other norms."""
     if cfg.norm.name != "custom":
@@ -161,9 +162,10 @@ class CustomBatchNormReLU(nn.BatchNorm2d):
     """BatchNorm + ReLU with the project's fused CUDA ops in training; running-statistics scale-shift + ReLU in eval.
 
     Training: one op computes the batch statistics (fp32) and y = relu(bn(x)) in x's dtype, another op the three
-    gradients with the ReLU's backward folded in. A third op updates the running statistics from the batch mean and
-    biased variance with nn.BatchNorm2d's arithmetic (momentum, unbiased variance, num_batches_tracked), on the GPU
-    and without reading anything back, so the step can be captured."""
+    gradients with the ReLU's backward folded in. The running statistics are updated from the batch mean and biased
+    variance with nn.BatchNorm2d's arithmetic (momentum, unbiased variance, num_batches_tracked), on the GPU and
+    without reading anything back, so the step can be captured: by the forward op itself where _update_in_forward
+    says so, else by an op of their own."""
 
     fused_relu = True
 
