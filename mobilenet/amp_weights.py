@@ -16,7 +16,10 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-__all__ = ["cast_parameters", "flatten_parameters", "WeightCastForward"]
+__all__ = ["cast_parameters", "flatten_parameters", "plan", "WeightCastForward"]
+
+MODES = ("auto", "true", "false")
+_AUTOCAST = "autocast's, one kernel per weight each way"
 
 # The layers whose parameters autocast casts to the low dtype (BatchNorm's stay fp32).
 _CAST_LAYERS = (nn.Conv2d, nn.Linear)
@@ -32,6 +35,33 @@ def cast_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
             for name, p in module.named_parameters(recurse=False):
                 out.append((f"{module_name}.{name}" if module_name else name, p))
     return out
+
+
+def plan(cfg, distributed: bool, model: nn.Module) -> tuple[bool, str]:
+    """(cast the weights as one buffer or not, the summary's words) for `perf.amp_weight_cast`. auto: wherever it
+    can run, as measured faster (docs/results/train_norm_h200.md); true where it cannot is an error."""
+    mode = str(cfg.perf.amp_weight_cast).lower()  # Hydra hands `=true` over as a bool
+    if mode not in MODES:
+        raise ValueError(f"perf.amp_weight_cast={cfg.perf.amp_weight_cast!r} is not a choice; choose one of: "
+                         f"{', '.join(MODES)}")
+    if mode == "false":
+        return False, f"{_AUTOCAST} (perf.amp_weight_cast=false)"
+    params = cast_parameters(model)
+    blockers = [what for blocked, what in (
+        (not cfg.amp, "amp=false"),
+        (bool(cfg.compile), "compile=true, whose compiler fuses the casts itself"),
+        (distributed, "several processes (DDP with it is untested)"),
+        (not params, "the model has no convolution or linear weights"),
+        (not all(p.dtype == torch.float32 and _dense_in_memory(p) for _, p in params),
+         "a weight that is not a dense fp32 tensor"),
+    ) if blocked]
+    if blockers and mode == "true":
+        raise ValueError(f"perf.amp_weight_cast=true cannot run here: {'; '.join(blockers)}. Use "
+                         "perf.amp_weight_cast=auto (on where it can run, and the summary says which) or false")
+    if blockers:
+        return False, f"{_AUTOCAST} (perf.amp_weight_cast=auto: {'; '.join(blockers)})"
+    return True, (f"one kernel each way for the {len(params)} convolution and linear parameters "
+                  f"(perf.amp_weight_cast={mode})")
 
 
 def _dense_in_memory(t: Tensor) -> bool:
@@ -93,9 +123,9 @@ def _gather(grads, layouts, total: int, pad: Tensor) -> Tensor:
 
 
 def _same_order(t: Tensor, stride: tuple) -> bool:
-    """t's elements lie in memory in the order `stride` gives (dimensions of size 1 may have any stride)."""
-    return t.is_non_overlapping_and_dense() and all(
-        a == b for a, b, n in zip(t.stride(), stride, t.shape) if n != 1)
+    """t's elements lie in memory as `stride` (a dense layout) places them; dimensions of size 1 may have any stride
+    (cuDNN returns such weight gradients)."""
+    return all(a == b for a, b, n in zip(t.stride(), stride, t.shape) if n != 1)
 
 
 class _CastFlat(torch.autograd.Function):

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import cuda_graph, distributed, streams
+from . import amp_weights, cuda_graph, distributed, streams
 from .checkpoint import CHECKPOINT_IN_RUN_DIR, load_checkpoint, restore_training_state, save_checkpoint, training_state
 from .config import enum_value
 from .data import LoaderSpec, build_loaders
@@ -72,9 +72,6 @@ def validate(cfg, device: torch.device) -> None:
     backend.check(device)  # first: a GPU-only backend on a CPU is the root cause to report
     get_norm(cfg.norm.name).check(device)
     _check_stats_from_depthwise(cfg)
-    if cfg.perf.amp_weight_cast and (not cfg.amp or cfg.compile):
-        raise ConfigError("perf.amp_weight_cast=true needs amp=true and compile=false (it replaces autocast's weight "
-                          f"casts; got amp={cfg.amp}, compile={cfg.compile}); or set perf.amp_weight_cast=false")
     if cfg.amp and enum_value(cfg.amp_dtype) == "fp16" and device.type != "cuda":
         raise ConfigError("amp=true with amp_dtype=fp16 needs a CUDA GPU (CPU autocast runs bf16 only); "
                           "use amp_dtype=bf16 on a CPU, or run on a GPU")
@@ -108,9 +105,6 @@ def _check_process_layout(cfg, dist: distributed.DistInfo, device: torch.device)
                           f"{device.type!r}: run on GPUs, or leave sync_bn=false (each rank then normalises its own batch)")
     if cfg.profile and dist.enabled:
         raise ConfigError("profile=true traces one process: run it without torchrun")
-    if cfg.perf.amp_weight_cast and dist.enabled:
-        raise ConfigError("perf.amp_weight_cast=true runs in one process only (DDP with it is untested): run it "
-                          "without torchrun, or set perf.amp_weight_cast=false")
 
 
 _WARNED: set[str] = set()
@@ -141,19 +135,20 @@ def build_for_run(cfg, device: torch.device, num_classes: int, model: nn.Module 
     return model
 
 
-def _forward_for_run(model: nn.Module, cfg, device: torch.device, dist: distributed.DistInfo) -> nn.Module:
-    """What a training step calls: the model, wrapped for data parallelism and compiled as configured."""
+def _forward_for_run(model: nn.Module, cfg, device: torch.device, dist: distributed.DistInfo) -> tuple[nn.Module, str]:
+    """What a training step calls: the model, its weights cast as one buffer (perf.amp_weight_cast), wrapped for data
+    parallelism and compiled as configured; and how the weights are cast, for the summary."""
+    with checking_user_input(ValueError):  # perf.amp_weight_cast=true where it cannot run
+        cast_weights, cast_state = amp_weights.plan(cfg, dist.enabled, model)
     wrapped = model
-    if cfg.perf.amp_weight_cast:
-        from .amp_weights import WeightCastForward
-
-        wrapped = WeightCastForward(model, autocast_dtype(cfg))
+    if cast_weights:
+        wrapped = amp_weights.WeightCastForward(model, autocast_dtype(cfg))
     if dist.enabled:
         from torch.nn.parallel import DistributedDataParallel
 
         wrapped = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
                                           gradient_as_bucket_view=True)
-    return torch.compile(wrapped) if cfg.compile else wrapped
+    return (torch.compile(wrapped) if cfg.compile else wrapped), cast_state
 
 
 def _steps_per_epoch(cfg, train_loader) -> int:
@@ -261,7 +256,7 @@ class Trainer:
         self.model, self.sync_bn_state = _synchronise_batchnorm(self.model, cfg, self.dist.world_size)
         self.backend_label = backend_label or cfg.backend.name
         # Figures measured outside fit() (e.g. inference img/s) to log as perf/<name> and hparam/<name>.
-        self.forward = _forward_for_run(self.model, cfg, self.device, self.dist)
+        self.forward, self.weight_cast_state = _forward_for_run(self.model, cfg, self.device, self.dist)
         self._build_optimization(cfg, use_graph)
         self.env = environment(self.device)
         # Only rank 0 writes: one TensorBoard run and one checkpoint per training run.
@@ -301,7 +296,7 @@ class Trainer:
         """This run's settings as resolved, for its summary, hparams and scalars."""
         return TrainingRun(self.cfg, self.device, self.env, self.dist, self.backend_label, self.cuda_graph_state,
                            self.stream_state, self.queues_state, self.graphed is not None, self.stream,
-                           self.sync_bn_state)
+                           self.sync_bn_state, self.weight_cast_state)
 
     def _range(self, name: str):
         """A named profiler range when profiling, else nothing."""

@@ -85,6 +85,7 @@ class TrainingRun:
     captured: bool  # whether the training step runs as a CUDA graph
     stream: torch.cuda.Stream | None
     sync_bn_state: str = "off"  # "on (the converted BatchNorm classes; ...)" under sync_bn=true
+    weight_cast_state: str = ""  # how amp=true cast the weights (mobilenet/amp_weights.py plan)
 
     def scaling(self, tp: Throughput) -> tuple[float | None, float | None]:
         """(img/s per rank when data-parallel, efficiency against perf.single_gpu_img_s when given), else None."""
@@ -120,8 +121,7 @@ class TrainingRun:
         if update is not None:
             rows["running statistics update"] = update
         if self.cfg.amp:
-            rows["weight casts"] = ("one kernel each way for all weights (perf.amp_weight_cast)"
-                                    if self.cfg.perf.amp_weight_cast else "autocast's, one kernel per weight each way")
+            rows["weight casts"] = self.weight_cast_state
         if self.dist.enabled:
             rows["ranks"] = self.dist.world_size
             rows["sync_bn"] = self.sync_bn_state

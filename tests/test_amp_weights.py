@@ -111,6 +111,21 @@ def test_the_parameters_keep_their_names_memory_format_and_live_in_one_buffer():
         assert torch.equal(p, before[name][1])
 
 
+def test_gradients_in_another_layout_land_where_their_parameter_lies_in_the_buffer():
+    # cuDNN hands back weight gradients whose size-1 dimensions have other strides, and may return another layout.
+    from mobilenet.amp_weights import _gather
+    depthwise = torch.randn(8, 1, 3, 3)  # strides (9, 9, 3, 1)
+    pointwise = torch.randn(8, 4, 2, 2).contiguous(memory_format=torch.channels_last)  # 128 values
+    layouts = [(depthwise.shape, depthwise.stride(), 0), (pointwise.shape, pointwise.stride(), 2 * ALIGN)]
+    odd_strides = torch.as_strided(depthwise, depthwise.shape, (9, 1, 3, 1))  # the same memory order
+    pad = torch.zeros(ALIGN)
+    flat = _gather([odd_strides, pointwise.contiguous()], layouts, 4 * ALIGN, pad)
+    assert flat.shape == (4 * ALIGN,)
+    assert torch.equal(flat.as_strided(depthwise.shape, depthwise.stride(), 0), depthwise)
+    assert torch.equal(flat.as_strided(pointwise.shape, pointwise.stride(), 2 * ALIGN), pointwise)
+    assert not flat[depthwise.numel():2 * ALIGN].any()
+
+
 def test_eval_mode_and_autocast_off_run_the_model_as_it_is():
     model = _model(channels_last=False)
     wrapper = WeightCastForward(model, torch.bfloat16)
@@ -121,21 +136,29 @@ def test_eval_mode_and_autocast_off_run_the_model_as_it_is():
         assert torch.equal(wrapper(x), model(x))
 
 
-def test_the_config_refuses_it_without_amp_or_with_compile(run_dir):
-    with pytest.raises(ConfigError, match="perf.amp_weight_cast=true needs amp=true and compile=false"):
+def test_true_is_refused_where_it_cannot_run_and_auto_says_why_it_stayed_off(run_dir, tmp_path):
+    with pytest.raises(ConfigError, match=r"perf.amp_weight_cast=true cannot run here: amp=false\. Use"):
         Trainer(compose([*CPU_FAST, "perf.amp_weight_cast=true"]), run_dir)
-    with pytest.raises(ConfigError, match="got amp=True, compile=True"):
+    with pytest.raises(ConfigError, match="cannot run here: compile=true, whose compiler fuses the casts itself"):
         Trainer(compose([*CPU_FAST, "perf.amp_weight_cast=true", "amp=true", "amp_dtype=bf16", "compile=true"]), run_dir)
+    with pytest.raises(ConfigError, match="perf.amp_weight_cast='sometimes' is not a choice; choose one of: auto, true"):
+        Trainer(compose([*CPU_FAST, "perf.amp_weight_cast=sometimes", "amp=true", "amp_dtype=bf16"]), run_dir)
+    trainer = Trainer(compose([*CPU_FAST, "amp=true", "amp_dtype=bf16", "compile=true"]), tmp_path / "auto")
+    assert not isinstance(trainer.forward, WeightCastForward)
+    assert trainer.weight_cast_state == ("autocast's, one kernel per weight each way (perf.amp_weight_cast=auto: "
+                                         "compile=true, whose compiler fuses the casts itself)")
 
 
 def test_a_cpu_bf16_training_run_with_it_trains_like_one_without(run_dir, tmp_path):
     results = []
-    for flag in ("false", "true"):
+    for flag in ("false", "auto"):  # auto: on, as nothing here blocks it
         trainer = Trainer(compose([*CPU_FAST, "amp=true", "amp_dtype=bf16", f"perf.amp_weight_cast={flag}",
                                    "save_checkpoints=false", "epochs=1"]), tmp_path / flag)
-        assert isinstance(trainer.forward, WeightCastForward) == (flag == "true")
+        assert isinstance(trainer.forward, WeightCastForward) == (flag == "auto")
         result = trainer.fit()
-        assert trainer.summary_rows(result)["weight casts"].startswith("one kernel" if flag == "true" else "autocast")
+        assert trainer.summary_rows(result)["weight casts"] == (
+            "one kernel each way for the 29 convolution and linear parameters (perf.amp_weight_cast=auto)" if flag == "auto"
+            else "autocast's, one kernel per weight each way (perf.amp_weight_cast=false)")
         results.append({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
     for name in results[0]:
         assert torch.equal(results[0][name], results[1][name]), name

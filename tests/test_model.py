@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from mobilenet.depthwise import DepthwiseConv2d
-from mobilenet.model import MobileNetV1, count_macs, count_parameters
+from mobilenet.model import GlobalAvgPool, MobileNetV1, count_macs, count_parameters
 
 
 def test_parameter_and_mac_counts_match_the_paper():
@@ -40,3 +40,31 @@ def test_bad_model_arguments_are_rejected():
         MobileNetV1(width_mult=0)
     with pytest.raises(ValueError, match="unknown depthwise backend 'cuda'; choose one of: cudnn, custom, torch"):
         MobileNetV1(depthwise="cuda")
+
+
+@pytest.mark.parametrize("channels_last", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_global_pool_gives_autograds_values_with_the_gradient_in_the_inputs_layout(channels_last, dtype):
+    # A channels_last gradient spares the last BatchNorm's backward a transpose; the values must stay autograd's.
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x = torch.randn(3, 8, 7, 5, dtype=dtype).contiguous(memory_format=fmt)
+    g = torch.randn(3, 8, dtype=dtype)
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    grads = {}
+    a.register_hook(lambda t: grads.__setitem__("ours", t))
+    b.register_hook(lambda t: grads.__setitem__("autograd", t))
+    ours, ref = GlobalAvgPool()(a), torch.nn.AdaptiveAvgPool2d(1)(b).flatten(1)
+    assert torch.equal(ours, ref)
+    ours.backward(g)
+    ref.backward(g)
+    assert torch.equal(grads["ours"], grads["autograd"])
+    assert grads["ours"].is_contiguous(memory_format=fmt)
+    assert torch.equal(a.grad, b.grad)
+
+
+def test_global_pool_compiles_without_a_graph_break():
+    x = torch.randn(2, 4, 3, 3).contiguous(memory_format=torch.channels_last).requires_grad_()
+    out = torch.compile(GlobalAvgPool(), fullgraph=True, backend="aot_eager")(x)
+    out.sum().backward()
+    assert torch.equal(out, x.detach().mean((2, 3)))
+    assert torch.allclose(x.grad, torch.full_like(x, 1 / 9))

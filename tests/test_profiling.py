@@ -371,6 +371,23 @@ def test_fixture_channels_last_has_no_transposes():
         r.gpu_time.categories["depthwise"].pct > 10
 
 
+def _copy_op(src_strides):
+    from mobilenet.profiling.trace import Event
+    return Event("aten::copy_", "cpu_op", 0.0, 1.0, 1, 1, {
+        "Input type": ["c10::Half", "c10::Half"], "Input Dims": [[256, 1024, 7, 7], [256, 1024, 7, 7]],
+        "Input Strides": [[50176, 1, 7168, 1024], src_strides]})
+
+
+def test_a_copy_between_layouts_is_a_transpose_and_a_broadcast_written_out_is_not():
+    from mobilenet.profiling.classify import category_of
+    from mobilenet.profiling.trace import Event
+    kernel = Event("void at::native::elementwise_kernel<128, 4, at::native::copy_kernel_cuda>", "kernel",
+                   0.0, 1.0, 7, 0, {})
+    assert category_of(kernel, [_copy_op([50176, 49, 7, 1])]) == "transpose"  # NCHW into channels_last
+    assert category_of(kernel, [_copy_op([1024, 1, 0, 0])]) == "other"  # a pooling's gradient, expanded
+    assert category_of(kernel, [_copy_op([50176, 1, 7168, 1024])]) == "other"
+
+
 def test_fixture_pageable_copies():
     """User report 1: host-to-device copies of pageable memory dominate the GPU time."""
     r = _fixture("fp32_pageable_infer")

@@ -100,7 +100,8 @@ def _copy_kind(ops: list[Event]) -> str | None:
             if types[0] != types[1]:
                 return "cast"
             strides = op.args.get("Input Strides") or []
-            if len(strides) >= 2 and strides[0] != strides[1]:
+            # A source with a zero stride is a broadcast being written out (a pooling's gradient), not a transpose.
+            if len(strides) >= 2 and strides[0] != strides[1] and 0 not in (strides[1] or ()):
                 return "transpose"
             return None
         if op.name in ("aten::_to_copy", "aten::to", "aten::type_as"):
