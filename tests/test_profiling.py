@@ -355,6 +355,7 @@ def test_fixture_amp_nchw_has_cudnn_transposes():
     assert any("nchwToNhwc" in k["kernel"] and k["category"] == "transpose" for k in r.gpu_time.top_kernels)
     assert any("channels_last=true would remove" in f.hint for f in r.findings)
     assert r.gpu_time.casts_per_step > 20 and {c["phase"] for c in r.gpu_time.casts} >= {"forward", "backward"}
+    assert any(f.title == "dtype casts" and "perf.amp_weight_cast=auto" in f.hint for f in r.findings)
     # PyTorch's heuristic splits fp16 NCHW depthwise layers between its own kernel and cuDNN.
     assert set(r.gpu_time.depthwise_impls) == {"PyTorch native", "cuDNN"}
     # GradScaler reads found_inf back every step.

@@ -177,8 +177,9 @@ def dtype_casts(r: Report) -> Finding | None:
     where = ", ".join(f"{c['op']} in {c['phase']}" for c in gpu_time.casts[:3])
     return Finding("dtype casts",
                    f"{ca.count_per_step:.0f} cast kernels per step, {ca.ms_per_step:.3f} ms ({ca.pct:.1f}% of GPU time), launched by {where}",
-                   "autocast re-casts weights every step: torch.compile fuses the casts into neighbouring kernels; "
-                   "cast the input batch once in the loader", "warn" if ca.pct >= 5 else "info")
+                   "autocast casts every weight each step, two kernels per weight: train.py's perf.amp_weight_cast=auto "
+                   "casts them all as one kernel each way (launched by _CastFlat), torch.compile fuses casts into "
+                   "neighbouring kernels; cast the input batch once in the loader", "warn" if ca.pct >= 5 else "info")
 
 
 @finding()
