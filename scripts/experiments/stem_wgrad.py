@@ -8,6 +8,8 @@ for 3 NHWC channels. Variants:
     nhwc4       the input delivered with a 4th, zero channel; the weight zero-padded to 4 input channels per step
     nhwc8       the same with 8 channels
     nhwc3_pad4  3 channels delivered, padded to 4 inside the step (what a loader that cannot pad would cost)
+    gemm        nhwc3's forward; the weight gradient as one matrix product of the output gradient with the input's
+                patches (zero-padded, unfolded and copied: 27 values per output pixel) instead of cuDNN's kernel
 
     python scripts/experiments/stem_wgrad.py [--batch 256] [--dtype fp16] [--rounds 7] [--iters 20]
 
@@ -25,6 +27,29 @@ import torch.nn.functional as F
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 CL = torch.channels_last
+
+
+def patch_gemm_weight_grad(x: torch.Tensor, dy: torch.Tensor, kernel: int = 3, stride: int = 2,
+                           padding: int = 1) -> torch.Tensor:
+    """The weight gradient of a convolution of channels_last x as dy^T @ patches(x): (K, C, kernel, kernel)."""
+    n, c = x.shape[:2]
+    k, ho, wo = dy.shape[1:]
+    xp = F.pad(x.permute(0, 2, 3, 1), (0, 0, padding, padding, padding, padding))  # NHWC, padded
+    cols = xp.unfold(1, kernel, stride).unfold(2, kernel, stride)[:, :ho, :wo]  # (N, Ho, Wo, C, kh, kw), a view
+    cols = cols.reshape(n * ho * wo, c * kernel * kernel)  # (c, r, s) order, as the weight's
+    return (dy.permute(0, 2, 3, 1).reshape(n * ho * wo, k).t() @ cols).view(k, c, kernel, kernel)
+
+
+class _GemmWeightGradConv(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x)
+        return F.conv2d(x, weight, stride=2, padding=1)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        return None, patch_gemm_weight_grad(x, dy.contiguous(memory_format=CL))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -47,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
         "nhwc4": F.pad(x3, (0, 0, 0, 0, 0, 1)).contiguous(memory_format=CL),
         "nhwc8": F.pad(x3, (0, 0, 0, 0, 0, 5)).contiguous(memory_format=CL),
         "nhwc3_pad4": x3.contiguous(memory_format=CL),
+        "gemm": x3.contiguous(memory_format=CL),
     }
     w = torch.randn(32, 3, 3, 3, device=dev, dtype=dt).contiguous(memory_format=CL).requires_grad_()
     dy = torch.randn(n, 32, s // 2, s // 2, device=dev, dtype=dt).contiguous(memory_format=CL)
@@ -56,20 +82,28 @@ def main(argv: list[str] | None = None) -> None:
         if name == "nhwc3_pad4":
             x = F.pad(x, (0, 0, 0, 0, 0, 1)).contiguous(memory_format=CL)
         weight = w if x.shape[1] == 3 else F.pad(w, (0, 0, 0, 0, 0, x.shape[1] - 3))
-        y = F.conv2d(x, weight, stride=2, padding=1)
+        y = _GemmWeightGradConv.apply(x, weight) if name == "gemm" else F.conv2d(x, weight, stride=2, padding=1)
         if name == "nchw3":
             y = y.contiguous(memory_format=CL)
         y.backward(dy)
 
-    reference = None
-    for name in inputs:  # warm-up: cuDNN's autotuning, and the gradients agree
+    # float64 reference of the weight gradient, from a slice of the batch (the same slice of every variant's sum
+    # is not separable, so the check runs each variant on that slice too)
+    xs, dys = x3[:8].double(), dy[:8].double()
+    wd = w.detach().double().requires_grad_()
+    F.conv2d(xs, wd, stride=2, padding=1).backward(dys)
+    for name in inputs:  # warm-up (cuDNN's autotuning), and each variant's gradient against the reference
         for _ in range(3):
             w.grad = None
             step(name)
-        g = w.grad.float()
-        reference = g if reference is None else reference
-        err = ((g - reference).abs().max() / reference.abs().max()).item()
-        print(f"{name}: weight gradient max |diff| / max |ref| vs nhwc3 = {err:.2e}")
+        saved = inputs[name]
+        inputs[name] = saved[:8]
+        dy_full, dy = dy, dy[:8].contiguous(memory_format=CL)
+        w.grad = None
+        step(name)
+        inputs[name], dy = saved, dy_full
+        err = ((w.grad.double() - wd.grad).abs().max() / wd.grad.abs().max()).item()
+        print(f"{name}: weight gradient of 8 images, max |diff| / max |ref| against float64 = {err:.2e}")
     times: dict[str, list[float]] = {name: [] for name in inputs}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(args.rounds):
