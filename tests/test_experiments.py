@@ -16,3 +16,20 @@ def test_perturbation_growth_reports_zero_gap_without_a_nudge_and_a_gap_with_one
         assert len(rows) == 2
         gaps[nudge] = [float(r[3]) for r in rows]
     assert gaps[0.0] == [0.0, 0.0] and all(g > 0 for g in gaps[1e-3])
+
+
+def test_stem_wgrad_patch_product_is_the_convolutions_weight_gradient():
+    """stem_wgrad.py's `gemm` variant, whose timing docs/results/train_norm_h200.md records, computes the stem's
+    weight gradient: against autograd's in float64 on fresh inputs, channels_last as the model runs it."""
+    import torch
+    import torch.nn.functional as F
+
+    script = load_script("experiments/stem_wgrad")
+    x = torch.randn(2, 3, 30, 30, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(8, 3, 3, 3, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(2, 8, 15, 15, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+    F.conv2d(x, w, stride=2, padding=1).backward(dy)
+    mine = w.detach().clone().requires_grad_()
+    script._GemmWeightGradConv.apply(x, mine).backward(dy)
+    assert torch.allclose(mine.grad, w.grad, rtol=1e-10, atol=1e-10)
+    assert torch.allclose(script.patch_gemm_weight_grad(x, dy), w.grad, rtol=1e-10, atol=1e-10)
