@@ -52,8 +52,8 @@ def plan(cfg, distributed: bool, model: nn.Module) -> tuple[bool, str]:
         (bool(cfg.compile), "compile=true, whose compiler fuses the casts itself"),
         (distributed, "several processes (DDP with it is untested)"),
         (not params, "the model has no convolution or linear weights"),
-        (not all(p.dtype == torch.float32 and _dense_in_memory(p) for _, p in params),
-         "a weight that is not a dense fp32 tensor"),
+        (bool(params) and _unflattenable([p for _, p in params]) is not None,
+         "a weight that is not a dense fp32 tensor on the first one's device"),
     ) if blocked]
     if blockers and mode == "true":
         raise ValueError(f"perf.amp_weight_cast=true cannot run here: {'; '.join(blockers)}. Use "
@@ -66,6 +66,13 @@ def plan(cfg, distributed: bool, model: nn.Module) -> tuple[bool, str]:
 
 def _dense_in_memory(t: Tensor) -> bool:
     return t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
+
+
+def _unflattenable(params: list[nn.Parameter]) -> nn.Parameter | None:
+    """The first parameter flatten_parameters cannot take (not a dense float32 tensor on params[0]'s device)."""
+    device = params[0].device
+    return next((p for p in params if p.device != device or p.dtype != torch.float32 or not _dense_in_memory(p)),
+                None)
 
 
 # Every view starts on a multiple of this many elements (128 bytes in fp16): the kernels that read a weight pick
@@ -83,11 +90,11 @@ def flatten_parameters(params: list[nn.Parameter]) -> tuple[Tensor, list[tuple[t
     storage again."""
     if not params:
         raise ValueError("perf.amp_weight_cast: the model has no convolution or linear weights to cast")
+    bad = _unflattenable(params)
+    if bad is not None:
+        raise ValueError(f"perf.amp_weight_cast: every cast weight must be a dense float32 tensor on one device, "
+                         f"got {bad.dtype} {tuple(bad.shape)} strides {bad.stride()} on {bad.device}")
     device, dtype = params[0].device, params[0].dtype
-    for p in params:
-        if p.device != device or p.dtype != torch.float32 or not _dense_in_memory(p):
-            raise ValueError(f"perf.amp_weight_cast: every cast weight must be a dense float32 tensor on one device, "
-                             f"got {p.dtype} {tuple(p.shape)} strides {p.stride()} on {p.device}")
     offsets, end = [], 0
     for p in params:
         offsets.append(_aligned(end))
@@ -101,7 +108,6 @@ def flatten_parameters(params: list[nn.Parameter]) -> tuple[Tensor, list[tuple[t
             p.data = view
             layouts.append((p.shape, p.stride(), offset))
     return flat, layouts
-
 
 
 def _gather(grads, layouts, total: int, pad: Tensor) -> Tensor:

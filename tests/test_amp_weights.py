@@ -149,6 +149,21 @@ def test_true_is_refused_where_it_cannot_run_and_auto_says_why_it_stayed_off(run
                                          "compile=true, whose compiler fuses the casts itself)")
 
 
+def test_auto_stays_off_for_a_weight_it_cannot_flatten_and_true_refuses_it():
+    from mobilenet.amp_weights import plan
+    model = _model(channels_last=False)
+    conv = model.features[0][0]
+    conv.weight.data = torch.randn(2 * conv.weight.shape[0], *conv.weight.shape[1:])[::2]  # every other filter
+    cfg = compose([*CPU_FAST, "amp=true", "amp_dtype=bf16"])
+    assert plan(cfg, False, model) == (False, "autocast's, one kernel per weight each way (perf.amp_weight_cast=auto: "
+                                              "a weight that is not a dense fp32 tensor on the first one's device)")
+    with pytest.raises(ValueError, match="cannot run here: a weight that is not a dense fp32 tensor"):
+        plan(compose([*CPU_FAST, "amp=true", "amp_dtype=bf16", "perf.amp_weight_cast=true"]), False, model)
+    with pytest.raises(ValueError, match=r"every cast weight must be a dense float32 tensor on one device, got "
+                                         r"torch.float32 \(8, 3, 3, 3\)"):
+        WeightCastForward(model, torch.bfloat16)
+
+
 def test_a_cpu_bf16_training_run_with_it_trains_like_one_without(run_dir, tmp_path):
     results = []
     for flag in ("false", "auto"):  # auto: on, as nothing here blocks it
