@@ -74,6 +74,10 @@ class NormConfig:
     # batch statistics from the depthwise kernel (computed from its output in its epilogue) instead of a pass of their
     # own over it (docs/kernels.md). Off until measured; a pair that cannot run so stops the run, nothing falls back.
     stats_from_depthwise: bool = False
+    # backend=custom norm=custom channels_last=true only: each BatchNorm + ReLU whose output feeds a depthwise conv (the
+    # stem's and the pointwise convs') computes only its statistics, and the depthwise kernels (forward and weight
+    # gradient) normalize their input as they load it, so relu(batch_norm(y)) is never written (docs/kernels.md).
+    apply_in_depthwise: bool = False
 
 
 @dataclass

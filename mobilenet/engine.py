@@ -72,6 +72,7 @@ def validate(cfg, device: torch.device) -> None:
     backend.check(device)  # first: a GPU-only backend on a CPU is the root cause to report
     get_norm(cfg.norm.name).check(device)
     _check_stats_from_depthwise(cfg)
+    _check_apply_in_depthwise(cfg)
     if cfg.amp and enum_value(cfg.amp_dtype) == "fp16" and device.type != "cuda":
         raise ConfigError("amp=true with amp_dtype=fp16 needs a CUDA GPU (CPU autocast runs bf16 only); "
                           "use amp_dtype=bf16 on a CPU, or run on a GPU")
@@ -84,14 +85,34 @@ def _check_stats_from_depthwise(cfg) -> None:
     """norm.stats_from_depthwise=true runs only where every depthwise + BatchNorm pair can take the fused path."""
     if not cfg.norm.stats_from_depthwise:
         return
-    needs = [(cfg.backend.name == "custom", f"backend=custom (got {cfg.backend.name})"),
-             (cfg.norm.name == "custom", f"norm=custom (got {cfg.norm.name})"),
-             (bool(cfg.channels_last), "channels_last=true (the statistics walk is NHWC)"),
-             (not cfg.sync_bn, "sync_bn=false (the depthwise kernel's statistics are this rank's only)")]
+    _refuse_unless("norm.stats_from_depthwise", [
+        *_custom_pair_needs(cfg), (bool(cfg.channels_last), "channels_last=true (the statistics walk is NHWC)"),
+        (not cfg.sync_bn, "sync_bn=false (the depthwise kernel's statistics are this rank's only)")])
+
+
+def _custom_pair_needs(cfg) -> list[tuple[bool, str]]:
+    return [(cfg.backend.name == "custom", f"backend=custom (got {cfg.backend.name})"),
+            (cfg.norm.name == "custom", f"norm=custom (got {cfg.norm.name})")]
+
+
+def _refuse_unless(switch: str, needs: list[tuple[bool, str]]) -> None:
+    """ConfigError naming every (condition, what it needs) of `needs` that does not hold for `switch`=true."""
     missing = [what for ok, what in needs if not ok]
     if missing:
-        raise ConfigError(f"norm.stats_from_depthwise=true needs {', '.join(missing)}; or set "
-                          "norm.stats_from_depthwise=false")
+        raise ConfigError(f"{switch}=true needs {', '.join(missing)}; or set {switch}=false")
+
+
+def _check_apply_in_depthwise(cfg) -> None:
+    """norm.apply_in_depthwise=true runs only where every BatchNorm before a depthwise conv can be applied by it."""
+    if not cfg.norm.apply_in_depthwise:
+        return
+    _refuse_unless("norm.apply_in_depthwise", [
+        *_custom_pair_needs(cfg),
+        (bool(cfg.channels_last), "channels_last=true (the depthwise kernels that apply it are NHWC)"),
+        (not cfg.sync_bn, "sync_bn=false (the statistics would be this rank's only)"),
+        (not cfg.compile, "compile=false (it runs eagerly or captured in a CUDA graph)"),
+        (not cfg.norm.stats_from_depthwise,
+         "norm.stats_from_depthwise=false (that walk reads the normalized input this one never writes)")])
 
 
 def _check_process_layout(cfg, dist: distributed.DistInfo, device: torch.device) -> None:
@@ -128,7 +149,8 @@ def build_for_run(cfg, device: torch.device, num_classes: int, model: nn.Module 
     if model is None:
         with checking_user_input(ValueError):  # an unknown model name or a width out of range
             model = build_model(cfg.model.name, num_classes, cfg.model.width_mult, cfg.backend.name, cfg.model.dropout,
-                                norm=cfg.norm.name, stats_from_depthwise=cfg.norm.stats_from_depthwise)
+                                norm=cfg.norm.name, stats_from_depthwise=cfg.norm.stats_from_depthwise,
+                                apply_norm_in_depthwise=cfg.norm.apply_in_depthwise)
     model = model.to(device)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)

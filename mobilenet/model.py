@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from .depthwise import DepthwiseConv2d
-from .norm import check_stats_from_depthwise, depthwise_norm_relu, get_norm
+from .norm import (check_apply_in_depthwise, check_stats_from_depthwise, depthwise_norm_relu, get_norm,
+                   norm_relu_depthwise)
 
 # (output channels, stride) of the 13 depthwise-separable blocks at width multiplier 1.0 (Table 1).
 BLOCKS: tuple[tuple[int, int], ...] = (
@@ -87,9 +88,16 @@ class GlobalAvgPool(nn.Module):
 
 
 class MobileNetV1(nn.Module):
+    """apply_norm_in_depthwise: in training, each BatchNorm + ReLU that feeds a depthwise conv (the stem's and the
+    first 12 pointwise blocks') is applied by that conv's kernels as they load their input (mobilenet/norm.py
+    norm_relu_depthwise); the same modules, so the same state_dict. Eval runs the layers one by one."""
+
     def __init__(self, num_classes: int = 1000, width_mult: float = 1.0, depthwise: str = "torch", dropout: float = 0.0,
-                 norm: str = "torch", stats_from_depthwise: bool = False):
+                 norm: str = "torch", stats_from_depthwise: bool = False, apply_norm_in_depthwise: bool = False):
         super().__init__()
+        if stats_from_depthwise and apply_norm_in_depthwise:
+            raise ValueError("stats_from_depthwise and apply_norm_in_depthwise cannot both be on: the statistics walk "
+                             "reads the normalized input that apply_norm_in_depthwise never writes")
         if not 0 < width_mult <= 4:
             raise ValueError(f"model.width_mult must be in (0, 4] (the paper uses 0.25, 0.5, 0.75, 1.0), got {width_mult}")
         if num_classes < 1:
@@ -103,6 +111,10 @@ class MobileNetV1(nn.Module):
             layers.append(DepthwiseSeparable(in_ch, out_ch, stride, depthwise, norm, stats_from_depthwise))
             in_ch = out_ch
         self.features = nn.Sequential(*layers)
+        self.apply_norm_in_depthwise = apply_norm_in_depthwise
+        if apply_norm_in_depthwise:
+            for producer, block in zip(self.features[:-1], self.features[1:]):
+                check_apply_in_depthwise(self._last_norm(producer), block[0])
         self.pool = GlobalAvgPool()
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.classifier = nn.Linear(in_ch, num_classes)
@@ -121,17 +133,39 @@ class MobileNetV1(nn.Module):
                 nn.init.normal_(m.weight, 0, 0.01)
                 nn.init.zeros_(m.bias)
 
+    @staticmethod
+    def _last_norm(layer: nn.Module) -> nn.Module:
+        """The BatchNorm + ReLU that ends the stem or a depthwise-separable block."""
+        return layer[1] if isinstance(layer, ConvBNReLU) else layer[3][1]
+
+    def _features_norm_in_depthwise(self, x: torch.Tensor) -> torch.Tensor:
+        """self.features(x) with each block's depthwise conv applying the BatchNorm + ReLU before it: y is the
+        pre-normalization output of the conv before, `pending` the BatchNorm + ReLU still to apply to it."""
+        stem_conv, pending = self.features[0]
+        y = stem_conv(x)
+        for block in self.features[1:]:
+            depthwise, norm_relu, relu_slot, pointwise = block
+            x = relu_slot(norm_relu(norm_relu_depthwise(pending, depthwise, y)))
+            pointwise_conv, pending = pointwise
+            y = pointwise_conv(x)
+        return pending(y)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.pool(self.features(x))
+        if self.apply_norm_in_depthwise and self.training:
+            x = self._features_norm_in_depthwise(x)
+        else:
+            x = self.features(x)
+        x = self.pool(x)
         return self.classifier(self.dropout(x))
 
 
 def build_model(name: str, num_classes: int, width_mult: float, depthwise: str, dropout: float = 0.0,
-                norm: str = "torch", stats_from_depthwise: bool = False) -> nn.Module:
+                norm: str = "torch", stats_from_depthwise: bool = False,
+                apply_norm_in_depthwise: bool = False) -> nn.Module:
     if name != "mobilenet_v1":
         raise ValueError(f"unknown model {name!r}; choose one of: mobilenet_v1")
     return MobileNetV1(num_classes=num_classes, width_mult=width_mult, depthwise=depthwise, dropout=dropout, norm=norm,
-                       stats_from_depthwise=stats_from_depthwise)
+                       stats_from_depthwise=stats_from_depthwise, apply_norm_in_depthwise=apply_norm_in_depthwise)
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -36,7 +36,7 @@ __all__ = [
     "TorchBatchNormReLU", "CustomBatchNormReLU", "ApexBatchNormReLU", "SyncBatchNormReLU", "SyncCustomBatchNormReLU",
     "combine_rank_statistics", "convert_sync_batchnorm", "sync_bn_state", "check_stats_from_depthwise",
     "running_update_label",
-    "depthwise_norm_relu",
+    "depthwise_norm_relu", "check_apply_in_depthwise", "norm_relu_depthwise",
 ]
 
 APEX_INSTALL = (
@@ -214,13 +214,18 @@ class CustomBatchNormReLU(nn.BatchNorm2d):
 # --- norm.stats_from_depthwise: the batch statistics from the depthwise kernel before the BatchNorm --------------
 
 
-def check_stats_from_depthwise(conv: nn.Module, bn: nn.Module) -> None:
-    """The pair depthwise_norm_relu runs: a backend=custom depthwise conv and a norm=custom (not sync) BatchNorm."""
+def _require_custom_pair(switch: str, conv: nn.Module, bn: nn.Module) -> None:
+    """What both fusions of a depthwise conv with a BatchNorm run on: a backend=custom conv, a norm=custom (not sync)
+    BatchNorm; `switch` names the setting in the error."""
     backend = getattr(getattr(conv, "backend", None), "name", None)
     if backend != "custom" or type(bn) is not CustomBatchNormReLU:
-        raise NormUnavailable(f"norm.stats_from_depthwise=true needs backend=custom and norm=custom without sync_bn "
-                              f"(got a {backend} depthwise conv and {type(bn).__name__}); set "
-                              "norm.stats_from_depthwise=false")
+        raise NormUnavailable(f"{switch}=true needs backend=custom and norm=custom without sync_bn "
+                              f"(got a {backend} depthwise conv and {type(bn).__name__}); set {switch}=false")
+
+
+def check_stats_from_depthwise(conv: nn.Module, bn: nn.Module) -> None:
+    """The pair depthwise_norm_relu runs: a backend=custom depthwise conv and a norm=custom (not sync) BatchNorm."""
+    _require_custom_pair("norm.stats_from_depthwise", conv, bn)
 
 
 def depthwise_norm_relu(conv: nn.Module, bn: "CustomBatchNormReLU", x: Tensor) -> Tensor:
@@ -246,6 +251,45 @@ def depthwise_norm_relu(conv: nn.Module, bn: "CustomBatchNormReLU", x: Tensor) -
     if bn.training and bn.track_running_stats:
         bn._update_running_stats(mean, var, y.numel() // y.shape[1])
     return out
+
+
+# --- norm.apply_in_depthwise: the BatchNorm + ReLU before a depthwise conv, applied by that conv's kernels ---------
+
+
+def check_apply_in_depthwise(bn: nn.Module, conv: nn.Module) -> None:
+    """The pair norm_relu_depthwise runs: a norm=custom (not sync) BatchNorm, then a backend=custom depthwise conv."""
+    _require_custom_pair("norm.apply_in_depthwise", conv, bn)
+
+
+def norm_relu_depthwise(bn: "CustomBatchNormReLU", conv: nn.Module, y: Tensor) -> Tensor:
+    """conv(bn(y)) in training with bn's normalize and ReLU applied by the depthwise kernels as they load y
+    (kernels.norm_depthwise): bn computes only its batch statistics (and updates its running statistics in that
+    kernel), and bn(y) is never stored. The same output as conv(bn(y)) bit for bit where both run the column walks;
+    eval mode runs conv(bn(y)). A training input the walk does not take stops the run (NormUnavailable naming why)."""
+    check_apply_in_depthwise(bn, conv)
+    if not _uses_batch_stats(bn):
+        return conv(bn(y))
+    if not y.is_cuda:
+        raise NormUnavailable(f"norm.apply_in_depthwise=true: the depthwise kernels need a CUDA tensor, got one on "
+                              f"{y.device}")
+    if torch.is_autocast_enabled("cuda") and y.dtype != torch.get_autocast_dtype("cuda"):
+        raise NormUnavailable(f"norm.apply_in_depthwise=true: under autocast the input must already be in "
+                              f"{torch.get_autocast_dtype('cuda')} (it is {y.dtype}), since the pair computes in its "
+                              "input's dtype")
+    _check_batch_size(y)
+    from kernels.norm_depthwise import batch_norm_relu_depthwise_conv2d, normed_unsupported
+
+    why = normed_unsupported(y, conv.weight, conv.bias, conv.stride, conv.padding)
+    if why is not None:
+        raise NormUnavailable(f"norm.apply_in_depthwise=true: this depthwise conv cannot apply the BatchNorm before "
+                              f"it ({why}); set norm.apply_in_depthwise=false")
+    update = bn.training and bn.track_running_stats
+    if update and bn.momentum is None:
+        raise NormUnavailable("norm.apply_in_depthwise=true updates the running statistics with a momentum; this "
+                              "BatchNorm has momentum=None (a cumulative average)")
+    running = (bn.running_mean, bn.running_var, bn.num_batches_tracked) if update else (None, None, None)
+    return batch_norm_relu_depthwise_conv2d(y, bn.weight, bn.bias, conv.weight, conv.stride, conv.padding, bn.eps,
+                                            *running, momentum=bn.momentum if update else None)
 
 
 def _custom_check(device: torch.device) -> None:

@@ -20,8 +20,12 @@ def precision_label(cfg) -> str:
 
 
 def norm_label(cfg) -> str:
-    fused = getattr(cfg.norm, "stats_from_depthwise", False)
-    return cfg.norm.name + (" (statistics from the depthwise kernel)" if fused else "")
+    label = cfg.norm.name
+    if getattr(cfg.norm, "stats_from_depthwise", False):
+        label += " (statistics from the depthwise kernel)"
+    if getattr(cfg.norm, "apply_in_depthwise", False):
+        label += " (applied by the depthwise kernel after it, in training)"
+    return label
 
 
 def layout_label(cfg) -> str:

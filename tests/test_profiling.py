@@ -389,6 +389,22 @@ def test_a_copy_between_layouts_is_a_transpose_and_a_broadcast_written_out_is_no
     assert category_of(kernel, [_copy_op([50176, 1, 7168, 1024])]) == "other"
 
 
+def test_a_kernel_name_decides_before_the_op_that_launched_it():
+    """norm.apply_in_depthwise: one op launches the BatchNorm's kernels and the depthwise kernels that normalize."""
+    from mobilenet.profiling.classify import category_of
+    from mobilenet.profiling.trace import Event
+    pair = [Event("_BatchNormReluDepthwiseBackward", "cpu_op", 0.0, 1.0, 1, 1, {}),
+            Event("mobilenet_bn::bn_relu_bwd", "cpu_op", 0.0, 1.0, 1, 1, {})]
+    bn_kernel = Event("void mbn::apply_nhwc<8, mbn::InputGradOp<mdw::F16T> >(mbn::InputGradOp<mdw::F16T>, int, int, "
+                      "int)", "kernel", 0.0, 1.0, 7, 0, {})
+    assert category_of(bn_kernel, pair) == "norm"
+    walk = [Event("_BatchNormReluDepthwiseBackward", "cpu_op", 0.0, 1.0, 1, 1, {}),
+            Event("mobilenet_dw::depthwise_wgrad_normed", "cpu_op", 0.0, 1.0, 1, 1, {})]
+    dw_kernel = Event("void mdw::wgrad_nhwc_column_kernel<mdw::F16T, 1, 4, 2, true, 3>(unsigned int const*)", "kernel",
+                      0.0, 1.0, 7, 0, {})
+    assert category_of(dw_kernel, walk) == "depthwise"
+
+
 def test_fixture_pageable_copies():
     """User report 1: host-to-device copies of pageable memory dominate the GPU time."""
     r = _fixture("fp32_pageable_infer")

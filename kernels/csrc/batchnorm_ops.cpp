@@ -65,9 +65,10 @@ uintptr_t address(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.co
 
 using mdw::num_sms;  // cached per device (launch_plan.cpp): no query, so no synchronisation, in a capture
 
+// with_y = false: the statistics only, y is returned undefined.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_with(const at::Tensor& x_in, const at::Tensor& weight,
                                                                         const at::Tensor& bias, double eps,
-                                                                        RunningUpdate update) {
+                                                                        RunningUpdate update, bool with_y = true) {
   check_input(x_in);
   check_channel_vector(weight, x_in, "weight");
   check_channel_vector(bias, x_in, "bias");
@@ -78,13 +79,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_with(const at
   const at::Tensor w = weight.contiguous(), b = bias.contiguous();
   const BnShape s = shape_of(x, fmt);
   const DType dt = to_dtype(x.scalar_type());
-  at::Tensor y = at::empty(x.sizes(), x.options().memory_format(fmt));
+  at::Tensor y = with_y ? at::empty(x.sizes(), x.options().memory_format(fmt)) : at::Tensor();
   const auto stat = x.options().dtype(at::kFloat);
   at::Tensor mean = at::empty({s.C}, stat), invstd = at::empty({s.C}, stat), var = at::empty({s.C}, stat);
-  const BnPlan p = make_plan(s, dt, address(x) | address(y), num_sms(), BnPass::kForward);
+  const BnPlan p = make_plan(s, dt, address(x) | (with_y ? address(y) : 0), num_sms(), BnPass::kForward);
   at::Tensor workspace = at::empty({static_cast<int64_t>(workspace_floats(s, p))}, stat);
   launch_forward(s, p, dt, x.const_data_ptr(), w.const_data_ptr<float>(), b.const_data_ptr<float>(),
-                 static_cast<float>(eps), y.mutable_data_ptr(), mean.mutable_data_ptr<float>(),
+                 static_cast<float>(eps), with_y ? y.mutable_data_ptr() : nullptr, mean.mutable_data_ptr<float>(),
                  invstd.mutable_data_ptr<float>(), var.mutable_data_ptr<float>(), workspace.mutable_data_ptr<float>(),
                  update, c10::cuda::getCurrentCUDAStream());
   return {y, mean, invstd, var};
@@ -206,9 +207,9 @@ void bn_update_running_stats(at::Tensor& running_mean, at::Tensor& running_var, 
 }
 
 // bn_relu_fwd, and the running statistics updated as bn_update_running_stats does, by the forward's finalize kernel.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_fwd_update(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_update_with(
     const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, at::Tensor& running_mean,
-    at::Tensor& running_var, at::Tensor& num_batches_tracked, double eps, double momentum) {
+    at::Tensor& running_var, at::Tensor& num_batches_tracked, double eps, double momentum, bool with_y) {
   check_input(x);
   TORCH_CHECK(momentum >= 0, "batch_norm_relu: the forward's running-statistics update needs momentum in [0, 1], got ",
               momentum, " (the cumulative average, momentum=None, is bn_update_running_stats')");
@@ -224,7 +225,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_fwd_update(
   update.num_batches_tracked = num_batches_tracked.mutable_data_ptr<int64_t>();
   update.momentum = momentum;
   update.count = count;
-  return forward_with(x, weight, bias, eps, update);
+  return forward_with(x, weight, bias, eps, update, with_y);
+}
+
+// The batch statistics of bn_relu_fwd without y (norm.apply_in_depthwise: the depthwise kernel after it normalizes
+// x as it loads it): (mean, invstd, var).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_stats(const at::Tensor& x, const at::Tensor& weight,
+                                                        const at::Tensor& bias, double eps) {
+  auto [y, mean, invstd, var] = forward_with(x, weight, bias, eps, RunningUpdate{}, /*with_y=*/false);
+  return {mean, invstd, var};
+}
+
+// bn_stats with the running statistics updated in its finalize kernel, as bn_relu_fwd_update does.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_stats_update(const at::Tensor& x, const at::Tensor& weight,
+                                                               const at::Tensor& bias, at::Tensor& running_mean,
+                                                               at::Tensor& running_var, at::Tensor& num_batches_tracked,
+                                                               double eps, double momentum) {
+  auto [y, mean, invstd, var] =
+      forward_update_with(x, weight, bias, running_mean, running_var, num_batches_tracked, eps, momentum, false);
+  return {mean, invstd, var};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_fwd_update(
+    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, at::Tensor& running_mean,
+    at::Tensor& running_var, at::Tensor& num_batches_tracked, double eps, double momentum) {
+  return forward_update_with(x, weight, bias, running_mean, running_var, num_batches_tracked, eps, momentum, true);
 }
 
 // --- sync_bn: the fused passes split where the ranks combine their statistics and gradient sums ------------------
@@ -368,11 +393,19 @@ TORCH_LIBRARY(mobilenet_bn, m) {
   m.def(
       "bn_relu_fwd_from_partials(Tensor x, Tensor partials, Tensor weight, Tensor bias, float eps) "
       "-> (Tensor, Tensor, Tensor, Tensor)");
+  // The forward's statistics (mean, invstd, var) without y, for norm.apply_in_depthwise: the depthwise kernel after
+  // the BatchNorm normalizes x as it loads it (mobilenet_dw::depthwise_fwd_normed). The backward is bn_relu_bwd's.
+  m.def("bn_stats(Tensor x, Tensor weight, Tensor bias, float eps) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "bn_stats_update(Tensor x, Tensor weight, Tensor bias, Tensor(a!) running_mean, Tensor(b!) running_var, "
+      "Tensor(c!) num_batches_tracked, float eps, float momentum) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(mobilenet_bn, CUDA, m) {
   m.impl("bn_relu_fwd", &mbn::bn_relu_fwd);
   m.impl("bn_relu_fwd_update", &mbn::bn_relu_fwd_update);
+  m.impl("bn_stats", &mbn::bn_stats);
+  m.impl("bn_stats_update", &mbn::bn_stats_update);
   m.impl("bn_relu_fwd_from_partials", &mbn::bn_relu_fwd_from_partials);
   m.impl("bn_relu_bwd", &mbn::bn_relu_bwd);
   m.impl("bn_update_running_stats", &mbn::bn_update_running_stats);

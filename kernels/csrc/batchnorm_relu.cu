@@ -47,18 +47,14 @@ __device__ __forceinline__ Pack<typename TT::S, V> load_pack(const typename TT::
   return *reinterpret_cast<const Pack<typename TT::S, V>*>(p);
 }
 
-// NaN stays NaN, as in torch.relu (a NaN output is how GradScaler and the loss see a bad step).
-__device__ __forceinline__ float relu(float v) { return v < 0.f ? 0.f : v; }
+using mdw::bn_scale;
+// Short names for the shared arithmetic (device_common.h).
+__device__ __forceinline__ float relu(float v) { return mdw::bn_relu(v); }
+__device__ __forceinline__ float pre_activation(float x, float mean, float scale, float bias) {
+  return mdw::bn_pre_activation(x, mean, scale, bias);
+}
 
 // --- per-element operations of the reduce passes: sums a (first) and b (second) per channel ----------------------
-
-// The forward's pre-activation (x - mean) * scale + bias with scale = weight * invstd, in correctly rounded
-// operations: the backward recomputes it to derive the ReLU mask from x, bit for bit the forward's. Centring first,
-// as nn.BatchNorm2d does: x * scale + (bias - mean * scale) cancels catastrophically in fp32 when |mean| >> std.
-__device__ __forceinline__ float bn_scale(float weight, float invstd) { return __fmul_rn(weight, invstd); }
-__device__ __forceinline__ float pre_activation(float x, float mean, float scale, float bias) {
-  return __fmaf_rn(__fsub_rn(x, mean), scale, bias);
-}
 
 // Whether y = relu(pre_activation), stored in TT, is > 0: the ReLU's backward mask, recomputed from x (the rounding
 // to TT is part of it: a positive value that underflows to zero let no gradient through in the forward's y).
@@ -595,7 +591,7 @@ void forward_typed(const BnShape& s, const BnPlan& p, const void* x_, const floa
       ws.partial, p.reduce.chunks, s.C, static_cast<double>(s.N) * s.HW, x, pivot_stride, weight, eps, mean, invstd,
       var, ws.k[0], finalize_update(*update));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  launch_apply<V>(s, p, NormalizeOp<TT>{x, static_cast<S*>(y_), {mean, ws.k[0], bias}}, stream);
+  if (y_ != nullptr) launch_apply<V>(s, p, NormalizeOp<TT>{x, static_cast<S*>(y_), {mean, ws.k[0], bias}}, stream);
 }
 
 template <class TT, int V>

@@ -62,7 +62,8 @@ struct RunningUpdate {
 };
 
 // y = relu(batch_norm(x)); mean, invstd (1 / sqrt(var + eps)) and biased var per channel, all fp32; and the running
-// statistics where `update` names them.
+// statistics where `update` names them. y == nullptr: the statistics only (no apply pass), for a consumer that
+// normalizes x itself as it loads it (norm.apply_in_depthwise).
 void launch_forward(const BnShape& s, const BnPlan& p, DType dt, const void* x, const float* weight, const float* bias,
                     float eps, void* y, float* mean, float* invstd, float* var, float* workspace,
                     const RunningUpdate& update, cudaStream_t stream);

@@ -38,6 +38,16 @@ struct DepthwiseShape {
   int act;
 };
 
+// The BatchNorm (batch statistics, fp32 per channel) + ReLU of the layer before a depthwise convolution, which the
+// NHWC 3x3 column walks apply to every input word as they load it (norm.apply_in_depthwise): the convolution of
+// relu(batch_norm(y)) computed from y, without x = relu(batch_norm(y)) ever being written (WordNorm, device_common.h).
+struct InputNorm {
+  const float* mean = nullptr;
+  const float* invstd = nullptr;
+  const float* weight = nullptr;
+  const float* bias = nullptr;
+};
+
 // The activations the forward epilogue can apply; values match the op schema's `activation` argument.
 enum Act : int { kActNone = 0, kActReLU = 1, kActReLU6 = 2 };
 
@@ -52,6 +62,17 @@ bool forward_stats_fits(const DepthwiseShape& s, DType dt, const void* x, const 
 int forward_stats_bands(const DepthwiseShape& s, DType dt);
 void launch_forward_stats(const DepthwiseShape& s, DType dt, const void* x, const void* w, void* y, double* partial,
                           cudaStream_t stream);
+
+// The convolution of relu(batch_norm(y)) from y (InputNorm): whether the case is the column walk's (NHWC 3x3, equal
+// strides 1 or 2, dilation 1, whole 32-bit words of channels, 4-byte pointers, in the specialised kernels' domain, no
+// depth multiplier), the forward (no bias, no activation), and the weight gradient's workspace and launch (no bias
+// gradient). Only the column walks apply an InputNorm, so there is no other kernel to run these cases.
+bool normed_fits(const DepthwiseShape& s, DType dt, const void* y, const void* out);
+void launch_forward_normed(const DepthwiseShape& s, DType dt, const void* y, const void* w, const InputNorm& norm,
+                           void* out, cudaStream_t stream);
+size_t wgrad_normed_workspace_elems(const DepthwiseShape& s, DType dt);
+void launch_wgrad_normed(const DepthwiseShape& s, DType dt, const void* grad_out, const void* y, const InputNorm& norm,
+                         void* workspace, void* grad_weight, cudaStream_t stream);
 
 // grad_input from grad_out (gather over the taps that touch each input pixel).
 void launch_dgrad(const DepthwiseShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,

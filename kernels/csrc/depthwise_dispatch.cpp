@@ -150,6 +150,33 @@ void launch_forward_stats(const DepthwiseShape& g, DType dt, const void* x, cons
   if (narrow_shape(g, &s)) forward_nhwc_column_stats(s, dt, x, w, y, partial, stream);
 }
 
+// The forward and weight gradient of norm.apply_in_depthwise: the column walks only (the only kernels that apply an
+// InputNorm), so there is no fallback; the op refuses other cases (kernels/norm_depthwise.py checks first).
+bool normed_fits(const DepthwiseShape& g, DType dt, const void* y, const void* out) {
+  ConvShape s;
+  return g.act == kActNone && g.M == 1 && narrow_shape(g, &s) && column_fits(s, dt, y, out);
+}
+
+void launch_forward_normed(const DepthwiseShape& g, DType dt, const void* y, const void* w, const InputNorm& norm,
+                           void* out, cudaStream_t stream) {
+  ConvShape s;
+  if (narrow_shape(g, &s)) forward_nhwc_column_normed(s, dt, y, w, norm, out, stream);
+}
+
+size_t wgrad_normed_workspace_elems(const DepthwiseShape& g, DType dt) {
+  ConvShape s;
+  if (!narrow_shape(g, &s)) return 0;
+  return static_cast<size_t>(weight_grad_column_normed_chunks(s, dt)) * g.C * (g.KH * g.KW + 1);
+}
+
+void launch_wgrad_normed(const DepthwiseShape& g, DType dt, const void* go, const void* y, const InputNorm& norm,
+                         void* ws, void* gw, cudaStream_t stream) {
+  ConvShape s;
+  if (!narrow_shape(g, &s)) return;
+  const int chunks = weight_grad_column_normed(s, dt, go, y, norm, ws, stream);
+  weight_grad_finalize(s, dt, ws, chunks, gw, nullptr, stream);
+}
+
 // Input gradient (depthwise_input_grad.cu):
 //   outside narrow_shape's domain                                       generic
 //   NHWC 5x5/7x7 s1, whole 32-bit words of channels, FWD_COLUMN_K57 >= 2   column walk, partial sums, kernel rotated

@@ -20,6 +20,9 @@ void forward_nhwc_column(const ConvShape& s, DType dt, const void* x, const void
 int forward_nhwc_column_stats_bands(const ConvShape& s, DType dt);
 void forward_nhwc_column_stats(const ConvShape& s, DType dt, const void* x, const void* w, void* y, double* partial,
                                cudaStream_t stream);
+// The same walk without bias or activation on relu(batch_norm(x)), applied to x's words as they are loaded.
+void forward_nhwc_column_normed(const ConvShape& s, DType dt, const void* x, const void* w, const InputNorm& norm,
+                                void* y, cudaStream_t stream);
 // NHWC 5x5 or 7x7, stride 1 or 2, whole 32-bit words of channels: a lane walks one output row carrying partial sums.
 void forward_nhwc_column_k57(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                              cudaStream_t stream);
@@ -61,6 +64,10 @@ void input_grad_generic(const DepthwiseShape& s, DType dt, const void* grad_out,
 int weight_grad_column_chunks(const ConvShape& s, DType dt);
 int weight_grad_column(const ConvShape& s, DType dt, const void* grad_out, const void* x, void* ws,
                        cudaStream_t stream);
+// The same walk with x = relu(batch_norm(y)) applied to y's words as they are loaded.
+int weight_grad_column_normed_chunks(const ConvShape& s, DType dt);
+int weight_grad_column_normed(const ConvShape& s, DType dt, const void* grad_out, const void* y, const InputNorm& norm,
+                              void* ws, cudaStream_t stream);
 // 3/5/7 square, stride 1 or 2, dilation 1, 16/32-bit, either layout: register tiles of a few columns per lane.
 int weight_grad_tiled_chunks(const ConvShape& s, DType dt);
 int weight_grad_tiled(const ConvShape& s, DType dt, const void* grad_out, const void* x, void* ws,

@@ -10,6 +10,7 @@
 #include <array>
 #include <optional>
 #include <tuple>
+#include <utility>
 
 #include "depthwise.h"
 #include "launch_plan.h"
@@ -132,6 +133,81 @@ std::tuple<at::Tensor, at::Tensor> depthwise_fwd_stats(const at::Tensor& x_in, c
   return {y, partial};
 }
 
+// The per-channel BatchNorm vectors of an InputNorm: contiguous fp32 (C,) on y's device.
+InputNorm input_norm_of(const at::Tensor& y, const at::Tensor& mean, const at::Tensor& invstd,
+                        const at::Tensor& weight, const at::Tensor& bias) {
+  const std::pair<const at::Tensor*, const char*> vectors[] = {
+      {&mean, "mean"}, {&invstd, "invstd"}, {&weight, "norm_weight"}, {&bias, "norm_bias"}};
+  for (const auto& [t, name] : vectors) {
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == y.size(1) && t->scalar_type() == at::kFloat &&
+                    t->device() == y.device() && t->is_contiguous(),
+                "depthwise_conv2d_normed: ", name, " must be a contiguous float32 (", y.size(1), ",) tensor on ",
+                y.device(), ", got ", t->scalar_type(), " ", t->sizes(), " on ", t->device());
+  }
+  InputNorm n;
+  n.mean = mean.const_data_ptr<float>();
+  n.invstd = invstd.const_data_ptr<float>();
+  n.weight = weight.const_data_ptr<float>();
+  n.bias = bias.const_data_ptr<float>();
+  return n;
+}
+
+constexpr const char* kNormedCases =
+    "only channels_last 3x3 depthwise convolutions (one filter per channel) with stride 1 or 2, dilation 1 and whole "
+    "32-bit words of channels (float32, or an even number of 16-bit channels) are supported";
+
+// out = conv(relu(batch_norm(y)), w) (no bias, no activation) from y and the BatchNorm's batch statistics (mean,
+// invstd) and affine parameters, without relu(batch_norm(y)) being written: the column walk applies it to every
+// input word it loads (norm.apply_in_depthwise). kernels/norm_depthwise.py checks the case first.
+at::Tensor depthwise_fwd_normed(const at::Tensor& y_in, const at::Tensor& w_in, const at::Tensor& mean,
+                                const at::Tensor& invstd, const at::Tensor& norm_weight, const at::Tensor& norm_bias,
+                                at::IntArrayRef stride, at::IntArrayRef padding) {
+  const c10::MemoryFormat fmt = layout_of(y_in);
+  const int64_t dilation[2] = {1, 1};
+  const DepthwiseShape s = check_and_shape(y_in, w_in, stride, padding, dilation, fmt);
+  c10::cuda::CUDAGuard guard(y_in.device());
+  const at::Tensor y = in_layout(y_in, fmt);
+  const at::Tensor w = w_in.contiguous();
+  const InputNorm norm = input_norm_of(y, mean, invstd, norm_weight, norm_bias);
+  const DType dt = to_dtype(y.scalar_type());
+  at::Tensor out = at::empty({s.N, s.C * s.M, s.OH, s.OW}, y.options().memory_format(fmt));
+  TORCH_CHECK(out.numel() > 0 && normed_fits(s, dt, y.const_data_ptr(), out.const_data_ptr()),
+              "depthwise_fwd_normed: ", kNormedCases);
+  launch_forward_normed(s, dt, y.const_data_ptr(), w.const_data_ptr(), norm, out.mutable_data_ptr(),
+                        c10::cuda::getCurrentCUDAStream().stream());
+  return out;
+}
+
+// grad_weight of depthwise_fwd_normed: the weight gradient with relu(batch_norm(y)) applied to y's words as the
+// walk loads them. Its input gradient is the plain op's (depthwise_bwd), which does not read the input.
+at::Tensor depthwise_wgrad_normed(const at::Tensor& grad_out, const at::Tensor& y_in, const at::Tensor& w_in,
+                                  const at::Tensor& mean, const at::Tensor& invstd, const at::Tensor& norm_weight,
+                                  const at::Tensor& norm_bias, at::IntArrayRef stride, at::IntArrayRef padding) {
+  const c10::MemoryFormat fmt = layout_of(y_in);
+  const int64_t dilation[2] = {1, 1};
+  const DepthwiseShape s = check_and_shape(y_in, w_in, stride, padding, dilation, fmt);
+  TORCH_CHECK(grad_out.dim() == 4 && grad_out.size(0) == s.N && grad_out.size(1) == s.C * s.M &&
+                  grad_out.size(2) == s.OH && grad_out.size(3) == s.OW && grad_out.device() == y_in.device() &&
+                  grad_out.scalar_type() == y_in.scalar_type(),
+              "depthwise_wgrad_normed: grad_out must be a (", s.N, ", ", s.C * s.M, ", ", s.OH, ", ", s.OW, ") ",
+              y_in.scalar_type(), " tensor on ", y_in.device(), ", got ", grad_out.scalar_type(), " ",
+              grad_out.sizes());
+  c10::cuda::CUDAGuard guard(y_in.device());
+  const at::Tensor y = in_layout(y_in, fmt);
+  const at::Tensor go = in_layout(grad_out, fmt);
+  const at::Tensor w = w_in.contiguous();
+  const InputNorm norm = input_norm_of(y, mean, invstd, norm_weight, norm_bias);
+  const DType dt = to_dtype(y.scalar_type());
+  TORCH_CHECK(go.numel() > 0 && normed_fits(s, dt, go.const_data_ptr(), y.const_data_ptr()),
+              "depthwise_wgrad_normed: ", kNormedCases);
+  at::Tensor grad_weight = at::empty(w.sizes(), w.options());
+  const at::Tensor workspace =
+      at::empty({static_cast<int64_t>(wgrad_normed_workspace_elems(s, dt))}, y.options().dtype(at::kFloat));
+  launch_wgrad_normed(s, dt, go.const_data_ptr(), y.const_data_ptr(), norm, workspace.mutable_data_ptr(),
+                      grad_weight.mutable_data_ptr(), c10::cuda::getCurrentCUDAStream().stream());
+  return grad_weight;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_bwd(const at::Tensor& grad_out, const at::Tensor& x_in,
                                                              const at::Tensor& w_in, at::IntArrayRef stride,
                                                              at::IntArrayRef padding, at::IntArrayRef dilation,
@@ -191,6 +267,14 @@ TORCH_LIBRARY(mobilenet_dw, m) {
   // The forward without bias or activation that also returns the statistics of y per band of rows (fp64
   // [bands, 3, C]: count, mean, M2), for the BatchNorm that follows (mobilenet_bn::bn_relu_fwd_from_partials).
   m.def("depthwise_fwd_stats(Tensor x, Tensor w, int[2] stride, int[2] padding) -> (Tensor, Tensor)");
+  // norm.apply_in_depthwise: the forward (no bias, no activation) and weight gradient of conv(relu(batch_norm(y)))
+  // from y and the BatchNorm's fp32 batch mean, invstd, weight and bias, without relu(batch_norm(y)) being written.
+  m.def(
+      "depthwise_fwd_normed(Tensor y, Tensor w, Tensor mean, Tensor invstd, Tensor norm_weight, Tensor norm_bias, "
+      "int[2] stride, int[2] padding) -> Tensor");
+  m.def(
+      "depthwise_wgrad_normed(Tensor grad_out, Tensor y, Tensor w, Tensor mean, Tensor invstd, Tensor norm_weight, "
+      "Tensor norm_bias, int[2] stride, int[2] padding) -> Tensor");
   // The launch knobs (MDW_* environment, launch_plan.h) are read once and kept; this re-reads them.
   m.def("reload_knobs() -> ()", &mdw::reload_knobs);
 }
@@ -199,4 +283,6 @@ TORCH_LIBRARY_IMPL(mobilenet_dw, CUDA, m) {
   m.impl("depthwise_fwd", &mdw::depthwise_fwd);
   m.impl("depthwise_bwd", &mdw::depthwise_bwd);
   m.impl("depthwise_fwd_stats", &mdw::depthwise_fwd_stats);
+  m.impl("depthwise_fwd_normed", &mdw::depthwise_fwd_normed);
+  m.impl("depthwise_wgrad_normed", &mdw::depthwise_wgrad_normed);
 }

@@ -308,16 +308,22 @@ struct ColumnWalk {
   static constexpr int kMaxUnroll = S == 2 ? (V == 2 ? 2 : 3) : 4;
 };
 
+// Blocks per SM the walk's registers must allow: 4 (64 registers); the NORM walk with 16-bit data (V = 2) holds 6
+// per-channel constants more, which spill 40-48 bytes at 64 registers, so it is given up to 85 (3 blocks).
+template <bool NORM, int V>
+constexpr int kWgradColumnMinBlocks = NORM && V == 2 ? 3 : 4;
+
 // The words of U steps starting at step t0: grad_out column t0 + u and input columns
 // (t0 + u) * S - PW + d of the lane's 3 input rows. Checked: zeros (and no load) for grad_out columns
 // >= OW and input columns outside [0, col_end[kh]) (col_end is 0 for rows outside the image, and
 // stops at the last step); unchecked: the caller has seen that every word is inside.
 // Input words are addressed as one image pointer plus int offsets (row_off: the row's first word): one
-// 64-bit pointer instead of three keeps the kernel within 64 registers.
-template <bool kChecked, int S, int U>
+// 64-bit pointer instead of three keeps the kernel within 64 registers. Each input word goes through `norm`
+// (WordNorm: the identity, or the BatchNorm + ReLU of the layer before).
+template <bool kChecked, int S, int U, class Norm>
 __device__ __forceinline__ void load_column_steps(const uint32_t* gp, const uint32_t* xn, const int (&row_off)[3],
                                                   const int (&col_end)[3], int words, int OW, int PW, int t0,
-                                                  uint32_t (&graw)[U], uint32_t (&xraw)[U][3][S]) {
+                                                  const Norm& norm, uint32_t (&graw)[U], uint32_t (&xraw)[U][3][S]) {
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int step = t0 + u;
@@ -333,7 +339,7 @@ __device__ __forceinline__ void load_column_steps(const uint32_t* gp, const uint
 #pragma unroll
       for (int kh = 0; kh < 3; ++kh) {
         if (!kChecked || static_cast<unsigned>(iw) < static_cast<unsigned>(col_end[kh])) {
-          xraw[u][kh][d] = __ldg(xn + (row_off[kh] + offset));
+          xraw[u][kh][d] = norm(__ldg(xn + (row_off[kh] + offset)));
         } else {
           xraw[u][kh][d] = 0u;
         }
@@ -342,11 +348,12 @@ __device__ __forceinline__ void load_column_steps(const uint32_t* gp, const uint
   }
 }
 
-// 4 blocks of 256 per SM: a 64-register cap, which no variant reaches.
-template <class TT, int S, int U, int V>
-__global__ void __launch_bounds__(256, 4)
+// 4 blocks of 256 per SM: a 64-register cap, which no variant reaches. NORM: x = relu(batch_norm(y)) from the
+// words of y (norm.apply_in_depthwise), at MINB blocks per SM.
+template <class TT, int S, int U, int V, bool NORM = false, int MINB = 4>
+__global__ void __launch_bounds__(256, MINB)
     wgrad_nhwc_column_kernel(const uint32_t* __restrict__ go, const uint32_t* __restrict__ x, float* __restrict__ ws,
-                             ConvShape s, Tiling t) {
+                             ConvShape s, Tiling t, InputNorm input_norm) {
   constexpr int K = 3, KK = K * K;
   constexpr int F = ColumnWalk<S, V>::kHeld;
   extern __shared__ float red[];  // [warps][lanes_c][(KK + 1) * V]
@@ -368,6 +375,8 @@ __global__ void __launch_bounds__(256, 4)
   const int col_stop = (t_last + 1) * S - s.PW < s.W ? (t_last + 1) * S - s.PW : s.W;
   float acc[KK + 1][V];
   fill(acc, 0.f);
+  WordNorm<TT, V, NORM> norm;
+  if (active) norm.setup(input_norm, cw * V);
 
   if (active) {
     for (int tile = blk.chunk; tile < t.tiles_h; tile += blk.chunks) {
@@ -409,9 +418,9 @@ __global__ void __launch_bounds__(256, 4)
         uint32_t graw[U], xraw[U][K][S];
         const bool inside = rows_inside && t0 * S - s.PW >= 0 && (t0 + U) * S - s.PW <= col_stop && t0 + U <= s.OW;
         if (inside) {
-          load_column_steps<false, S, U>(gp, xn, row_off, col_end, words, s.OW, s.PW, t0, graw, xraw);
+          load_column_steps<false, S, U>(gp, xn, row_off, col_end, words, s.OW, s.PW, t0, norm, graw, xraw);
         } else {
-          load_column_steps<true, S, U>(gp, xn, row_off, col_end, words, s.OW, s.PW, t0, graw, xraw);
+          load_column_steps<true, S, U>(gp, xn, row_off, col_end, words, s.OW, s.PW, t0, norm, graw, xraw);
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -452,36 +461,44 @@ __global__ void __launch_bounds__(256, 4)
 // Column walk: one 32-bit word per lane (2 channels of 16-bit data, 1 of fp32). Tiling with one strip per
 // row: lanes_c <= 32 words of one pixel, 256 / lanes_c rows of the flattened (n, oh) index per block
 // (fewer when there are fewer rows), one tile per band of rows.
-WgradPlan plan_column(const ConvShape& s, DType dt) {
+// resident: the blocks per SM the kernel's registers allow (its MINB). WGRAD_BLOCKS_PER_SM was measured at 4; a
+// kernel with fewer can get proportionally fewer blocks, so that its grid keeps the same number of waves.
+WgradPlan plan_column(const ConvShape& s, DType dt, int resident = 4) {
   WgradPlan p{};
   const int words = s.C * elem_size(dt) / 4;
   p.tiling = make_tiling(true, s.N * s.OH, 0, 1, words, 32, 1);
   p.num_tiles = p.tiling.tiles_h;
-  const int target_blocks = num_sms() * knob(Knob::kWgradBlocksPerSm, dt);
+  const int target_blocks = num_sms() * knob(Knob::kWgradBlocksPerSm, dt) * resident / 4;
   p.chunks = ceil_div(target_blocks, p.tiling.groups);
   if (p.chunks > p.num_tiles) p.chunks = p.num_tiles;
   if (p.chunks < 1) p.chunks = 1;
   return p;
 }
 
-template <class TT, int S>
+template <class TT, int S, bool NORM = false>
 void run_wgrad_column(const ConvShape& s, const WgradPlan& p, const void* go, const void* x, float* ws,
-                      cudaStream_t stream) {
+                      cudaStream_t stream, const InputNorm& norm) {
   constexpr int K = 3;
   constexpr int VW = 4 / sizeof(typename TT::S);  // channels per 32-bit word
   constexpr int kMaxUnroll = ColumnWalk<S, VW>::kMaxUnroll;
   const Tiling& t = p.tiling;
   const size_t smem = sizeof(float) * (t.block / 32) * t.lanes_c * (K * K + 1) * VW;
   const dim3 grid(t.groups * p.chunks);
-  wgrad_nhwc_column_kernel<TT, S, kMaxUnroll, VW><<<grid, t.block, smem, stream>>>(
-      static_cast<const uint32_t*>(go), static_cast<const uint32_t*>(x), ws, s, t);
+  wgrad_nhwc_column_kernel<TT, S, kMaxUnroll, VW, NORM, kWgradColumnMinBlocks<NORM, VW>><<<grid, t.block, smem, stream>>>(
+      static_cast<const uint32_t*>(go), static_cast<const uint32_t*>(x), ws, s, t, norm);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <class TT>
 void wgrad_column_t(const ConvShape& s, const WgradPlan& p, const void* go, const void* x, float* ws,
                     cudaStream_t st) {
-  (s.SH == 1 ? run_wgrad_column<TT, 1> : run_wgrad_column<TT, 2>)(s, p, go, x, ws, st);
+  (s.SH == 1 ? run_wgrad_column<TT, 1> : run_wgrad_column<TT, 2>)(s, p, go, x, ws, st, InputNorm{});
+}
+
+template <class TT>
+void wgrad_column_normed_t(const ConvShape& s, const WgradPlan& p, const void* go, const void* y, float* ws,
+                           cudaStream_t st, const InputNorm& norm) {
+  (s.SH == 1 ? run_wgrad_column<TT, 1, true> : run_wgrad_column<TT, 2, true>)(s, p, go, y, ws, st, norm);
 }
 
 // Stage 1 of the 16/32-bit techniques (tiled or column) with plan p; returns the chunks written. The dispatch's
@@ -679,6 +696,29 @@ int weight_grad_tiled(const ConvShape& s, DType dt, const void* go, const void* 
 }
 
 int weight_grad_column_chunks(const ConvShape& s, DType dt) { return plan_column(s, dt).chunks; }
+
+// The NORM walk's plan. Measured on the H200 (scripts/experiments/norm_in_depthwise_layers.py, fp16, batch 256): with
+// the grid cut to its 3 resident blocks per SM the layers of 28 columns or more took 16-25% less time than with
+// WGRAD_BLOCKS_PER_SM's full grid, the 14- and 7-wide ones 10-13% more, so those keep the full grid.
+static WgradPlan plan_column_normed(const ConvShape& s, DType dt) {
+  const int resident = dt == DType::F32 ? kWgradColumnMinBlocks<true, 1> : kWgradColumnMinBlocks<true, 2>;
+  return plan_column(s, dt, s.OW >= 28 ? resident : 4);
+}
+
+int weight_grad_column_normed_chunks(const ConvShape& s, DType dt) { return plan_column_normed(s, dt).chunks; }
+
+int weight_grad_column_normed(const ConvShape& s, DType dt, const void* go, const void* y, const InputNorm& norm,
+                              void* ws, cudaStream_t stream) {
+  const WgradPlan p = plan_column_normed(s, dt);
+  float* wsf = static_cast<float*>(ws);
+  switch (dt) {
+    case DType::F32: wgrad_column_normed_t<F32T>(s, p, go, y, wsf, stream, norm); break;
+    case DType::F16: wgrad_column_normed_t<F16T>(s, p, go, y, wsf, stream, norm); break;
+    case DType::BF16: wgrad_column_normed_t<BF16T>(s, p, go, y, wsf, stream, norm); break;
+    default: break;  // normed_fits excludes fp64
+  }
+  return p.chunks;
+}
 
 int weight_grad_column(const ConvShape& s, DType dt, const void* go, const void* x, void* ws, cudaStream_t stream) {
   return run_planned(s, dt, plan_column(s, dt), /*column=*/true, go, x, ws, stream);

@@ -2,6 +2,8 @@
 // (launch_plan.h, which the host fills) into a lane's tile, the stencil rows, the generic kernels' indexing.
 #pragma once
 
+#include <type_traits>
+
 #include <cstdint>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -93,6 +95,78 @@ __device__ __forceinline__ void widen_word(uint32_t w, float (&out)[V]) {
     out[0] = __uint_as_float(w);
   }
 }
+
+// V fp32 values to one 32-bit word, rounded to the element type: widen_word's inverse.
+template <class TT, int V>
+__device__ __forceinline__ uint32_t narrow_word(const float (&in)[V]) {
+  if constexpr (V == 2) {
+    return static_cast<uint32_t>(TT::from_acc(in[0])) | static_cast<uint32_t>(TT::from_acc(in[1])) << 16;
+  } else {
+    return __float_as_uint(in[0]);
+  }
+}
+
+// --- BatchNorm + ReLU arithmetic, shared by its own kernels (batchnorm_relu.cu) and the depthwise kernels that apply
+// it to their input as they load it (InputNorm), so that both compute the same bits ------------------------------
+
+// The pre-activation (x - mean) * scale + bias with scale = weight * invstd, in correctly rounded operations: the
+// backward recomputes it to derive the ReLU mask from x, bit for bit the forward's. Centring first, as
+// nn.BatchNorm2d does: x * scale + (bias - mean * scale) cancels catastrophically in fp32 when |mean| >> std.
+__device__ __forceinline__ float bn_scale(float weight, float invstd) { return __fmul_rn(weight, invstd); }
+__device__ __forceinline__ float bn_pre_activation(float x, float mean, float scale, float bias) {
+  return __fmaf_rn(__fsub_rn(x, mean), scale, bias);
+}
+// NaN stays NaN, as in torch.relu (a NaN output is how GradScaler and the loss see a bad step).
+__device__ __forceinline__ float bn_relu(float v) { return v < 0.f ? 0.f : v; }
+
+// A lane's transform of its channels' input words by the InputNorm (depthwise.h) of the layer before: x =
+// relu(bn_pre_activation(y)) rounded to the element type, the word batchnorm_relu.cu's apply pass would have stored,
+// so the convolution sees bitwise the x of the two separate ops and x is never written. Padding is not an input word:
+// it stays zero. ON = false is the identity (no registers).
+template <class TT, int V, bool ON>
+struct WordNorm {
+  __device__ __forceinline__ void setup(const InputNorm&, int) {}
+  __device__ __forceinline__ uint32_t operator()(uint32_t w) const { return w; }
+};
+template <class TT, int V>
+struct WordNorm<TT, V, true> {
+  float mean[V], scale[V], bias[V];
+  // c0: the first of the lane's V channels.
+  __device__ __forceinline__ void setup(const InputNorm& n, int c0) {
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+      mean[v] = __ldg(n.mean + c0 + v);
+      scale[v] = bn_scale(__ldg(n.weight + c0 + v), __ldg(n.invstd + c0 + v));
+      bias[v] = __ldg(n.bias + c0 + v);
+    }
+  }
+  // The walks run this on every word they load, several times per element, so it is kept to the fewest
+  // instructions that give the same bits: from sm_80 the ReLU is folded into the rounding (cvt.rn.relu packs two
+  // 16-bit values; max.NaN keeps a NaN as bn_relu does), which rounds and clamps as bn_relu then from_acc do.
+  __device__ __forceinline__ uint32_t operator()(uint32_t w) const {
+    float f[V];
+    widen_word<TT, V>(w, f);
+#pragma unroll
+    for (int v = 0; v < V; ++v) f[v] = bn_pre_activation(f[v], mean[v], scale[v], bias[v]);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    uint32_t out;
+    if constexpr (V == 1) {
+      float r;
+      asm("max.NaN.f32 %0, %1, 0f00000000;" : "=f"(r) : "f"(f[0]));
+      out = __float_as_uint(r);
+    } else if constexpr (std::is_same_v<TT, F16T>) {
+      asm("cvt.rn.relu.f16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(f[1]), "f"(f[0]));
+    } else {
+      asm("cvt.rn.relu.bf16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(f[1]), "f"(f[0]));
+    }
+    return out;
+#else
+#pragma unroll
+    for (int v = 0; v < V; ++v) f[v] = bn_relu(f[v]);
+    return narrow_word<TT, V>(f);
+#endif
+  }
+};
 
 // V consecutive elements in one load instruction (the caller guarantees alignment).
 template <class TT, int V>

@@ -130,15 +130,6 @@ constexpr int kK = 3;
 // with the output pointer kept opaque as the kernel does; otherwise it spills 36 bytes).
 constexpr int kColumnUnroll = 4;
 
-template <class TT, int V>
-__device__ __forceinline__ uint32_t narrow_word(const float (&in)[V]) {
-  if constexpr (V == 2) {
-    return static_cast<uint32_t>(TT::from_acc(in[0])) | static_cast<uint32_t>(TT::from_acc(in[1])) << 16;
-  } else {
-    return __float_as_uint(in[0]);
-  }
-}
-
 // A plain global store (STG) through a pointer the compiler cannot see into (see the asm in the kernel):
 // a C++ store would be a generic one (ST.E).
 __device__ __forceinline__ void store_global(uint32_t* p, uint32_t v) {
@@ -154,11 +145,11 @@ struct FwdColumnRow {
 };
 
 // The new words of U steps starting at step t0: input columns (t0 + u) * S - PW + (K - S) + d of the
-// KR input rows. Checked: zeros (and no load) for steps >= OW, columns outside [0, W) and rows not in
-// rows_in; unchecked: the caller has seen that every word is inside.
-template <bool kChecked, int S, int U, int KR>
+// KR input rows, each through `norm` (WordNorm). Checked: zeros (and no load) for steps >= OW, columns outside
+// [0, W) and rows not in rows_in; unchecked: the caller has seen that every word is inside.
+template <bool kChecked, int S, int U, int KR, class Norm>
 __device__ __forceinline__ void load_fwd_steps(const FwdColumnRow& row, int W, int OW, int PW, int t0,
-                                               uint32_t (&raw)[U][KR][S]) {
+                                               const Norm& norm, uint32_t (&raw)[U][KR][S]) {
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int step = t0 + u;
@@ -170,7 +161,7 @@ __device__ __forceinline__ void load_fwd_steps(const FwdColumnRow& row, int W, i
 #pragma unroll
       for (int kh = 0; kh < KR; ++kh) {
         if (!kChecked || (col_in && (row.rows_in >> kh & 1))) {
-          raw[u][kh][d] = __ldg(row.xn + (offset + kh * row.pitch));
+          raw[u][kh][d] = norm(__ldg(row.xn + (offset + kh * row.pitch)));
         } else {
           raw[u][kh][d] = 0u;
         }
@@ -250,15 +241,16 @@ __device__ __forceinline__ void write_column_stats(const ColumnStats<TT, V>& st,
 // of the input, the part its producer wrote last and most likely still in L2, and the last to run write
 // the start of the output, which the next layer's kernel reads first. FLIP: the kernel rotated 180
 // degrees, no bias and no activation (the input gradient of a stride-1 convolution, run on the flipped shape).
+// NORM: the input words go through the BatchNorm + ReLU of `norm` as they are loaded (WordNorm; padding stays zero).
 // 4 blocks of 256 per SM (64 registers), as the wgrad column kernel; MINB = 3 (up to 85 registers) for the
 // deeper unrolls of FWD_COLUMN_DEEP. STATS: also the statistics of the stored outputs per (band, channel) into
 // partial (write_column_stats); then no lane returns early (the block meets at a barrier): lanes without a row or
 // word of their own set up a real one, walk none of it and count nothing.
-template <class TT, int S, int U, bool FLIP, int R, int MINB, bool STATS = false>
+template <class TT, int S, int U, bool FLIP, int R, int MINB, bool STATS = false, bool NORM = false>
 __global__ void __launch_bounds__(256, MINB)
     fwd_nhwc_column_kernel(const uint32_t* __restrict__ x, const typename TT::S* __restrict__ w,
                            const typename TT::S* __restrict__ bias, uint32_t* __restrict__ y, ConvShape s, Tiling t,
-                           double* __restrict__ partial) {
+                           double* __restrict__ partial, InputNorm input_norm) {
   static_assert(R == 1 || R == 2, "R: output rows per lane");
   constexpr int K = kK, KK = K * K;
   constexpr int KR = K + S * (R - 1);            // input rows held
@@ -289,6 +281,8 @@ __global__ void __launch_bounds__(256, MINB)
     for (int k = 0; k < KK; ++k) wr[k][v] = TT::to_acc(__ldg(w + c * KK + (FLIP ? KK - 1 - k : k)));
     b[v] = !FLIP && bias != nullptr ? TT::to_acc(__ldg(bias + c)) : 0.f;
   }
+  WordNorm<TT, V, NORM> norm;
+  norm.setup(input_norm, cw * V);
 
   FwdColumnRow row;
   row.xn = x + static_cast<size_t>(n) * s.H * s.W * words + cw;
@@ -318,7 +312,7 @@ __global__ void __launch_bounds__(256, MINB)
     for (int kh = 0; kh < KR; ++kh) {
       uint32_t word = 0u;
       if (static_cast<unsigned>(iw) < static_cast<unsigned>(s.W) && (row.rows_in >> kh & 1))
-        word = __ldg(row.xn + (row.row0 + kh * row.pitch + iw * words));
+        word = norm(__ldg(row.xn + (row.row0 + kh * row.pitch + iw * words)));
       widen_word<TT, V>(word, held[kh][j]);
     }
   }
@@ -336,9 +330,9 @@ __global__ void __launch_bounds__(256, MINB)
     const bool inside = row.rows_in == (1 << KR) - 1 && t0 * S - s.PW + KH >= 0 &&
                         (t0 + U - 1) * S - s.PW + K - 1 < s.W && t0 + U <= s.OW;
     if (inside) {
-      load_fwd_steps<false, S, U, KR>(row, s.W, s.OW, s.PW, t0, raw);
+      load_fwd_steps<false, S, U, KR>(row, s.W, s.OW, s.PW, t0, norm, raw);
     } else {
-      load_fwd_steps<true, S, U, KR>(row, s.W, s.OW, s.PW, t0, raw);
+      load_fwd_steps<true, S, U, KR>(row, s.W, s.OW, s.PW, t0, norm, raw);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -420,19 +414,21 @@ constexpr int column_unroll_r2() {
 
 // DEEP: the 16-bit stride-1 walk with twice the steps in flight (8 with one row per lane, 4 with two) at 3 blocks
 // per SM instead of 4 (80 and 72 registers, no spills). Off by default (FWD_COLUMN_DEEP, see depthwise_forward.cu).
-template <class TT, int S, bool FLIP, int R, bool DEEP = false>
+// NORM: the walk that applies `norm` to its input (norm.apply_in_depthwise); with 16-bit data its 6 per-channel
+// constants spill 12-56 bytes at the 64 registers of 4 blocks per SM, so it runs at 3 (up to 85 registers).
+template <class TT, int S, bool FLIP, int R, bool DEEP = false, bool NORM = false>
 void launch_column(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
-                   cudaStream_t stream) {
+                   cudaStream_t stream, const InputNorm& norm = InputNorm{}) {
   using Sx = typename TT::S;
   constexpr int V = 4 / sizeof(Sx);
   constexpr int U = DEEP ? (R == 1 ? 2 * kColumnUnroll : 4) : (R == 1 ? kColumnUnroll : column_unroll_r2<TT, S>());
-  constexpr int kMinBlocks = DEEP ? 3 : 4;
+  constexpr int kMinBlocks = DEEP || (NORM && V == 2) ? 3 : 4;
   Tiling t = column_tiling(s.N * (R == 1 ? s.OH : (s.OH + 1) / 2), s.C / V);
   t.reverse = knob(Knob::kColumnReverse, dt);
   const dim3 grid(t.groups * t.tiles_h);
-  fwd_nhwc_column_kernel<TT, S, U, FLIP, R, kMinBlocks><<<grid, t.block, 0, stream>>>(
+  fwd_nhwc_column_kernel<TT, S, U, FLIP, R, kMinBlocks, false, NORM><<<grid, t.block, 0, stream>>>(
       static_cast<const uint32_t*>(x), static_cast<const Sx*>(w), static_cast<const Sx*>(bias),
-      static_cast<uint32_t*>(y), s, t, nullptr);
+      static_cast<uint32_t*>(y), s, t, nullptr, norm);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -462,7 +458,8 @@ void launch_column_stats(const ConvShape& s, DType dt, const void* x, const void
   t.reverse = knob(Knob::kColumnReverse, dt);
   const dim3 grid(t.groups * t.tiles_h);
   fwd_nhwc_column_kernel<TT, S, U, false, R, kMinBlocks, true><<<grid, t.block, 0, stream>>>(
-      static_cast<const uint32_t*>(x), static_cast<const Sx*>(w), nullptr, static_cast<uint32_t*>(y), s, t, partial);
+      static_cast<const uint32_t*>(x), static_cast<const Sx*>(w), nullptr, static_cast<uint32_t*>(y), s, t, partial,
+      InputNorm{});
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -54,7 +54,7 @@ CATEGORY_TITLES = {
 # project's mobilenet_bn:: ops, apex's bnp), which kernel names alone do not say reliably.
 NORM_OPS = re.compile(r"batch_norm|BatchNorm|NativeBatchNorm|mobilenet_bn::|bn_relu|aten::relu|ReluBackward|"
                       r"threshold_backward|ThresholdBackward|bnp\.|groupbn", re.I)
-NORM_KERNELS = re.compile(r"^mbn::|batch_?norm|bn_fw|bn_bw|nhwc_batch_norm", re.I)
+NORM_KERNELS = re.compile(r"^(void )?mbn::|batch_?norm|bn_fw|bn_bw|nhwc_batch_norm", re.I)
 
 
 def short_kernel_name(name: str, width: int = 110) -> str:
@@ -133,8 +133,14 @@ def category_of(row: Event, ops: list[Event]) -> str:
         category = "transpose"
     elif COPY_KERNELS.search(row.name):
         category = _copy_kind(ops) or "other"
-    if category == "other" and (DEPTHWISE_KERNEL_NAMES.search(row.name) or any(_is_depthwise_conv(op) for op in ops)):
+    # A kernel's own name decides before the ops that launched it: under norm.apply_in_depthwise one op
+    # (_BatchNormReluDepthwise) launches both the BatchNorm's kernels and the depthwise ones.
+    if category == "other" and DEPTHWISE_KERNEL_NAMES.search(row.name):
         category = "depthwise"
-    if category == "other" and (NORM_KERNELS.search(row.name) or any(NORM_OPS.search(op.name) for op in ops)):
+    if category == "other" and NORM_KERNELS.search(row.name):
+        category = "norm"
+    if category == "other" and any(_is_depthwise_conv(op) for op in ops):
+        category = "depthwise"
+    if category == "other" and any(NORM_OPS.search(op.name) for op in ops):
         category = "norm"
     return category

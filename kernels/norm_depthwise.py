@@ -1,0 +1,142 @@
+"""norm.apply_in_depthwise: a BatchNorm + ReLU (training, batch statistics) whose normalize is done by the depthwise
+convolution after it, as that kernel loads its input. relu(batch_norm(y)) is never written or read back: the
+BatchNorm computes only its statistics (one pass over y instead of three), and the depthwise forward and weight
+gradient apply it to every word of y they load. Importing this module builds/loads the CUDA extension.
+
+  mobilenet_bn::bn_stats(x, weight, bias, eps) -> (mean, invstd, var)
+  mobilenet_bn::bn_stats_update(x, weight, bias, running_mean!, running_var!, num_batches_tracked!, eps, momentum)
+      -> (mean, invstd, var)
+      bn_relu_fwd / bn_relu_fwd_update without y: the same statistics and running-statistics update, bit for bit.
+  mobilenet_dw::depthwise_fwd_normed(y, w, mean, invstd, norm_weight, norm_bias, stride, padding) -> out
+      conv(relu(batch_norm(y)), w), with relu(batch_norm(y)) rounded to y's dtype as the BatchNorm's own apply pass
+      stores it: the same bits as bn_relu_normalize followed by depthwise_fwd's column walk.
+  mobilenet_dw::depthwise_wgrad_normed(grad_out, y, w, mean, invstd, norm_weight, norm_bias, stride, padding)
+      -> grad_w
+      its weight gradient, likewise from y.
+
+The backward of the pair: the input gradient of the convolution (depthwise_bwd, which does not read the input), the
+weight gradient from y, then bn_relu_bwd, which takes y and recomputes the ReLU's mask from it. Only the NHWC 3x3
+column walks apply a BatchNorm to their input: other cases are refused (normed_unsupported says why), never run
+another way.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import kernel_layout, load
+from .depthwise_args import out_shape, stats_unsupported
+from .norm_ops import _check_channel_vectors, _check_supported, _check_unbiased_count, _f32
+
+load()
+
+__all__ = ["normed_unsupported", "batch_norm_relu_depthwise_conv2d"]
+
+_stats = torch.ops.mobilenet_bn.bn_stats.default
+_stats_update = torch.ops.mobilenet_bn.bn_stats_update.default
+_bn_bwd = torch.ops.mobilenet_bn.bn_relu_bwd.default
+_fwd_normed = torch.ops.mobilenet_dw.depthwise_fwd_normed.default
+_wgrad_normed = torch.ops.mobilenet_dw.depthwise_wgrad_normed.default
+_dw_bwd = torch.ops.mobilenet_dw.depthwise_bwd.default
+
+
+def _stats_outputs(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return tuple(x.new_empty(x.shape[1], dtype=torch.float32) for _ in range(3))
+
+
+@torch.library.register_fake("mobilenet_bn::bn_stats")
+def _stats_fake(x, weight, bias, eps):
+    return _stats_outputs(x)
+
+
+@torch.library.register_fake("mobilenet_bn::bn_stats_update")
+def _stats_update_fake(x, weight, bias, running_mean, running_var, num_batches_tracked, eps, momentum):
+    return _stats_outputs(x)
+
+
+@torch.library.register_fake("mobilenet_dw::depthwise_fwd_normed")
+def _fwd_normed_fake(y, w, mean, invstd, norm_weight, norm_bias, stride, padding):
+    return torch.empty(out_shape(y.shape, w.shape, stride, padding, (1, 1)), dtype=y.dtype, device=y.device,
+                       memory_format=kernel_layout(y))
+
+
+@torch.library.register_fake("mobilenet_dw::depthwise_wgrad_normed")
+def _wgrad_normed_fake(grad_out, y, w, mean, invstd, norm_weight, norm_bias, stride, padding):
+    return w.new_empty(w.shape)
+
+
+def normed_unsupported(y: Tensor, weight: Tensor, bias: Tensor | None, stride, padding) -> str | None:
+    """Why the column walk cannot apply a BatchNorm to this convolution's input, or None when it can: the cases of
+    the statistics walk (channels_last, 3x3, one filter per channel, no bias, stride 1 or 2, whole 32-bit words of
+    channels). Reads metadata only."""
+    padding = padding if isinstance(padding, str) else tuple(padding)
+    return stats_unsupported(y, weight, bias, tuple(stride), padding, (1, 1))
+
+
+class _BatchNormReluDepthwise(torch.autograd.Function):
+    """conv(relu(batch_norm(y))) from y: bn_stats(_update), depthwise_fwd_normed; backward as the module docstring."""
+
+    @staticmethod
+    def forward(ctx, y, norm_weight, norm_bias, conv_weight, running_mean, running_var, num_batches_tracked, eps,
+                momentum, stride, padding):
+        if running_mean is not None:
+            mean, invstd, _var = _stats_update(y, norm_weight, norm_bias, running_mean, running_var,
+                                               num_batches_tracked, eps, momentum)
+        else:
+            mean, invstd, _var = _stats(y, norm_weight, norm_bias, eps)
+        out = _fwd_normed(y, conv_weight, mean, invstd, norm_weight, norm_bias, stride, padding)
+        ctx.save_for_backward(y, norm_weight, norm_bias, conv_weight, mean, invstd)
+        ctx.conv_args = (stride, padding)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        y, norm_weight, norm_bias, conv_weight, mean, invstd = ctx.saved_tensors
+        stride, padding = ctx.conv_args
+        needs = ctx.needs_input_grad
+        grad_out = grad_out.to(y.dtype)
+        grad_conv_weight = None
+        if needs[3]:
+            grad_conv_weight = _wgrad_normed(grad_out, y, conv_weight, mean, invstd, norm_weight, norm_bias, stride,
+                                             padding)
+        grad_y = grad_norm_weight = grad_norm_bias = None
+        if any(needs[:3]):
+            # The convolution's input gradient (y stands in for its input: the kernels read only its shape), then
+            # the BatchNorm + ReLU backward from y.
+            grad_x = _dw_bwd(grad_out, y, conv_weight, stride, padding, [1, 1], [True, False, False])[0]
+            grad_y, grad_norm_weight, grad_norm_bias = _bn_bwd(grad_x, y, norm_weight, norm_bias, mean, invstd)
+        return (grad_y if needs[0] else None, grad_norm_weight if needs[1] else None,
+                grad_norm_bias if needs[2] else None, grad_conv_weight, None, None, None, None, None, None, None)
+
+
+def batch_norm_relu_depthwise_conv2d(y: Tensor, norm_weight: Tensor, norm_bias: Tensor, conv_weight: Tensor,
+                                     stride=(1, 1), padding=(1, 1), eps: float = 1e-5,
+                                     running_mean: Tensor | None = None, running_var: Tensor | None = None,
+                                     num_batches_tracked: Tensor | None = None,
+                                     momentum: float | None = None) -> Tensor:
+    """F.conv2d(relu(batch_norm(y, training=True)), conv_weight, None, stride, padding, groups=C) for a 3x3 depthwise
+    conv_weight (C, 1, 3, 3) on channels_last y, without relu(batch_norm(y)) being stored. With running_mean,
+    running_var and num_batches_tracked (and momentum in [0, 1]) the running statistics are updated as
+    nn.BatchNorm2d updates them, in the statistics kernel. Differentiable in y, norm_weight, norm_bias and
+    conv_weight. conv_weight is used in y's dtype (autocast's rule for a convolution), the BatchNorm's parameters in
+    fp32. Cases the walk does not take raise ValueError (normed_unsupported says why)."""
+    _check_supported(y, norm_weight, norm_bias)
+    if not isinstance(conv_weight, Tensor) or conv_weight.dim() != 4:
+        raise ValueError(f"batch_norm_relu_depthwise_conv2d: conv_weight must have shape (C, 1, 3, 3), got "
+                         f"{tuple(getattr(conv_weight, 'shape', ()))}")
+    conv_weight = conv_weight.to(y.dtype)
+    stride, padding = [int(v) for v in stride], [int(v) for v in padding]
+    why = normed_unsupported(y, conv_weight, None, stride, padding)
+    if why is not None:
+        raise ValueError(f"batch_norm_relu_depthwise_conv2d: {why}")
+    update = running_mean is not None
+    if update:
+        if momentum is None or not 0.0 <= momentum <= 1.0:
+            raise ValueError(f"batch_norm_relu_depthwise_conv2d: momentum must be in [0, 1] to update the running "
+                             f"statistics, got {momentum}")
+        _check_channel_vectors(y, running_mean=running_mean, running_var=running_var)
+        _check_unbiased_count("batch_norm_relu_depthwise_conv2d", y.numel() // y.shape[1])
+    return _BatchNormReluDepthwise.apply(y, _f32(norm_weight), _f32(norm_bias), conv_weight, running_mean,
+                                         running_var, num_batches_tracked, float(eps),
+                                         float(momentum) if update else 0.0, stride, padding)
