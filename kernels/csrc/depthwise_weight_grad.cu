@@ -458,6 +458,110 @@ __global__ void __launch_bounds__(256, MINB)
   reduce_nhwc_partials<KK, V>(acc, red, ws, s, t, blk.group, blk.chunk);
 }
 
+// The NORM weight gradient at stride 1, padding 1, walked per input row: a lane owns one input row (n, ih) and walks
+// iw = 0..W-1 along it, so each input word is loaded and normalized by one lane (the column walk above, a lane per
+// output row, normalizes each by the 3 lanes whose rows read it). Input column iw is tap (kh, kw) of grad_out
+// (ih + 1 - kh, iw + 1 - kw): step iw loads the new grad_out column iw + 1 of the <= 3 output rows ih + 1 - kh and
+// holds the two before it, widened. No bias slot (the normalizing op has no bias gradient): it is written as 0.
+// Lanes and blocks as the column walk's (rows of the flattened (n, ih) index; H == OH here).
+template <class TT, int U, int V>
+__global__ void __launch_bounds__(256, kWgradColumnMinBlocks<true, V>)
+    wgrad_nhwc_input_row_kernel(const uint32_t* __restrict__ go, const uint32_t* __restrict__ x,
+                                float* __restrict__ ws, ConvShape s, Tiling t, InputNorm input_norm) {
+  constexpr int K = 3, KK = K * K;
+  extern __shared__ float red[];  // [warps][lanes_c][(KK + 1) * V]
+
+  const int lane = threadIdx.x;
+  const NhwcLane ln = nhwc_lane(lane, t);
+  const WgradNhwcBlock blk = wgrad_nhwc_block(t);
+  const int words = s.C / V;
+  const int cw = blk.group * t.lanes_c + ln.cv;
+  const bool active = lane < t.threads && cw < words;
+  const int rows = s.N * s.H;
+  float acc[KK + 1][V];
+  fill(acc, 0.f);
+  WordNorm<TT, V, true> norm;
+  if (active) norm.setup(input_norm, cw * V);
+
+  if (active) {
+    for (int tile = blk.chunk; tile < t.tiles_h; tile += blk.chunks) {
+      const int r = tile * t.sy_n + ln.sy;
+      if (r >= rows) continue;
+      const int n = r / s.H, ih = r - n * s.H;
+      const uint32_t* xp = x + static_cast<size_t>(r) * s.W * words + cw;
+      const uint32_t* gn = go + static_cast<size_t>(n) * s.OH * s.OW * words + cw;
+      asm("" : "+l"(xp));
+      asm("" : "+l"(gn));
+      // Output row ih + 1 - kh of kernel row kh: its first word from gn, or -1 outside the output.
+      int g_off[K];
+      bool rows_inside = true;
+#pragma unroll
+      for (int kh = 0; kh < K; ++kh) {
+        const int oh = ih + 1 - kh;
+        const bool inside = oh >= 0 && oh < s.OH;
+        rows_inside = rows_inside && inside;
+        g_off[kh] = inside ? oh * s.OW * words : -1;
+      }
+      // held[kh][j] = grad_out column iw - j of row kh before step iw (column -1: zero).
+      float held[K][2][V];
+#pragma unroll
+      for (int kh = 0; kh < K; ++kh) {
+        uint32_t w0 = 0u;
+        if (g_off[kh] >= 0) w0 = __ldg(gn + g_off[kh]);
+        widen_word<TT, V>(w0, held[kh][0]);
+#pragma unroll
+        for (int v = 0; v < V; ++v) held[kh][1][v] = 0.f;
+      }
+      for (int t0 = 0; t0 < s.W; t0 += U) {
+        uint32_t xraw[U], graw[U][K];
+        // Inside: every row exists and every step's input column and new grad_out column lie inside.
+        const bool inside = rows_inside && t0 + U < s.W;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int iw = t0 + u;
+          xraw[u] = (inside || iw < s.W) ? norm(__ldg(xp + iw * words)) : 0u;
+#pragma unroll
+          for (int kh = 0; kh < K; ++kh)
+            graw[u][kh] = (inside || (g_off[kh] >= 0 && iw + 1 < s.OW)) ? __ldg(gn + (g_off[kh] + (iw + 1) * words))
+                                                                         : 0u;
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          float xv[V];
+          widen_word<TT, V>(xraw[u], xv);
+#pragma unroll
+          for (int kh = 0; kh < K; ++kh) {
+            float fresh[V];
+            widen_word<TT, V>(graw[u][kh], fresh);
+#pragma unroll
+            for (int v = 0; v < V; ++v) {
+              acc[kh * K + 0][v] = fmaf(fresh[v], xv[v], acc[kh * K + 0][v]);
+              acc[kh * K + 1][v] = fmaf(held[kh][0][v], xv[v], acc[kh * K + 1][v]);
+              acc[kh * K + 2][v] = fmaf(held[kh][1][v], xv[v], acc[kh * K + 2][v]);
+              held[kh][1][v] = held[kh][0][v];
+              held[kh][0][v] = fresh[v];
+            }
+          }
+        }
+      }
+    }
+  }
+  reduce_nhwc_partials<KK, V>(acc, red, ws, s, t, blk.group, blk.chunk);
+}
+
+template <class TT>
+void run_wgrad_input_row(const ConvShape& s, const WgradPlan& p, const void* go, const void* y, float* ws,
+                         cudaStream_t stream, const InputNorm& norm) {
+  constexpr int K = 3;
+  constexpr int VW = 4 / sizeof(typename TT::S);
+  const Tiling& t = p.tiling;
+  const size_t smem = sizeof(float) * (t.block / 32) * t.lanes_c * (K * K + 1) * VW;
+  const dim3 grid(t.groups * p.chunks);
+  wgrad_nhwc_input_row_kernel<TT, 4, VW><<<grid, t.block, smem, stream>>>(
+      static_cast<const uint32_t*>(go), static_cast<const uint32_t*>(y), ws, s, t, norm);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // Column walk: one 32-bit word per lane (2 channels of 16-bit data, 1 of fp32). Tiling with one strip per
 // row: lanes_c <= 32 words of one pixel, 256 / lanes_c rows of the flattened (n, oh) index per block
 // (fewer when there are fewer rows), one tile per band of rows.
@@ -495,9 +599,11 @@ void wgrad_column_t(const ConvShape& s, const WgradPlan& p, const void* go, cons
   (s.SH == 1 ? run_wgrad_column<TT, 1> : run_wgrad_column<TT, 2>)(s, p, go, x, ws, st, InputNorm{});
 }
 
+// Stride 1, padding 1 (MobileNet's stride-1 layers): the input-row walk; otherwise the column walk with NORM.
 template <class TT>
 void wgrad_column_normed_t(const ConvShape& s, const WgradPlan& p, const void* go, const void* y, float* ws,
                            cudaStream_t st, const InputNorm& norm) {
+  if (s.SH == 1 && s.PH == 1 && s.PW == 1) return run_wgrad_input_row<TT>(s, p, go, y, ws, st, norm);
   (s.SH == 1 ? run_wgrad_column<TT, 1, true> : run_wgrad_column<TT, 2, true>)(s, p, go, y, ws, st, norm);
 }
 
@@ -698,7 +804,7 @@ int weight_grad_tiled(const ConvShape& s, DType dt, const void* go, const void* 
 int weight_grad_column_chunks(const ConvShape& s, DType dt) { return plan_column(s, dt).chunks; }
 
 // The NORM walk's plan. Measured on the H200 (scripts/experiments/norm_in_depthwise_layers.py, fp16, batch 256): with
-// the grid cut to its 3 resident blocks per SM the layers of 28 columns or more took 16-25% less time than with
+// the grid cut to its 3 resident blocks per SM the layers of 28 columns or more took 11-24% less time than with
 // WGRAD_BLOCKS_PER_SM's full grid, the 14- and 7-wide ones 10-13% more, so those keep the full grid.
 static WgradPlan plan_column_normed(const ConvShape& s, DType dt) {
   const int resident = dt == DType::F32 ? kWgradColumnMinBlocks<true, 1> : kWgradColumnMinBlocks<true, 2>;
