@@ -12,12 +12,13 @@ gradient apply it to every word of y they load. Importing this module builds/loa
       stores it: the same bits as bn_relu_normalize followed by depthwise_fwd's column walk.
   mobilenet_dw::depthwise_wgrad_normed(grad_out, y, w, mean, invstd, norm_weight, norm_bias, stride, padding)
       -> grad_w
-      its weight gradient, likewise from y.
+      its weight gradient, likewise from y (at stride 1 a walk with a lane per input row, which normalizes each word
+      of y once; at stride 2 the column walk).
 
 The backward of the pair: the input gradient of the convolution (depthwise_bwd, which does not read the input), the
-weight gradient from y, then bn_relu_bwd, which takes y and recomputes the ReLU's mask from it. Only the NHWC 3x3
-column walks apply a BatchNorm to their input: other cases are refused (normed_unsupported says why), never run
-another way.
+weight gradient from y, then bn_relu_bwd, which takes y and recomputes the ReLU's mask from it. Only these NHWC 3x3
+walks apply a BatchNorm to their input: other cases are refused (normed_unsupported says why), never run another
+way.
 """
 
 from __future__ import annotations

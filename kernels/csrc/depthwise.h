@@ -39,7 +39,7 @@ struct DepthwiseShape {
 };
 
 // The BatchNorm (batch statistics, fp32 per channel) + ReLU of the layer before a depthwise convolution, which the
-// NHWC 3x3 column walks apply to every input word as they load it (norm.apply_in_depthwise): the convolution of
+// NHWC 3x3 walks apply to every input word as they load it (norm.apply_in_depthwise): the convolution of
 // relu(batch_norm(y)) computed from y, without x = relu(batch_norm(y)) ever being written (WordNorm, device_common.h).
 struct InputNorm {
   const float* mean = nullptr;
@@ -66,7 +66,7 @@ void launch_forward_stats(const DepthwiseShape& s, DType dt, const void* x, cons
 // The convolution of relu(batch_norm(y)) from y (InputNorm): whether the case is the column walk's (NHWC 3x3, equal
 // strides 1 or 2, dilation 1, whole 32-bit words of channels, 4-byte pointers, in the specialised kernels' domain, no
 // depth multiplier), the forward (no bias, no activation), and the weight gradient's workspace and launch (no bias
-// gradient). Only the column walks apply an InputNorm, so there is no other kernel to run these cases.
+// gradient). Only these walks apply an InputNorm, so there is no other kernel to run these cases.
 bool normed_fits(const DepthwiseShape& s, DType dt, const void* y, const void* out);
 void launch_forward_normed(const DepthwiseShape& s, DType dt, const void* y, const void* w, const InputNorm& norm,
                            void* out, cudaStream_t stream);

@@ -150,7 +150,7 @@ void launch_forward_stats(const DepthwiseShape& g, DType dt, const void* x, cons
   if (narrow_shape(g, &s)) forward_nhwc_column_stats(s, dt, x, w, y, partial, stream);
 }
 
-// The forward and weight gradient of norm.apply_in_depthwise: the column walks only (the only kernels that apply an
+// The forward and weight gradient of norm.apply_in_depthwise: the NHWC 3x3 walks only (the only kernels that apply an
 // InputNorm), so there is no fallback; the op refuses other cases (kernels/norm_depthwise.py checks first).
 bool normed_fits(const DepthwiseShape& g, DType dt, const void* y, const void* out) {
   ConvShape s;
