@@ -47,20 +47,18 @@ __device__ __forceinline__ Pack<typename TT::S, V> load_pack(const typename TT::
   return *reinterpret_cast<const Pack<typename TT::S, V>*>(p);
 }
 
+// The arithmetic these kernels share with the depthwise kernels that apply a BatchNorm to their input.
+using mdw::bn_pre_activation;
+using mdw::bn_relu;
 using mdw::bn_scale;
-// Short names for the shared arithmetic (device_common.h).
-__device__ __forceinline__ float relu(float v) { return mdw::bn_relu(v); }
-__device__ __forceinline__ float pre_activation(float x, float mean, float scale, float bias) {
-  return mdw::bn_pre_activation(x, mean, scale, bias);
-}
 
 // --- per-element operations of the reduce passes: sums a (first) and b (second) per channel ----------------------
 
-// Whether y = relu(pre_activation), stored in TT, is > 0: the ReLU's backward mask, recomputed from x (the rounding
-// to TT is part of it: a positive value that underflows to zero let no gradient through in the forward's y).
+// Whether y = bn_relu(bn_pre_activation(x)), stored in TT, is > 0: the ReLU's backward mask, recomputed from x (the
+// rounding to TT is part of it: a positive value that underflows to zero let no gradient through in the forward's y).
 template <class TT>
 __device__ __forceinline__ bool relu_passes(float x, float mean, float scale, float bias) {
-  return TT::to_acc(TT::from_acc(pre_activation(x, mean, scale, bias))) > 0.f;
+  return TT::to_acc(TT::from_acc(bn_pre_activation(x, mean, scale, bias))) > 0.f;
 }
 
 // Forward statistics: a += x - pivot, b += (x - pivot)^2.
@@ -169,7 +167,7 @@ struct NormalizeOp {
     float v[V];
     widen<TT, V>(l.x, v);
 #pragma unroll
-    for (int i = 0; i < V; ++i) v[i] = relu(pre_activation(v[i], k[0][i], k[1][i], k[2][i]));
+    for (int i = 0; i < V; ++i) v[i] = bn_relu(bn_pre_activation(v[i], k[0][i], k[1][i], k[2][i]));
     store_vec<TT, V>(y + off, v);
   }
 };

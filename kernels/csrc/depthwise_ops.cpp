@@ -133,15 +133,15 @@ std::tuple<at::Tensor, at::Tensor> depthwise_fwd_stats(const at::Tensor& x_in, c
   return {y, partial};
 }
 
-// The per-channel BatchNorm vectors of an InputNorm: contiguous fp32 (C,) on y's device.
-InputNorm input_norm_of(const at::Tensor& y, const at::Tensor& mean, const at::Tensor& invstd,
+// The per-channel BatchNorm vectors of an InputNorm: contiguous fp32 (C,) on y's device; `op` names the op in errors.
+InputNorm input_norm_of(const char* op, const at::Tensor& y, const at::Tensor& mean, const at::Tensor& invstd,
                         const at::Tensor& weight, const at::Tensor& bias) {
   const std::pair<const at::Tensor*, const char*> vectors[] = {
       {&mean, "mean"}, {&invstd, "invstd"}, {&weight, "norm_weight"}, {&bias, "norm_bias"}};
   for (const auto& [t, name] : vectors) {
     TORCH_CHECK(t->dim() == 1 && t->size(0) == y.size(1) && t->scalar_type() == at::kFloat &&
                     t->device() == y.device() && t->is_contiguous(),
-                "depthwise_conv2d_normed: ", name, " must be a contiguous float32 (", y.size(1), ",) tensor on ",
+                op, ": ", name, " must be a contiguous float32 (", y.size(1), ",) tensor on ",
                 y.device(), ", got ", t->scalar_type(), " ", t->sizes(), " on ", t->device());
   }
   InputNorm n;
@@ -168,7 +168,7 @@ at::Tensor depthwise_fwd_normed(const at::Tensor& y_in, const at::Tensor& w_in, 
   c10::cuda::CUDAGuard guard(y_in.device());
   const at::Tensor y = in_layout(y_in, fmt);
   const at::Tensor w = w_in.contiguous();
-  const InputNorm norm = input_norm_of(y, mean, invstd, norm_weight, norm_bias);
+  const InputNorm norm = input_norm_of("depthwise_fwd_normed", y, mean, invstd, norm_weight, norm_bias);
   const DType dt = to_dtype(y.scalar_type());
   at::Tensor out = at::empty({s.N, s.C * s.M, s.OH, s.OW}, y.options().memory_format(fmt));
   TORCH_CHECK(out.numel() > 0 && normed_fits(s, dt, y.const_data_ptr(), out.const_data_ptr()),
@@ -196,7 +196,7 @@ at::Tensor depthwise_wgrad_normed(const at::Tensor& grad_out, const at::Tensor& 
   const at::Tensor y = in_layout(y_in, fmt);
   const at::Tensor go = in_layout(grad_out, fmt);
   const at::Tensor w = w_in.contiguous();
-  const InputNorm norm = input_norm_of(y, mean, invstd, norm_weight, norm_bias);
+  const InputNorm norm = input_norm_of("depthwise_wgrad_normed", y, mean, invstd, norm_weight, norm_bias);
   const DType dt = to_dtype(y.scalar_type());
   TORCH_CHECK(go.numel() > 0 && normed_fits(s, dt, go.const_data_ptr(), y.const_data_ptr()),
               "depthwise_wgrad_normed: ", kNormedCases);
