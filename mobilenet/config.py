@@ -74,10 +74,14 @@ class NormConfig:
     # batch statistics from the depthwise kernel (computed from its output in its epilogue) instead of a pass of their
     # own over it (docs/kernels.md). Off until measured; a pair that cannot run so stops the run, nothing falls back.
     stats_from_depthwise: bool = False
-    # backend=custom norm=custom channels_last=true only: each BatchNorm + ReLU whose output feeds a depthwise conv (the
-    # stem's and the pointwise convs') computes only its statistics, and the depthwise kernels (forward and weight
-    # gradient) normalize their input as they load it, so relu(batch_norm(y)) is never written (docs/kernels.md).
-    apply_in_depthwise: bool = False
+    # Each BatchNorm + ReLU whose output feeds a depthwise conv (the stem's and the pointwise convs') computes only its
+    # statistics in training, and the depthwise kernels (forward and weight gradient) normalize their input as they
+    # load it, so relu(batch_norm(y)) is never written (docs/kernels.md). It needs backend=custom norm=custom
+    # channels_last=true sync_bn=false compile=false norm.stats_from_depthwise=false. auto = on wherever it can run
+    # (measured faster on an H200 in fp16, bf16 and fp32: docs/results/train_norm_h200.md); true = required (an error
+    # where it cannot run); false = off. The summary's norm row says which ran (mobilenet/norm.py
+    # apply_in_depthwise_state).
+    apply_in_depthwise: str = "auto"
 
 
 @dataclass

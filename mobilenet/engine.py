@@ -28,7 +28,7 @@ from .errors import ConfigError, checking_user_input
 from .evaluation import evaluate
 from .meter import StepMeter, Throughput
 from .model import build_model
-from .norm import convert_sync_batchnorm, get_norm, sync_bn_state
+from .norm import apply_in_depthwise_state, convert_sync_batchnorm, custom_pair_needs, get_norm, sync_bn_state
 from .optim import build_optimizer, build_scheduler, scheduled_lrs
 from .reporting import TensorBoardLog, environment, print_summary
 from .run_record import RunResult, TrainingRun, run_meta
@@ -86,13 +86,8 @@ def _check_stats_from_depthwise(cfg) -> None:
     if not cfg.norm.stats_from_depthwise:
         return
     _refuse_unless("norm.stats_from_depthwise", [
-        *_custom_pair_needs(cfg), (bool(cfg.channels_last), "channels_last=true (the statistics walk is NHWC)"),
+        *custom_pair_needs(cfg), (bool(cfg.channels_last), "channels_last=true (the statistics walk is NHWC)"),
         (not cfg.sync_bn, "sync_bn=false (the depthwise kernel's statistics are this rank's only)")])
-
-
-def _custom_pair_needs(cfg) -> list[tuple[bool, str]]:
-    return [(cfg.backend.name == "custom", f"backend=custom (got {cfg.backend.name})"),
-            (cfg.norm.name == "custom", f"norm=custom (got {cfg.norm.name})")]
 
 
 def _refuse_unless(switch: str, needs: list[tuple[bool, str]]) -> None:
@@ -104,15 +99,7 @@ def _refuse_unless(switch: str, needs: list[tuple[bool, str]]) -> None:
 
 def _check_apply_in_depthwise(cfg) -> None:
     """norm.apply_in_depthwise=true runs only where every BatchNorm before a depthwise conv can be applied by it."""
-    if not cfg.norm.apply_in_depthwise:
-        return
-    _refuse_unless("norm.apply_in_depthwise", [
-        *_custom_pair_needs(cfg),
-        (bool(cfg.channels_last), "channels_last=true (the depthwise kernels that apply it are NHWC)"),
-        (not cfg.sync_bn, "sync_bn=false (the statistics would be this rank's only)"),
-        (not cfg.compile, "compile=false (it runs eagerly or captured in a CUDA graph)"),
-        (not cfg.norm.stats_from_depthwise,
-         "norm.stats_from_depthwise=false (that walk reads the normalized input this one never writes)")])
+    apply_in_depthwise_state(cfg)  # raises ConfigError for true with a blocker, or a value that is not a choice
 
 
 def _check_process_layout(cfg, dist: distributed.DistInfo, device: torch.device) -> None:
@@ -150,7 +137,7 @@ def build_for_run(cfg, device: torch.device, num_classes: int, model: nn.Module 
         with checking_user_input(ValueError):  # an unknown model name or a width out of range
             model = build_model(cfg.model.name, num_classes, cfg.model.width_mult, cfg.backend.name, cfg.model.dropout,
                                 norm=cfg.norm.name, stats_from_depthwise=cfg.norm.stats_from_depthwise,
-                                apply_norm_in_depthwise=cfg.norm.apply_in_depthwise)
+                                apply_norm_in_depthwise=apply_in_depthwise_state(cfg)[0])
     model = model.to(device)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)

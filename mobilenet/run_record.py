@@ -12,7 +12,7 @@ from . import streams
 from .config import enum_value
 from .distributed import DistInfo
 from .meter import Throughput
-from .norm import running_update_label
+from .norm import apply_in_depthwise_state, running_update_label
 
 
 def precision_label(cfg) -> str:
@@ -23,8 +23,9 @@ def norm_label(cfg) -> str:
     label = cfg.norm.name
     if getattr(cfg.norm, "stats_from_depthwise", False):
         label += " (statistics from the depthwise kernel)"
-    if getattr(cfg.norm, "apply_in_depthwise", False):
-        label += " (applied by the depthwise kernel after it, in training)"
+    if cfg.norm.name == "custom":
+        applied, why = apply_in_depthwise_state(cfg)
+        label += f" (applied by the depthwise kernel after it, in training; {why})" if applied else f" ({why})"
     return label
 
 

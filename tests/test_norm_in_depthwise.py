@@ -3,7 +3,8 @@
 as they load it (mobilenet_dw::depthwise_fwd_normed, depthwise_wgrad_normed), run as one pair by
 kernels/norm_depthwise.py and, across MobileNetV1's blocks, by the model.
 
-CPU (CI): the config composes, validate() refuses the switch without what it needs, the model refuses other norms or
+CPU (CI): the config composes (auto by default), validate() refuses true without what it needs, auto is
+off there and says why, the model builder follows the resolved switch, the model refuses other norms or
 backends and the two fusions together, the state_dict is the same with the switch on, a CPU training forward stops
 naming CUDA, and the summary names the switch. GPU (`pytest -m gpu`): the pair against float64 (forward and all four
 gradients, poisoned outputs, odd shapes, a large mean), bitwise the two separate ops where both run the column walks
@@ -24,13 +25,28 @@ from mobilenet.norm import NormUnavailable
 # ---------------------------------------------------------------------------------------------- CPU tests
 
 
-def test_config_default_is_off_and_composes_on():
-    assert compose([]).norm.apply_in_depthwise is False
-    cfg = compose(["backend=custom", "norm=custom", "norm.apply_in_depthwise=true", "channels_last=true"])
-    assert cfg.norm.apply_in_depthwise is True
+def test_config_default_is_auto_and_composes_each_choice():
+    from mobilenet.norm import apply_in_depthwise_state
+
+    assert compose([]).norm.apply_in_depthwise == "auto"
+    pair = ["backend=custom", "norm=custom", "channels_last=true"]
+    assert apply_in_depthwise_state(compose(pair)) == (True, "norm.apply_in_depthwise=auto")
+    assert apply_in_depthwise_state(compose([*pair, "norm.apply_in_depthwise=true"])) == (
+        True, "norm.apply_in_depthwise=true")
+    assert apply_in_depthwise_state(compose([*pair, "norm.apply_in_depthwise=false"])) == (
+        False, "norm.apply_in_depthwise=false")
 
 
-@pytest.mark.parametrize("overrides, missing", [
+def test_an_unknown_value_is_refused_naming_the_choices():
+    from mobilenet.errors import ConfigError
+    from mobilenet.norm import apply_in_depthwise_state
+
+    with pytest.raises(ConfigError, match="norm.apply_in_depthwise='sometimes' is not a choice; choose one of: "
+                                          "auto, true, false"):
+        apply_in_depthwise_state(compose(["norm.apply_in_depthwise=sometimes"]))
+
+
+_BLOCKED = [
     (["backend=cudnn", "norm=custom", "channels_last=true"], "backend=custom"),
     (["backend=custom", "norm=apex", "channels_last=true"], "norm=custom"),
     (["backend=custom", "norm=custom", "channels_last=false"], "channels_last=true"),
@@ -38,14 +54,39 @@ def test_config_default_is_off_and_composes_on():
     (["backend=custom", "norm=custom", "channels_last=true", "compile=true"], "compile=false"),
     (["backend=custom", "norm=custom", "channels_last=true", "norm.stats_from_depthwise=true"],
      "norm.stats_from_depthwise=false"),
-])
-def test_validate_refuses_the_switch_where_it_cannot_run(overrides, missing):
+]
+
+
+@pytest.mark.parametrize("overrides, missing", _BLOCKED)
+def test_validate_refuses_true_where_it_cannot_run(overrides, missing):
     from mobilenet.engine import _check_apply_in_depthwise
     from mobilenet.errors import ConfigError
 
     with pytest.raises(ConfigError, match=f"norm.apply_in_depthwise=true needs .*{missing}"):
         _check_apply_in_depthwise(compose([*overrides, "norm.apply_in_depthwise=true"]))
-    _check_apply_in_depthwise(compose(overrides))  # off: nothing to refuse
+    _check_apply_in_depthwise(compose([*overrides, "norm.apply_in_depthwise=false"]))  # off: nothing to refuse
+
+
+@pytest.mark.parametrize("overrides, missing", _BLOCKED)
+def test_auto_is_off_where_it_cannot_run_and_says_why(overrides, missing):
+    from mobilenet.engine import _check_apply_in_depthwise
+    from mobilenet.norm import apply_in_depthwise_state
+
+    cfg = compose(overrides)
+    _check_apply_in_depthwise(cfg)  # auto refuses nothing
+    applied, why = apply_in_depthwise_state(cfg)
+    assert not applied
+    assert why.startswith("norm.apply_in_depthwise=auto: off, it needs ") and missing in why
+
+
+def test_build_for_run_follows_the_resolved_switch():
+    from mobilenet.engine import build_for_run
+
+    pair = ["backend=custom", "norm=custom", "channels_last=true"]
+    cpu = torch.device("cpu")
+    assert build_for_run(compose(pair), cpu, 10).apply_norm_in_depthwise is True
+    assert build_for_run(compose([*pair, "norm.apply_in_depthwise=false"]), cpu, 10).apply_norm_in_depthwise is False
+    assert build_for_run(compose([*pair[:2], "channels_last=false"]), cpu, 10).apply_norm_in_depthwise is False
 
 
 @pytest.mark.parametrize("backend, norm", [("torch", "custom"), ("custom", "torch"), ("cudnn", "apex")])
@@ -80,9 +121,13 @@ def test_training_forward_on_cpu_stops_naming_cuda():
 def test_summary_names_the_switch():
     from mobilenet.run_record import norm_label
 
-    on = compose(["backend=custom", "norm=custom", "norm.apply_in_depthwise=true"])
-    assert norm_label(on) == "custom (applied by the depthwise kernel after it, in training)"
-    assert norm_label(compose(["norm=custom"])) == "custom"
+    pair = ["backend=custom", "norm=custom", "channels_last=true"]
+    assert norm_label(compose(pair)) == ("custom (applied by the depthwise kernel after it, in training; "
+                                         "norm.apply_in_depthwise=auto)")
+    assert norm_label(compose([*pair, "norm.apply_in_depthwise=false"])) == "custom (norm.apply_in_depthwise=false)"
+    assert norm_label(compose(["norm=custom"])).startswith("custom (norm.apply_in_depthwise=auto: off, it needs "
+                                                           "backend=custom (got torch), channels_last=true")
+    assert norm_label(compose([])) == "torch"
 
 
 # ---------------------------------------------------------------------------------------------- GPU tests
