@@ -125,7 +125,7 @@ def measure(forward, model: torch.nn.Module, cfg, device: torch.device, warmup: 
 
 
 def _path_rows(cfg, device, setup: _Setup) -> dict:
-    rows = config_rows(cfg, device, environment(device))
+    rows = config_rows(cfg, device, environment(device), training=False)
     rows.update(setup.path.rows)
     return rows
 

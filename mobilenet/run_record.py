@@ -19,8 +19,12 @@ def precision_label(cfg) -> str:
     return f"amp {enum_value(cfg.amp_dtype)}" if cfg.amp else "fp32"
 
 
-def norm_label(cfg) -> str:
+def norm_label(cfg, training: bool = True) -> str:
+    """The summary's norm row. The fusions with the depthwise conv are training's (eval mode runs the modules as they
+    are), so an inference summary names the implementation alone."""
     label = cfg.norm.name
+    if not training:
+        return label
     if getattr(cfg.norm, "stats_from_depthwise", False):
         label += " (statistics from the depthwise kernel)"
     if cfg.norm.name == "custom":
@@ -33,11 +37,12 @@ def layout_label(cfg) -> str:
     return "channels_last" if cfg.channels_last else "NCHW"
 
 
-def config_rows(cfg, device: torch.device, env: dict, backend: str | None = None) -> dict[str, Any]:
+def config_rows(cfg, device: torch.device, env: dict, backend: str | None = None,
+                training: bool = True) -> dict[str, Any]:
     """What a summary table says about the combination that ran (training and inference alike)."""
     return {
         "backend": backend or cfg.backend.name,
-        "norm": norm_label(cfg),
+        "norm": norm_label(cfg, training),
         "precision": precision_label(cfg),
         "memory format": layout_label(cfg),
         "compile": cfg.compile,

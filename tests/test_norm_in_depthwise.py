@@ -128,6 +128,7 @@ def test_summary_names_the_switch():
     assert norm_label(compose(["norm=custom"])).startswith("custom (norm.apply_in_depthwise=auto: off, it needs "
                                                            "backend=custom (got torch), channels_last=true")
     assert norm_label(compose([])) == "torch"
+    assert norm_label(compose(pair), training=False) == "custom"  # inference runs the modules as they are
 
 
 # ---------------------------------------------------------------------------------------------- GPU tests
