@@ -5,8 +5,9 @@
 #   [PYTHON=python3] bash scripts/train_ladder.sh [ROUNDS]   # ROUNDS (default 2) alternating rounds of the comparison
 #   bash scripts/train_ladder.sh | tee ladder.md && python scripts/plot_ladder.py ladder.md --out ladder.png
 #
-# Ladder: fp32 NCHW -> AMP fp16 -> channels_last -> custom depthwise -> custom BatchNorm+ReLU -> captured step,
-# each step adding one switch to the one before (the first five eager, cuda_graph=false). Then the comparison the
+# Ladder: fp32 NCHW -> AMP fp16 -> channels_last -> custom depthwise -> custom BatchNorm+ReLU -> BatchNorm+ReLU in
+# the depthwise kernels (norm.apply_in_depthwise) -> captured step, each step adding one switch to the one before
+# (the first six eager, cuda_graph=false). Then the comparison the
 # fused-norm issue asks for, alternating processes: backend=custom norm=custom against backend=cudnn norm=torch
 # (default capture), and backend=custom norm=apex where apex is installed, ROUNDS times; then the bf16 and fp32
 # channels_last rows of norm=custom.
@@ -31,8 +32,11 @@ run "fp32 NCHW" backend=torch amp=false channels_last=false cuda_graph=false
 run "AMP fp16" backend=torch amp=true channels_last=false cuda_graph=false
 run "channels_last" backend=torch amp=true channels_last=true cuda_graph=false
 run "custom depthwise" backend=custom amp=true channels_last=true cuda_graph=false
-run "custom BatchNorm+ReLU" backend=custom norm=custom amp=true channels_last=true cuda_graph=false
-run "captured step" backend=custom norm=custom amp=true channels_last=true cuda_graph=true
+run "custom BatchNorm+ReLU" backend=custom norm=custom norm.apply_in_depthwise=false amp=true channels_last=true \
+  cuda_graph=false
+run "BatchNorm+ReLU in the depthwise kernels" backend=custom norm=custom norm.apply_in_depthwise=true amp=true \
+  channels_last=true cuda_graph=false
+run "captured step" backend=custom norm=custom norm.apply_in_depthwise=true amp=true channels_last=true cuda_graph=true
 # The apex peer (NVIDIA apex's NHWC BatchNorm with fused ReLU) joins the rounds where apex is importable; otherwise
 # its row says so rather than disappearing.
 APEX=0

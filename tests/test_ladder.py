@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mobilenet.bench.ladder import LADDER_STEPS, parse_ladder
+from mobilenet.bench.ladder import LADDER_STEPS, OPTIONAL_STEPS, parse_ladder
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -20,17 +20,26 @@ TABLE = """| step | overrides | train img/s |
 | AMP fp16 | `backend=torch amp=true channels_last=false cuda_graph=false` | 4,711 |
 | channels_last | `backend=torch amp=true channels_last=true cuda_graph=false` | 15,055 |
 | custom depthwise | `backend=custom amp=true channels_last=true cuda_graph=false` | 15,320 |
-| custom BatchNorm+ReLU | `backend=custom norm=custom amp=true channels_last=true cuda_graph=false` | 13,986 |
-| captured step | `backend=custom norm=custom amp=true channels_last=true cuda_graph=true` | 18,703 |
+| custom BatchNorm+ReLU | `backend=custom norm=custom norm.apply_in_depthwise=false amp=true channels_last=true cuda_graph=false` | 13,986 |
+| BatchNorm+ReLU in the depthwise kernels | `backend=custom norm=custom norm.apply_in_depthwise=true amp=true channels_last=true cuda_graph=false` | 14,120 |
+| captured step | `backend=custom norm=custom norm.apply_in_depthwise=true amp=true channels_last=true cuda_graph=true` | 18,703 |
 | round 1: custom + norm=custom | `backend=custom norm=custom amp=true channels_last=true` | 18,687 |
 """
 
 
-def test_the_ladder_table_gives_its_six_steps_in_order():
+def test_the_ladder_table_gives_its_seven_steps_in_order():
     steps = parse_ladder(TABLE)
     assert [s.label for s in steps] == list(LADDER_STEPS)
+    assert [s.img_s for s in steps] == [3549, 4711, 15055, 15320, 13986, 14120, 18703]
+    assert steps[5].overrides == ("backend=custom norm=custom norm.apply_in_depthwise=true amp=true channels_last=true "
+                                  "cuda_graph=false")
+
+
+def test_a_table_from_before_the_norm_in_depthwise_step_still_parses():
+    older = "\n".join(line for line in TABLE.splitlines() if "in the depthwise kernels" not in line)
+    steps = parse_ladder(older)
+    assert [s.label for s in steps] == [s for s in LADDER_STEPS if s not in OPTIONAL_STEPS]
     assert [s.img_s for s in steps] == [3549, 4711, 15055, 15320, 13986, 18703]
-    assert steps[4].overrides == "backend=custom norm=custom amp=true channels_last=true cuda_graph=false"
 
 
 def test_a_missing_or_failed_step_is_a_clear_error():
