@@ -305,10 +305,10 @@ def norm_relu_depthwise(bn: "CustomBatchNormReLU", conv: nn.Module, y: Tensor) -
     if not _uses_batch_stats(bn):
         return conv(bn(y))
     if not y.is_cuda:
-        raise NormUnavailable(f"norm.apply_in_depthwise=true: the depthwise kernels need a CUDA tensor, got one on "
+        raise NormUnavailable(f"norm.apply_in_depthwise is on: the depthwise kernels need a CUDA tensor, got one on "
                               f"{y.device}")
     if torch.is_autocast_enabled("cuda") and y.dtype != torch.get_autocast_dtype("cuda"):
-        raise NormUnavailable(f"norm.apply_in_depthwise=true: under autocast the input must already be in "
+        raise NormUnavailable(f"norm.apply_in_depthwise is on: under autocast the input must already be in "
                               f"{torch.get_autocast_dtype('cuda')} (it is {y.dtype}), since the pair computes in its "
                               "input's dtype")
     _check_batch_size(y)
@@ -316,12 +316,12 @@ def norm_relu_depthwise(bn: "CustomBatchNormReLU", conv: nn.Module, y: Tensor) -
 
     why = normed_unsupported(y, conv.weight, conv.bias, conv.stride, conv.padding)
     if why is not None:
-        raise NormUnavailable(f"norm.apply_in_depthwise=true: this depthwise conv cannot apply the BatchNorm before "
+        raise NormUnavailable(f"norm.apply_in_depthwise is on: this depthwise conv cannot apply the BatchNorm before "
                               f"it ({why}); set norm.apply_in_depthwise=false")
     update = bn.training and bn.track_running_stats
     if update and bn.momentum is None:
-        raise NormUnavailable("norm.apply_in_depthwise=true updates the running statistics with a momentum; this "
-                              "BatchNorm has momentum=None (a cumulative average)")
+        raise NormUnavailable("norm.apply_in_depthwise (on) updates the running statistics with a momentum; this "
+                              "BatchNorm has momentum=None (a cumulative average); set norm.apply_in_depthwise=false")
     running = (bn.running_mean, bn.running_var, bn.num_batches_tracked) if update else (None, None, None)
     return batch_norm_relu_depthwise_conv2d(y, bn.weight, bn.bias, conv.weight, conv.stride, conv.padding, bn.eps,
                                             *running, momentum=bn.momentum if update else None)

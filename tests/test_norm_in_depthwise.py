@@ -114,7 +114,7 @@ def test_training_forward_on_cpu_stops_naming_cuda():
     model = MobileNetV1(num_classes=10, width_mult=0.25, depthwise="custom", norm="custom",
                         apply_norm_in_depthwise=True).to(memory_format=torch.channels_last)
     x = torch.randn(2, 3, 32, 32).contiguous(memory_format=torch.channels_last)
-    with pytest.raises(NormUnavailable, match="apply_in_depthwise=true: the depthwise kernels need a CUDA tensor"):
+    with pytest.raises(NormUnavailable, match="apply_in_depthwise is on: the depthwise kernels need a CUDA tensor"):
         model.train()(x)
 
 
