@@ -77,9 +77,11 @@ class NormConfig:
     # Each BatchNorm + ReLU whose output feeds a depthwise conv (the stem's and the pointwise convs') computes only its
     # statistics in training, and the depthwise kernels (forward and weight gradient) normalize their input as they
     # load it, so relu(batch_norm(y)) is never written (docs/kernels.md). It needs backend=custom norm=custom
-    # channels_last=true sync_bn=false compile=false norm.stats_from_depthwise=false. auto = on wherever it can run
+    # channels_last=true sync_bn=false compile=false norm.stats_from_depthwise=false, under amp an even number of
+    # channels into each depthwise conv (every width_mult of the paper), and fewer than 2^31 elements in each depthwise
+    # input (32-bit indexing). auto = on wherever it can run
     # (measured faster on an H200 in fp16, bf16 and fp32: docs/results/train_norm_h200.md); true = required (an error
-    # where it cannot run); false = off. The summary's norm row says which ran (mobilenet/norm.py
+    # where it cannot run); false = off. The summary's norm row says which ran (mobilenet/model.py
     # apply_in_depthwise_state).
     apply_in_depthwise: str = "auto"
 

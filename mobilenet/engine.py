@@ -27,8 +27,8 @@ from .depthwise import get_backend
 from .errors import ConfigError, checking_user_input
 from .evaluation import evaluate
 from .meter import StepMeter, Throughput
-from .model import build_model
-from .norm import apply_in_depthwise_state, convert_sync_batchnorm, custom_pair_needs, get_norm, sync_bn_state
+from .model import apply_in_depthwise_state, build_model
+from .norm import convert_sync_batchnorm, custom_pair_needs, get_norm, sync_bn_state
 from .optim import build_optimizer, build_scheduler, scheduled_lrs
 from .reporting import TensorBoardLog, environment, print_summary
 from .run_record import RunResult, TrainingRun, run_meta

@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 from .depthwise import DepthwiseConv2d
-from .norm import (check_apply_in_depthwise, check_stats_from_depthwise, depthwise_norm_relu, get_norm,
-                   norm_relu_depthwise)
+from .errors import ConfigError
+from .norm import (check_apply_in_depthwise, check_stats_from_depthwise, custom_pair_needs, depthwise_norm_relu,
+                   get_norm, norm_relu_depthwise)
 
 # (output channels, stride) of the 13 depthwise-separable blocks at width multiplier 1.0 (Table 1).
 BLOCKS: tuple[tuple[int, int], ...] = (
@@ -22,6 +23,60 @@ STEM_CHANNELS = 32
 
 def _scaled(channels: int, width_mult: float) -> int:
     return max(1, int(channels * width_mult))
+
+
+def depthwise_inputs(width_mult: float, resolution: int) -> list[tuple[int, int]]:
+    """(channels, height = width) of the 13 depthwise convs' inputs for a square input of `resolution`: the stem's
+    output, then every block's pointwise output but the last's."""
+    size = (resolution - 1) // 2 + 1  # the stem: 3x3, stride 2, padding 1
+    channels = _scaled(STEM_CHANNELS, width_mult)
+    inputs = []
+    for block_out, stride in BLOCKS:
+        inputs.append((channels, size))
+        size = (size - 1) // stride + 1
+        channels = _scaled(block_out, width_mult)
+    return inputs
+
+
+# --- norm.apply_in_depthwise: which runs apply each BatchNorm + ReLU before a depthwise conv in that conv's kernels --
+
+APPLY_IN_DEPTHWISE_MODES = ("auto", "true", "false")
+
+
+def apply_in_depthwise_state(cfg) -> tuple[bool, str]:
+    """(apply each BatchNorm + ReLU before a depthwise conv in that conv's kernels, the summary's words) for
+    norm.apply_in_depthwise. auto: on wherever it can run; true with a blocker is a ConfigError: nothing is silently
+    left off."""
+    mode = str(cfg.norm.apply_in_depthwise).lower()  # Hydra hands `=true` over as a bool
+    if mode not in APPLY_IN_DEPTHWISE_MODES:
+        raise ConfigError(f"norm.apply_in_depthwise={cfg.norm.apply_in_depthwise!r} is not a choice; choose one of: "
+                          f"{', '.join(APPLY_IN_DEPTHWISE_MODES)}")
+    if mode == "false":
+        return False, "norm.apply_in_depthwise=false"
+    needs = [*custom_pair_needs(cfg),
+             (bool(cfg.channels_last), "channels_last=true (the depthwise kernels that apply it are NHWC)"),
+             (not cfg.sync_bn, "sync_bn=false (the statistics would be this rank's only)"),
+             (not cfg.compile, "compile=false (it runs eagerly or captured in a CUDA graph)"),
+             (not cfg.norm.stats_from_depthwise,
+              "norm.stats_from_depthwise=false (that walk reads the normalized input this one never writes)")]
+    inputs = depthwise_inputs(cfg.model.width_mult, cfg.data.resolution)
+    odd = sorted({c for c, _ in inputs if c % 2})
+    if cfg.amp and odd:  # 16-bit channels come in pairs, one 32-bit word per lane
+        needs.append((False, f"an even number of channels into every depthwise conv under amp (the kernels walk "
+                             f"32-bit words of 16-bit pairs; model.width_mult={cfg.model.width_mult} gives "
+                             f"{', '.join(map(str, odd))})"))
+    largest = max(cfg.data.batch_size * c * h * h for c, h in inputs)
+    if largest >= 2**31:  # the walks index with 32 bits
+        needs.append((False, f"fewer than 2^31 elements in every depthwise conv's input (data.batch_size="
+                             f"{cfg.data.batch_size} at data.resolution={cfg.data.resolution} gives {largest:,})"))
+    missing = [what for ok, what in needs if not ok]
+    if missing and mode == "true":
+        raise ConfigError(f"norm.apply_in_depthwise=true needs {', '.join(missing)}; or set "
+                          "norm.apply_in_depthwise=auto (on where it can run, and the summary says which) or false")
+    if missing:
+        return False, f"norm.apply_in_depthwise=auto: off, it needs {', '.join(missing)}"
+    return True, f"norm.apply_in_depthwise={mode}"
+
 
 
 class ConvBNReLU(nn.Sequential):

@@ -36,8 +36,7 @@ __all__ = [
     "TorchBatchNormReLU", "CustomBatchNormReLU", "ApexBatchNormReLU", "SyncBatchNormReLU", "SyncCustomBatchNormReLU",
     "combine_rank_statistics", "convert_sync_batchnorm", "sync_bn_state", "check_stats_from_depthwise",
     "running_update_label",
-    "depthwise_norm_relu", "check_apply_in_depthwise", "norm_relu_depthwise", "apply_in_depthwise_state",
-    "custom_pair_needs",
+    "depthwise_norm_relu", "check_apply_in_depthwise", "norm_relu_depthwise", "custom_pair_needs",
 ]
 
 APEX_INSTALL = (
@@ -88,34 +87,6 @@ def custom_pair_needs(cfg) -> list[tuple[bool, str]]:
     """(holds, what it needs) for the switches that fuse a depthwise conv with a norm=custom BatchNorm."""
     return [(cfg.backend.name == "custom", f"backend=custom (got {cfg.backend.name})"),
             (cfg.norm.name == "custom", f"norm=custom (got {cfg.norm.name})")]
-
-
-APPLY_IN_DEPTHWISE_MODES = ("auto", "true", "false")
-
-
-def apply_in_depthwise_state(cfg) -> tuple[bool, str]:
-    """(apply each BatchNorm + ReLU before a depthwise conv in that conv's kernels, the summary's words) for
-    norm.apply_in_depthwise. auto: on wherever it can run; true with a blocker is a ConfigError: nothing is silently
-    left off."""
-    mode = str(cfg.norm.apply_in_depthwise).lower()  # Hydra hands `=true` over as a bool
-    if mode not in APPLY_IN_DEPTHWISE_MODES:
-        raise ConfigError(f"norm.apply_in_depthwise={cfg.norm.apply_in_depthwise!r} is not a choice; choose one of: "
-                          f"{', '.join(APPLY_IN_DEPTHWISE_MODES)}")
-    if mode == "false":
-        return False, "norm.apply_in_depthwise=false"
-    needs = [*custom_pair_needs(cfg),
-             (bool(cfg.channels_last), "channels_last=true (the depthwise kernels that apply it are NHWC)"),
-             (not cfg.sync_bn, "sync_bn=false (the statistics would be this rank's only)"),
-             (not cfg.compile, "compile=false (it runs eagerly or captured in a CUDA graph)"),
-             (not cfg.norm.stats_from_depthwise,
-              "norm.stats_from_depthwise=false (that walk reads the normalized input this one never writes)")]
-    missing = [what for ok, what in needs if not ok]
-    if missing and mode == "true":
-        raise ConfigError(f"norm.apply_in_depthwise=true needs {', '.join(missing)}; or set "
-                          "norm.apply_in_depthwise=auto (on where it can run, and the summary says which) or false")
-    if missing:
-        return False, f"norm.apply_in_depthwise=auto: off, it needs {', '.join(missing)}"
-    return True, f"norm.apply_in_depthwise={mode}"
 
 
 @functools.cache

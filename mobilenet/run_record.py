@@ -12,7 +12,8 @@ from . import streams
 from .config import enum_value
 from .distributed import DistInfo
 from .meter import Throughput
-from .norm import apply_in_depthwise_state, running_update_label
+from .model import apply_in_depthwise_state
+from .norm import running_update_label
 
 
 def precision_label(cfg) -> str:

@@ -26,7 +26,7 @@ from mobilenet.norm import NormUnavailable
 
 
 def test_config_default_is_auto_and_composes_each_choice():
-    from mobilenet.norm import apply_in_depthwise_state
+    from mobilenet.model import apply_in_depthwise_state
 
     assert compose([]).norm.apply_in_depthwise == "auto"
     pair = ["backend=custom", "norm=custom", "channels_last=true"]
@@ -39,7 +39,7 @@ def test_config_default_is_auto_and_composes_each_choice():
 
 def test_an_unknown_value_is_refused_naming_the_choices():
     from mobilenet.errors import ConfigError
-    from mobilenet.norm import apply_in_depthwise_state
+    from mobilenet.model import apply_in_depthwise_state
 
     with pytest.raises(ConfigError, match="norm.apply_in_depthwise='sometimes' is not a choice; choose one of: "
                                           "auto, true, false"):
@@ -70,13 +70,37 @@ def test_validate_refuses_true_where_it_cannot_run(overrides, missing):
 @pytest.mark.parametrize("overrides, missing", _BLOCKED)
 def test_auto_is_off_where_it_cannot_run_and_says_why(overrides, missing):
     from mobilenet.engine import _check_apply_in_depthwise
-    from mobilenet.norm import apply_in_depthwise_state
+    from mobilenet.model import apply_in_depthwise_state
 
     cfg = compose(overrides)
     _check_apply_in_depthwise(cfg)  # auto refuses nothing
     applied, why = apply_in_depthwise_state(cfg)
     assert not applied
     assert why.startswith("norm.apply_in_depthwise=auto: off, it needs ") and missing in why
+
+
+def test_odd_channel_counts_under_amp_keep_auto_off_and_refuse_true():
+    from mobilenet.errors import ConfigError
+    from mobilenet.model import apply_in_depthwise_state, depthwise_inputs
+
+    assert depthwise_inputs(1.0, 224) == [(32, 112), (64, 112), (128, 56), (128, 56), (256, 28), (256, 28), (512, 14),
+                                          (512, 14), (512, 14), (512, 14), (512, 14), (512, 14), (1024, 7)]
+    assert depthwise_inputs(0.3, 224)[0] == (9, 112)  # int(32 * 0.3): an odd stem
+    odd = ["backend=custom", "norm=custom", "channels_last=true", "model.width_mult=0.3"]
+    applied, why = apply_in_depthwise_state(compose([*odd, "amp=true"]))
+    assert not applied and "an even number of channels into every depthwise conv under amp" in why and "9" in why
+    with pytest.raises(ConfigError, match="norm.apply_in_depthwise=true needs an even number of channels"):
+        apply_in_depthwise_state(compose([*odd, "amp=true", "norm.apply_in_depthwise=true"]))
+    assert apply_in_depthwise_state(compose(odd))[0]  # fp32: one channel per 32-bit word, any count
+
+
+def test_a_batch_past_32_bit_indexing_keeps_auto_off():
+    from mobilenet.model import apply_in_depthwise_state
+
+    pair = ["backend=custom", "norm=custom", "channels_last=true", "data=synthetic"]
+    assert apply_in_depthwise_state(compose([*pair, "data.batch_size=2048"]))[0]  # 64 x 112 x 112 x 2048 < 2^31
+    applied, why = apply_in_depthwise_state(compose([*pair, "data.batch_size=3000"]))
+    assert not applied and "fewer than 2^31 elements in every depthwise conv's input" in why and "2,408,448,000" in why
 
 
 def test_build_for_run_follows_the_resolved_switch():
