@@ -79,7 +79,7 @@ class NormConfig:
     # load it, so relu(batch_norm(y)) is never written (docs/kernels.md). It needs backend=custom norm=custom
     # channels_last=true sync_bn=false compile=false norm.stats_from_depthwise=false, under amp an even number of
     # channels into each depthwise conv (every width_mult of the paper), and fewer than 2^31 elements in each depthwise
-    # input (32-bit indexing). auto = on wherever it can run
+    # input (32-bit indexing), each at least 2x2 (so not at data=digits' 32 px). auto = on wherever it can run
     # (measured faster on an H200 in fp16, bf16 and fp32: docs/results/train_norm_h200.md); true = required (an error
     # where it cannot run); false = off. The summary's norm row says which ran (mobilenet/model.py
     # apply_in_depthwise_state).

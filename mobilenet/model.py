@@ -40,6 +40,40 @@ def depthwise_inputs(width_mult: float, resolution: int) -> list[tuple[int, int]
 
 # --- norm.apply_in_depthwise: which runs apply each BatchNorm + ReLU before a depthwise conv in that conv's kernels --
 
+_INT_MAX = 2**31 - 1
+
+
+def _depthwise_shape_needs(cfg) -> list[tuple[bool, str]]:
+    """The shapes the normalizing walks refuse (kernels/depthwise_args.py stats_unsupported), for this config's
+    MobileNetV1: each becomes a need, so that auto is off and true refused before the first step instead of a
+    NormUnavailable at it."""
+    inputs = depthwise_inputs(cfg.model.width_mult, cfg.data.resolution)
+    needs = []
+    # An (N, C, 1, 1) or (N, 1, H, W) tensor is contiguous in both layouts and reads as NCHW, which the walks refuse.
+    small = sorted({f"{c}x{h}x{h}" for c, h in inputs if h < 2 or c < 2})
+    if small:
+        needs.append((False, f"every depthwise conv's input at least 2x2 with 2 channels (data.resolution="
+                             f"{cfg.data.resolution} and model.width_mult={cfg.model.width_mult} give "
+                             f"{', '.join(small)}; a 1x1 or one-channel tensor reads as NCHW)"))
+    odd = sorted({c for c, _ in inputs if c % 2})
+    if cfg.amp and odd:  # 16-bit channels come in pairs, one 32-bit word per lane
+        needs.append((False, f"an even number of channels into every depthwise conv under amp (the kernels walk "
+                             f"32-bit words of 16-bit pairs; model.width_mult={cfg.model.width_mult} gives "
+                             f"{', '.join(map(str, odd))})"))
+    largest = max(cfg.data.batch_size * c * h * h for c, h in inputs)
+    if largest >= 2**31:  # the walks index with 32 bits
+        needs.append((False, f"fewer than 2^31 elements in every depthwise conv's input (data.batch_size="
+                             f"{cfg.data.batch_size} at data.resolution={cfg.data.resolution} gives {largest:,})"))
+    # The walks' word offsets within one image (stats_unsupported's last bound, padding 1).
+    word_bytes = 2 if cfg.amp else 4
+    for (c, h), (_, stride) in zip(inputs, BLOCKS):
+        ow = (h - 1) // stride + 1
+        if (h + 3) * (h + 2 * ow + 12) * (c * word_bytes // 4) > _INT_MAX:
+            needs.append((False, f"an image of each depthwise input within 2^31 words (data.resolution="
+                                 f"{cfg.data.resolution} gives {c}x{h}x{h})"))
+            break
+    return needs
+
 APPLY_IN_DEPTHWISE_MODES = ("auto", "true", "false")
 
 
@@ -59,16 +93,7 @@ def apply_in_depthwise_state(cfg) -> tuple[bool, str]:
              (not cfg.compile, "compile=false (it runs eagerly or captured in a CUDA graph)"),
              (not cfg.norm.stats_from_depthwise,
               "norm.stats_from_depthwise=false (that walk reads the normalized input this one never writes)")]
-    inputs = depthwise_inputs(cfg.model.width_mult, cfg.data.resolution)
-    odd = sorted({c for c, _ in inputs if c % 2})
-    if cfg.amp and odd:  # 16-bit channels come in pairs, one 32-bit word per lane
-        needs.append((False, f"an even number of channels into every depthwise conv under amp (the kernels walk "
-                             f"32-bit words of 16-bit pairs; model.width_mult={cfg.model.width_mult} gives "
-                             f"{', '.join(map(str, odd))})"))
-    largest = max(cfg.data.batch_size * c * h * h for c, h in inputs)
-    if largest >= 2**31:  # the walks index with 32 bits
-        needs.append((False, f"fewer than 2^31 elements in every depthwise conv's input (data.batch_size="
-                             f"{cfg.data.batch_size} at data.resolution={cfg.data.resolution} gives {largest:,})"))
+    needs += _depthwise_shape_needs(cfg)
     missing = [what for ok, what in needs if not ok]
     if missing and mode == "true":
         raise ConfigError(f"norm.apply_in_depthwise=true needs {', '.join(missing)}; or set "
@@ -76,7 +101,6 @@ def apply_in_depthwise_state(cfg) -> tuple[bool, str]:
     if missing:
         return False, f"norm.apply_in_depthwise=auto: off, it needs {', '.join(missing)}"
     return True, f"norm.apply_in_depthwise={mode}"
-
 
 
 class ConvBNReLU(nn.Sequential):

@@ -29,7 +29,7 @@ def test_config_default_is_auto_and_composes_each_choice():
     from mobilenet.model import apply_in_depthwise_state
 
     assert compose([]).norm.apply_in_depthwise == "auto"
-    pair = ["backend=custom", "norm=custom", "channels_last=true"]
+    pair = ["backend=custom", "norm=custom", "channels_last=true", "data=synthetic"]
     assert apply_in_depthwise_state(compose(pair)) == (True, "norm.apply_in_depthwise=auto")
     assert apply_in_depthwise_state(compose([*pair, "norm.apply_in_depthwise=true"])) == (
         True, "norm.apply_in_depthwise=true")
@@ -86,12 +86,24 @@ def test_odd_channel_counts_under_amp_keep_auto_off_and_refuse_true():
     assert depthwise_inputs(1.0, 224) == [(32, 112), (64, 112), (128, 56), (128, 56), (256, 28), (256, 28), (512, 14),
                                           (512, 14), (512, 14), (512, 14), (512, 14), (512, 14), (1024, 7)]
     assert depthwise_inputs(0.3, 224)[0] == (9, 112)  # int(32 * 0.3): an odd stem
-    odd = ["backend=custom", "norm=custom", "channels_last=true", "model.width_mult=0.3"]
+    odd = ["backend=custom", "norm=custom", "channels_last=true", "data=synthetic", "model.width_mult=0.3"]
     applied, why = apply_in_depthwise_state(compose([*odd, "amp=true"]))
-    assert not applied and "an even number of channels into every depthwise conv under amp" in why and "9" in why
+    assert not applied and "an even number of channels into every depthwise conv under amp" in why
+    assert "model.width_mult=0.3 gives 9, 19, 153, 307)" in why  # 307: int(1024 * 0.3), the last input
     with pytest.raises(ConfigError, match="norm.apply_in_depthwise=true needs an even number of channels"):
         apply_in_depthwise_state(compose([*odd, "amp=true", "norm.apply_in_depthwise=true"]))
     assert apply_in_depthwise_state(compose(odd))[0]  # fp32: one channel per 32-bit word, any count
+
+
+def test_a_one_by_one_depthwise_input_keeps_auto_off():
+    """At 32 px (data=digits) the last depthwise input is 1x1, contiguous in both layouts, so it reads as NCHW."""
+    from mobilenet.model import apply_in_depthwise_state, depthwise_inputs
+
+    assert depthwise_inputs(1.0, 32)[-1] == (1024, 1) and depthwise_inputs(1.0, 64)[-1] == (1024, 2)
+    digits = ["backend=custom", "norm=custom", "channels_last=true"]
+    applied, why = apply_in_depthwise_state(compose(digits))
+    assert not applied and "every depthwise conv's input at least 2x2 with 2 channels" in why and "1024x1x1" in why
+    assert apply_in_depthwise_state(compose([*digits, "data.resolution=64"]))[0]
 
 
 def test_a_batch_past_32_bit_indexing_keeps_auto_off():
@@ -106,7 +118,7 @@ def test_a_batch_past_32_bit_indexing_keeps_auto_off():
 def test_build_for_run_follows_the_resolved_switch():
     from mobilenet.engine import build_for_run
 
-    pair = ["backend=custom", "norm=custom", "channels_last=true"]
+    pair = ["backend=custom", "norm=custom", "channels_last=true", "data=synthetic"]
     cpu = torch.device("cpu")
     assert build_for_run(compose(pair), cpu, 10).apply_norm_in_depthwise is True
     assert build_for_run(compose([*pair, "norm.apply_in_depthwise=false"]), cpu, 10).apply_norm_in_depthwise is False
@@ -145,7 +157,7 @@ def test_training_forward_on_cpu_stops_naming_cuda():
 def test_summary_names_the_switch():
     from mobilenet.run_record import norm_label
 
-    pair = ["backend=custom", "norm=custom", "channels_last=true"]
+    pair = ["backend=custom", "norm=custom", "channels_last=true", "data=synthetic"]
     assert norm_label(compose(pair)) == ("custom (applied by the depthwise kernel after it, in training; "
                                          "norm.apply_in_depthwise=auto)")
     assert norm_label(compose([*pair, "norm.apply_in_depthwise=false"])) == "custom (norm.apply_in_depthwise=false)"
