@@ -58,7 +58,9 @@ def config_rows(cfg, device: torch.device, env: dict, backend: str | None = None
 def run_meta(cfg, env: dict, mode: str) -> dict[str, Any]:
     """The facts of a run that reports and traces carry."""
     return {
-        **env, "mode": mode, "backend": cfg.backend.name, "norm": cfg.norm.name, "fold_bn": cfg.fold_bn,
+        # norm as the summary names it: a training profile says whether the depthwise kernels applied the BatchNorm
+        **env, "mode": mode, "backend": cfg.backend.name, "norm": norm_label(cfg, training=mode == "train"),
+        "fold_bn": cfg.fold_bn,
         "precision": precision_label(cfg),
         "memory_format": layout_label(cfg),
         "batch_size": cfg.data.batch_size, "resolution": cfg.data.resolution, "compile": cfg.compile,

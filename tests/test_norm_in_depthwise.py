@@ -167,6 +167,15 @@ def test_summary_names_the_switch():
     assert norm_label(compose(pair), training=False) == "custom"  # inference runs the modules as they are
 
 
+def test_a_training_profile_names_the_switch_and_an_inference_one_the_norm():
+    from mobilenet.run_record import run_meta
+
+    cfg = compose(["backend=custom", "norm=custom", "channels_last=true", "data=synthetic"])
+    assert run_meta(cfg, {}, "train")["norm"] == ("custom (applied by the depthwise kernel after it, in training; "
+                                                  "norm.apply_in_depthwise=auto)")
+    assert run_meta(cfg, {}, "infer")["norm"] == "custom"
+
+
 # ---------------------------------------------------------------------------------------------- GPU tests
 
 gpu = pytest.mark.gpu
