@@ -34,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as `python scripts/bench_inference.py`
 
+from mobilenet.bench.timing import events_elapsed_s  # noqa: E402
 from mobilenet.config import compose  # noqa: E402
 from mobilenet.engine import build_for_run  # noqa: E402
 from mobilenet.inference import build_path  # noqa: E402
@@ -124,16 +125,6 @@ def build_variants(args) -> list[Variant]:
     return out
 
 
-def _time_s(run: Callable[[], object], steps: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(steps):
-        run()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3
-
-
 def measure(variants: list[Variant], rounds: int, steps: int, batch: int) -> dict[int, list[float]]:
     img_s: dict[int, list[float]] = {i: [] for i in range(len(variants))}
     with torch.inference_mode():
@@ -146,7 +137,7 @@ def measure(variants: list[Variant], rounds: int, steps: int, batch: int) -> dic
             for i in order if rnd % 2 == 0 else reversed(order):
                 for _ in range(5):
                     variants[i].run()
-                img_s[i].append(steps * batch / _time_s(variants[i].run, steps))
+                img_s[i].append(steps * batch / events_elapsed_s(variants[i].run, steps))
     return img_s
 
 

@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as `python scripts/inference_ab.py`
 
+from mobilenet.bench.timing import events_elapsed_s  # noqa: E402
 from mobilenet.model import build_model  # noqa: E402
 
 AMP = {"off": None, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -39,12 +40,7 @@ def _choices(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
 def _elapsed_s(run, device: torch.device) -> float:
     """Seconds `run()` takes on the device: CUDA events on a GPU, the host clock after a sync elsewhere."""
     if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
+        return events_elapsed_s(run)
     t0 = time.perf_counter()
     run()
     return time.perf_counter() - t0

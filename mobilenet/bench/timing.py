@@ -1,5 +1,6 @@
 """GPU timing shared by the kernel benchmarks (scripts/bench_depthwise.py, scripts/bench_norm.py): the copy
-bandwidth that defines their HBM floor, and a step timed from CUDA-graph replays with CUDA events."""
+bandwidth that defines their HBM floor, a step timed from CUDA-graph replays with CUDA events, and back-to-back calls
+timed between two CUDA events (the A/B scripts)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,19 @@ import statistics
 
 import torch
 
-__all__ = ["device_copy_bandwidth", "time_case"]
+__all__ = ["device_copy_bandwidth", "time_case", "events_elapsed_s"]
+
+
+def events_elapsed_s(run, calls: int = 1) -> float:
+    """Seconds the GPU takes for `calls` back-to-back calls of run(), between CUDA events recorded before the first
+    and after the last (the host then waits for the second)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 def device_copy_bandwidth() -> float:

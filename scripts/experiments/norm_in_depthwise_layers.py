@@ -20,6 +20,8 @@ import statistics
 
 import torch
 
+from mobilenet.bench.timing import events_elapsed_s
+
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # (channels, input size, stride) of the 13 depthwise layers at width 1.0, input 224 (Howard et al. 2017, Table 1)
 LAYERS = [(32, 112, 1), (64, 112, 2), (128, 56, 1), (128, 56, 2), (256, 28, 1), (256, 28, 2), (512, 14, 1),
@@ -27,13 +29,8 @@ LAYERS = [(32, 112, 1), (64, 112, 2), (128, 56, 1), (128, 56, 2), (256, 28, 1), 
 
 
 def _time(fn, iters: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000.0 / iters
+    """Microseconds per call of fn, over `iters` back-to-back calls."""
+    return events_elapsed_s(fn, iters) * 1e6 / iters
 
 
 def main() -> None:
