@@ -9,7 +9,7 @@ import torch
 
 from .conv_arith import conv_out_size
 
-__all__ = ["check_supported", "out_shape", "stats_unsupported", "stats_bands"]
+__all__ = ["check_supported", "out_shape", "stats_unsupported", "stats_bands", "column_walk_offsets_fit"]
 
 
 def out_shape(x_shape: Sequence[int], w_shape: Sequence[int], stride: Sequence[int], padding: Sequence[int],
@@ -68,6 +68,12 @@ _STATS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INT_MAX = 2**31 - 1
 
 
+def column_walk_offsets_fit(h: int, w: int, ow: int, pad_h: int, c: int, elem: int) -> bool:
+    """Whether the word offsets a 3x3 column walk forms within one image of an (h, w) input, output width ow, top
+    padding pad_h and c channels of elem bytes fit an int (column_fits in csrc/depthwise_dispatch.cpp)."""
+    return (h + pad_h + 2) * (w + 2 * ow + 12) * (c * elem // 4) <= _INT_MAX
+
+
 def _compute_dtype(x) -> torch.dtype:
     """The dtype the op computes in: under CUDA autocast, the autocast dtype (its autocast kernel casts x)."""
     if torch.is_autocast_enabled("cuda") and x.dtype in _STATS_DTYPES:
@@ -105,7 +111,7 @@ def stats_unsupported(x, weight, bias, stride, padding, dilation) -> str | None:
         return f"{c} channels of {dtype} are not whole 32-bit words (or the input is not 4-byte aligned)"
     _, _, oh, ow = out_shape(x.shape, weight.shape, stride, padding, dilation)
     if (c > 65535 or max(padding) > 2**20 or n * c * h * w >= 2**31 or n * c * oh * ow >= 2**31
-            or (h + padding[0] + 2) * (w + 2 * ow + 12) * (c * elem // 4) > _INT_MAX):
+            or not column_walk_offsets_fit(h, w, ow, padding[0], c, elem)):
         return f"input {tuple(x.shape)} is beyond the column walk's 32-bit index range"
     return None
 

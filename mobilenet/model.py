@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.depthwise_args import column_walk_offsets_fit
+
 from .depthwise import DepthwiseConv2d
 from .errors import ConfigError
 from .norm import (check_apply_in_depthwise, check_stats_from_depthwise, custom_pair_needs, depthwise_norm_relu,
@@ -40,9 +42,6 @@ def depthwise_inputs(width_mult: float, resolution: int) -> list[tuple[int, int]
 
 # --- norm.apply_in_depthwise: which runs apply each BatchNorm + ReLU before a depthwise conv in that conv's kernels --
 
-_INT_MAX = 2**31 - 1
-
-
 def _depthwise_shape_needs(cfg) -> list[tuple[bool, str]]:
     """The shapes the normalizing walks refuse (kernels/depthwise_args.py stats_unsupported), for this config's
     MobileNetV1: each becomes a need, so that auto is off and true refused before the first step instead of a
@@ -64,11 +63,9 @@ def _depthwise_shape_needs(cfg) -> list[tuple[bool, str]]:
     if largest >= 2**31:  # the walks index with 32 bits
         needs.append((False, f"fewer than 2^31 elements in every depthwise conv's input (data.batch_size="
                              f"{cfg.data.batch_size} at data.resolution={cfg.data.resolution} gives {largest:,})"))
-    # The walks' word offsets within one image (stats_unsupported's last bound, padding 1).
-    word_bytes = 2 if cfg.amp else 4
+    elem = 2 if cfg.amp else 4
     for (c, h), (_, stride) in zip(inputs, BLOCKS):
-        ow = (h - 1) // stride + 1
-        if (h + 3) * (h + 2 * ow + 12) * (c * word_bytes // 4) > _INT_MAX:
+        if not column_walk_offsets_fit(h, h, (h - 1) // stride + 1, 1, c, elem):
             needs.append((False, f"an image of each depthwise input within 2^31 words (data.resolution="
                                  f"{cfg.data.resolution} gives {c}x{h}x{h})"))
             break
