@@ -61,14 +61,16 @@ bool input_grad_column_k57_fits(const ConvShape& s, DType dt, const void* grad_o
          column_k57_fits(input_grad_as_forward(s), dt, grad_out, grad_input);
 }
 
-enum class WgradTechnique { kColumn, kTiled, kGeneric };
+enum class WgradTechnique { kColumn, kColumnK57, kTiled, kGeneric };
 
 // Weight gradient: the technique both the workspace size and the launch follow.
 //   NHWC 3x3 s1/s2, whole 32-bit words of channels, WGRAD_COLUMN on     column walk
+//   NHWC 5x5/7x7 s1/s2, whole 32-bit words, WGRAD_COLUMN_K57 on          column walk, a kernel row per lane
 //   3/5/7 square, s1/s2, dilation 1, 16/32-bit (NHWC: C % WgradVec)     tiled
 //   anything else                                                        generic
 WgradTechnique weight_grad_technique(const ConvShape& s, DType dt, const void* go, const void* x) {
   if (knob(Knob::kWgradColumn, dt) != 0 && column_fits(s, dt, go, x)) return WgradTechnique::kColumn;
+  if (knob(Knob::kWgradColumnK57, dt) != 0 && column_k57_fits(s, dt, go, x)) return WgradTechnique::kColumnK57;
   if (tiled_fits(s, dt, go, x, wgrad_vec(s.KH))) return WgradTechnique::kTiled;
   return WgradTechnique::kGeneric;
 }
@@ -205,6 +207,7 @@ size_t wgrad_workspace_elems(const DepthwiseShape& g, DType dt, const void* go, 
   long long chunks = 0;
   switch (tech) {
     case WgradTechnique::kColumn: chunks = weight_grad_column_chunks(s, dt); break;
+    case WgradTechnique::kColumnK57: chunks = weight_grad_column_k57_chunks(s, dt); break;
     case WgradTechnique::kTiled: chunks = weight_grad_tiled_chunks(s, dt); break;
     case WgradTechnique::kGeneric: chunks = weight_grad_generic_chunks(g); break;
   }
@@ -218,6 +221,7 @@ void launch_wgrad(const DepthwiseShape& g, DType dt, const void* go, const void*
   int chunks = 0;
   switch (tech) {
     case WgradTechnique::kColumn: chunks = weight_grad_column(s, dt, go, x, ws, stream); break;
+    case WgradTechnique::kColumnK57: chunks = weight_grad_column_k57(s, dt, go, x, ws, stream); break;
     case WgradTechnique::kTiled: chunks = weight_grad_tiled(s, dt, go, x, ws, stream); break;
     case WgradTechnique::kGeneric: return weight_grad_generic(g, dt, go, x, ws, gw, gb, stream);
   }

@@ -1,10 +1,13 @@
-// The 5x5/7x7 walks, each behind a launch knob that is off until measured (launch_plan.h):
+// The 5x5/7x7 walks, each behind a launch knob (launch_plan.h) whose default the H200 suites picked:
 //   NHWC forward and stride-1 input gradient (FWD_COLUMN_K57): stencil_column_k57.cuh's column walk
 //   NCHW forward (NCHW_COLUMN_K57): the same walk turned by 90 degrees, below
+//   NHWC weight gradient (WGRAD_COLUMN_K57): a column walk with the kernel rows split over lanes, below
 // In a file of their own so that the pass files are compiled from unchanged source and keep the machine code that
 // was measured (builds here are not always bit-identical anyway: the same depthwise_input_grad.cu gave one tiled
 // kernel two register allocations in two builds).
 #include <c10/cuda/CUDAException.h>
+
+#include <type_traits>
 
 #include "depthwise_launchers.h"
 #include "device_common.h"
@@ -117,26 +120,206 @@ void launch_nchw_column_k(const ConvShape& s, const void* x, const void* w, cons
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The dtype x K x stride switch; the dispatch has checked the case (NCHW, 5x5/7x7, s1/s2, dilation 1, 16/32-bit).
-void nchw_column_k57(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
-                     cudaStream_t stream) {
-  auto run = [&](auto tt) {
-    using TT = decltype(tt);
+// f(TT{}, K, S) with K and S as std::integral_constant, for the walks' cases: 16/32-bit data (the dispatch's tests
+// exclude fp64), square 5x5 or 7x7, equal strides 1 or 2.
+template <class F>
+void dispatch_k57(const ConvShape& s, DType dt, F&& f) {
+  auto by_shape = [&](auto tt) {
+    using I5 = std::integral_constant<int, 5>;
+    using I7 = std::integral_constant<int, 7>;
+    using S1 = std::integral_constant<int, 1>;
+    using S2 = std::integral_constant<int, 2>;
     if (s.KH == 5) {
-      (s.SH == 1 ? launch_nchw_column_k<TT, 5, 1> : launch_nchw_column_k<TT, 5, 2>)(s, x, w, bias, y, stream);
+      s.SH == 1 ? f(tt, I5{}, S1{}) : f(tt, I5{}, S2{});
     } else {
-      (s.SH == 1 ? launch_nchw_column_k<TT, 7, 1> : launch_nchw_column_k<TT, 7, 2>)(s, x, w, bias, y, stream);
+      s.SH == 1 ? f(tt, I7{}, S1{}) : f(tt, I7{}, S2{});
     }
   };
   switch (dt) {
-    case DType::F32: return run(F32T{});
-    case DType::F16: return run(F16T{});
-    case DType::BF16: return run(BF16T{});
-    default: return;  // the dispatch's tiled test excludes fp64
+    case DType::F32: return by_shape(F32T{});
+    case DType::F16: return by_shape(F16T{});
+    case DType::BF16: return by_shape(BF16T{});
+    default: return;
   }
 }
 
+// ---- NHWC 5x5/7x7 weight gradient: the column walk with the kernel rows split over lanes ----
+//
+// The 3x3 weight-gradient walk gives a lane one output row and all K * K * V taps; at 7x7 that is 98 fp32
+// accumulators for 16-bit data, too many (the tiled kernel instead takes V = 1 channel per lane, 2-byte loads, and
+// loads every input element about 28 times). Here a lane owns one 32-bit word of channels, one output row (n, oh)
+// and one kernel row kh, and walks t = 0, 1, ... along the row: step t loads grad_out column t and the S input
+// columns t * S - PW + d of input row oh * S - PH + kh, and adds input column d into the taps kw = j * S + d of the
+// NH = (K - 1) / S + 1 grad_out columns t - j it reaches, kept widened in a ring. So a lane holds K + 1 (bias) x V
+// accumulators and NH x V grad_out values, and each grad_out and input word it needs is loaded once; the K lanes of
+// one output row read the same grad_out word together (L1), and a row's input rows are the next row's but one.
+// Groups of U = NH steps issue their loads before their FMAs, and the ring slot of step t is t % NH, a constant
+// in each unrolled group. Lanes: lane = cw + lanes_c * (kh + K * ry); a block takes sy_n rows at a time and walks a
+// contiguous run of bands of them (its chunk); lanes of the same (cw, kh) are summed in row order at the end.
+template <int K, int S>
+struct WgradColumnK57 {
+  static constexpr int kHeld = (K - 1) / S + 1;  // grad_out columns an input column reaches
+};
+
+struct WgradK57Plan {
+  Tiling tiling;         // lanes_c words, sy_n rows, groups of words; tiles_h = bands of sy_n rows
+  int chunks;            // blocks per channel group, each a contiguous run of bands
+  int bands_per_chunk;
+};
+
+// 64 registers (4 blocks of 256 lanes per SM), which no instantiation needs more than.
+template <class TT, int K, int S>
+__global__ void __launch_bounds__(256, 4)
+    wgrad_nhwc_column_k_kernel(const uint32_t* __restrict__ go, const uint32_t* __restrict__ x, float* __restrict__ ws,
+                               ConvShape s, Tiling t, int bands_per_chunk) {
+  constexpr int V = 4 / sizeof(typename TT::S);  // channels per 32-bit word
+  constexpr int NH = WgradColumnK57<K, S>::kHeld;
+  constexpr int U = NH;
+  constexpr int E = (K + 1) * V;  // a lane's partials: K taps and the bias, V channels each
+  extern __shared__ float red[];  // [block lanes][E]
+
+  const int lane = threadIdx.x;
+  const int cl = lane % t.lanes_c;
+  const int kh = (lane / t.lanes_c) % K;
+  const int ry = lane / (t.lanes_c * K);
+  const int group = blockIdx.x % t.groups;
+  const int chunk = blockIdx.x / t.groups;
+  const int words = s.C / V;
+  const int cw = group * t.lanes_c + cl;
+  const bool active = lane < t.threads && cw < words;
+  const int rows = s.N * s.OH;
+  // The last step with an input column inside the image, and the last grad_out column: every step up to the later
+  // of the two is walked (past the first, steps only add grad_out to the bias).
+  const int t_image = (s.W - 1 + s.PW) / S;
+  const int t_used = t_image < s.OW - 1 + NH - 1 ? t_image : s.OW - 1 + NH - 1;
+  const int t_last = t_used > s.OW - 1 ? t_used : s.OW - 1;
+
+  float acc[K + 1][V];
+  fill(acc, 0.f);
+  if (active) {
+    const int band_end = (chunk + 1) * bands_per_chunk < t.tiles_h ? (chunk + 1) * bands_per_chunk : t.tiles_h;
+    for (int band = chunk * bands_per_chunk; band < band_end; ++band) {
+      const int r = band * t.sy_n + ry;
+      if (r >= rows) break;
+      const int n = r / s.OH, oh = r - n * s.OH;
+      const int ih = oh * S - s.PH + kh;
+      const bool row_in = ih >= 0 && ih < s.H;
+      const uint32_t* gp = go + static_cast<size_t>(r) * s.OW * words + cw;
+      const uint32_t* xp = x + (static_cast<size_t>(n) * s.H + (row_in ? ih : 0)) * s.W * words + cw;
+      // Opaque to the compiler, as in the 3x3 walk: otherwise it rebuilds the addresses at every load.
+      asm("" : "+l"(gp));
+      asm("" : "+l"(xp));
+      float ring[NH][V];
+      fill(ring, 0.f);
+      for (int t0 = 0; t0 <= t_last; t0 += U) {
+        uint32_t graw[U], xraw[U][S];
+        const bool inside = row_in && t0 * S - s.PW >= 0 && (t0 + U) * S - s.PW <= s.W && t0 + U <= s.OW;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int step = t0 + u;
+          graw[u] = (inside || step < s.OW) ? __ldg(gp + step * words) : 0u;
+#pragma unroll
+          for (int d = 0; d < S; ++d) {
+            const int iw = step * S - s.PW + d;
+            xraw[u][d] = (inside || (row_in && static_cast<unsigned>(iw) < static_cast<unsigned>(s.W)))
+                             ? __ldg(xp + iw * words)
+                             : 0u;
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          widen_word<TT, V>(graw[u], ring[u]);
+#pragma unroll
+          for (int v = 0; v < V; ++v) acc[K][v] += ring[u][v];
+#pragma unroll
+          for (int d = 0; d < S; ++d) {
+            float xv[V];
+            widen_word<TT, V>(xraw[u][d], xv);
+#pragma unroll
+            for (int j = 0; j < NH; ++j) {
+              const int kw = j * S + d;
+              if (kw >= K) continue;
+              const int slot = (u - j + NH) % NH;  // grad_out column step - j
+#pragma unroll
+              for (int v = 0; v < V; ++v) acc[kw][v] = fmaf(ring[slot][v], xv[v], acc[kw][v]);
+            }
+          }
+        }
+      }
+    }
+  }
+
+  // Every lane (inactive ones with zeros) writes its partials; then lanes (cw, kh) are summed over ry in order.
+  const int block_lanes = blockDim.x;
+#pragma unroll
+  for (int k = 0; k <= K; ++k)
+#pragma unroll
+    for (int v = 0; v < V; ++v) red[lane * E + k * V + v] = acc[k][v];
+  __syncthreads();
+  const int per_row = t.lanes_c * K;
+  for (int idx = lane; idx < per_row * E; idx += block_lanes) {
+    const int l = idx / E, e = idx - l * E;
+    const int ocw = group * t.lanes_c + l % t.lanes_c, okh = l / t.lanes_c;
+    const int kw = e / V, c = ocw * V + e % V;
+    if (ocw >= words || (kw == K && okh != 0)) continue;  // the bias: one copy, from the kh = 0 lanes
+    float sum = 0.f;
+    for (int y = 0; y < t.sy_n; ++y) sum += red[(l + per_row * y) * E + e];
+    ws[(static_cast<size_t>(chunk) * s.C + c) * (K * K + 1) + (kw == K ? K * K : okh * K + kw)] = sum;
+  }
+}
+
+// Lanes: the words of a pixel over ceil(words / 32) groups of at most 32, times K kernel rows, times as many rows as
+// fit 256 lanes. Blocks: about WGRAD_K57_BLOCKS_PER_SM per SM (resident at once: one wave), each a contiguous run of
+// bands, so that consecutive rows, which share K - S of their input rows, run on one SM one after the other.
+WgradK57Plan plan_wgrad_column_k57(const ConvShape& s, DType dt) {
+  WgradK57Plan p{};
+  const int words = s.C * elem_size(dt) / 4;
+  const int rows = s.N * s.OH;
+  Tiling& t = p.tiling;
+  t.groups = ceil_div(words, 32);
+  t.lanes_c = ceil_div(words, t.groups);
+  const int per_row = t.lanes_c * s.KH;
+  t.sy_n = 256 / per_row < rows ? 256 / per_row : rows;
+  if (t.sy_n < 1) t.sy_n = 1;
+  t.tiles_h = ceil_div(rows, t.sy_n);
+  t.sx_n = 1;
+  t.tiles_w = 1;
+  t.threads = per_row * t.sy_n;
+  t.block = ceil_div(t.threads, 32) * 32;
+  const int target_blocks = num_sms() * knob(Knob::kWgradK57BlocksPerSm, dt);
+  int chunks = ceil_div(target_blocks, t.groups);
+  if (chunks > t.tiles_h) chunks = t.tiles_h;
+  if (chunks < 1) chunks = 1;
+  p.bands_per_chunk = ceil_div(t.tiles_h, chunks);
+  p.chunks = ceil_div(t.tiles_h, p.bands_per_chunk);  // no empty chunk
+  return p;
+}
+
+template <class TT, int K, int S>
+void launch_wgrad_column_k(const ConvShape& s, const WgradK57Plan& p, const void* go, const void* x, void* ws,
+                           cudaStream_t stream) {
+  constexpr int V = 4 / sizeof(typename TT::S);
+  const Tiling& t = p.tiling;
+  const size_t smem = sizeof(float) * t.block * (K + 1) * V;
+  const dim3 grid(t.groups * p.chunks);
+  wgrad_nhwc_column_k_kernel<TT, K, S><<<grid, t.block, smem, stream>>>(
+      static_cast<const uint32_t*>(go), static_cast<const uint32_t*>(x), static_cast<float*>(ws), s, t,
+      p.bands_per_chunk);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
+
+int weight_grad_column_k57_chunks(const ConvShape& s, DType dt) { return plan_wgrad_column_k57(s, dt).chunks; }
+
+int weight_grad_column_k57(const ConvShape& s, DType dt, const void* go, const void* x, void* ws,
+                           cudaStream_t stream) {
+  const WgradK57Plan p = plan_wgrad_column_k57(s, dt);
+  dispatch_k57(s, dt, [&](auto tt, auto k, auto st) {
+    launch_wgrad_column_k<decltype(tt), decltype(k)::value, decltype(st)::value>(s, p, go, x, ws, stream);
+  });
+  return p.chunks;
+}
 
 void forward_nhwc_column_k57(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                              cudaStream_t stream) {
@@ -149,9 +332,12 @@ void input_grad_nhwc_column_k57(const ConvShape& s, DType dt, const void* go, co
   column_k57<true>(input_grad_as_forward(s), dt, go, w, nullptr, gx, stream);
 }
 
+// The dispatch has checked the case (NCHW, 5x5/7x7, s1/s2, dilation 1, 16/32-bit).
 void forward_nchw_column_k57(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                              cudaStream_t stream) {
-  nchw_column_k57(s, dt, x, w, bias, y, stream);
+  dispatch_k57(s, dt, [&](auto tt, auto k, auto st) {
+    launch_nchw_column_k<decltype(tt), decltype(k)::value, decltype(st)::value>(s, x, w, bias, y, stream);
+  });
 }
 
 }  // namespace mdw

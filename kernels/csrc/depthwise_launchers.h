@@ -68,6 +68,10 @@ int weight_grad_column(const ConvShape& s, DType dt, const void* grad_out, const
 int weight_grad_column_normed_chunks(const ConvShape& s, DType dt);
 int weight_grad_column_normed(const ConvShape& s, DType dt, const void* grad_out, const void* y, const InputNorm& norm,
                               void* ws, cudaStream_t stream);
+// NHWC 5x5 or 7x7, stride 1 or 2, whole 32-bit words of channels: a lane walks one output row for one kernel row.
+int weight_grad_column_k57_chunks(const ConvShape& s, DType dt);
+int weight_grad_column_k57(const ConvShape& s, DType dt, const void* grad_out, const void* x, void* ws,
+                           cudaStream_t stream);
 // 3/5/7 square, stride 1 or 2, dilation 1, 16/32-bit, either layout: register tiles of a few columns per lane.
 int weight_grad_tiled_chunks(const ConvShape& s, DType dt);
 int weight_grad_tiled(const ConvShape& s, DType dt, const void* grad_out, const void* x, void* ws,

@@ -39,7 +39,8 @@ void reload_knobs() {
 int knob(Knob k, DType dt) {
   static const char* names[kKnobs] = {"GROUP_FASTEST", "IMAGES", "WGRAD_BLOCKS_PER_SM", "NCHW_ROWS", "WGRAD_COLUMN",
                                       "FWD_COLUMN",    "FWD_COLUMN_ROWS", "COLUMN_REVERSE", "FWD_COLUMN_DEEP",
-                                      "FWD_COLUMN_K57", "NCHW_COLUMN_K57"};
+                                      "FWD_COLUMN_K57", "NCHW_COLUMN_K57", "WGRAD_COLUMN_K57",
+                                      "WGRAD_K57_BLOCKS_PER_SM"};
   static const char* suffix[] = {"F32", "F16", "BF16", "F64"};
   static int cache[kKnobs][4];
   const int ki = static_cast<int>(k), di = static_cast<int>(dt);
@@ -57,6 +58,8 @@ int knob(Knob k, DType dt) {
         {0, 0, 0, 0},     // FWD_COLUMN_DEEP (16-bit stride-1 column forward: more steps in flight, see depthwise_forward.cu)
         {-1, -1, -1, 0},  // FWD_COLUMN_K57 (NHWC 5x5/7x7 column walk; 2: also the stride-1 input gradient; -1: by shape)
         {-1, -1, -1, 0},  // NCHW_COLUMN_K57 (NCHW 5x5/7x7 forward down the columns; -1: by shape; fp64 not measured)
+        {1, 1, 1, 0},     // WGRAD_COLUMN_K57 (NHWC 5x5/7x7 weight gradient: column walk, kernel rows over lanes)
+        {4, 4, 4, 4},     // WGRAD_K57_BLOCKS_PER_SM (that walk's grid)
     };
     const std::string base = std::string("MDW_") + names[ki];
     int v = env_int(base.c_str(), defaults[ki][di]);
