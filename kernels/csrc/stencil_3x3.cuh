@@ -260,11 +260,7 @@ __global__ void __launch_bounds__(256, MINB)
   const int words = s.C / V;
   const int group = blockIdx.x % t.groups;
   __shared__ __align__(4) typename TT::S w_s[KK * 32 * V];  // lanes_c <= 32 words (column_tiling)
-  if (t.staged) {
-    const int c_base = group * t.lanes_c * V;
-    const int n = s.C - c_base < t.lanes_c * V ? s.C - c_base : t.lanes_c * V;
-    stage_weight_words<KK, FLIP>(w, c_base, n, t.lanes_c * V, w_s);
-  }
+  if (t.staged) stage_weight_words<KK, FLIP>(w, s.C, group * t.lanes_c * V, t.lanes_c * V, w_s);
   if (!STATS && lane >= t.threads) return;
   const NhwcLane ln = nhwc_lane(lane, t);
   const int cw_own = group * t.lanes_c + ln.cv;
