@@ -182,10 +182,9 @@ def test_mobilenet_shapes(dw, dtype, layout):
 @cuda
 @pytest.mark.parametrize("knobs", ["MDW_FWD_COLUMN_ROWS=1", "MDW_FWD_COLUMN_ROWS=2", "MDW_FWD_COLUMN_DEEP=1",
                                    "MDW_FWD_COLUMN_DEEP=1 MDW_FWD_COLUMN_ROWS=1", "MDW_COLUMN_REVERSE=0",
-                                   "MDW_FWD_COLUMN=1", "MDW_FWD_COLUMN=0 MDW_WGRAD_COLUMN=0",
-                                   "MDW_COLUMN_STAGED_WEIGHTS=0"])
+                                   "MDW_FWD_COLUMN=1", "MDW_FWD_COLUMN=0 MDW_WGRAD_COLUMN=0"])
 def test_launch_knobs_keep_results(knobs):
-    # The launch knobs (kernels/csrc/launch_plan.h) pick other kernels or launch shapes and are read once per
+    # The launch knobs (kernels/csrc/generic.cu) pick other kernels or launch shapes and are read once per
     # process, so each setting runs the MobileNet-shape checks in a process of its own.
     env = dict(os.environ, **dict(kv.split("=") for kv in knobs.split()))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
@@ -309,14 +308,12 @@ def test_large_kernel_walks_by_default_where_the_suites_measured_them_faster(dw,
 @cuda
 @pytest.mark.parametrize("knobs", ["MDW_FWD_COLUMN_K57=1", "MDW_FWD_COLUMN_K57=2 MDW_NCHW_COLUMN_K57=1",
                                    "MDW_FWD_COLUMN_K57=2 MDW_WGRAD_COLUMN_K57=0",
-                                   "MDW_FWD_COLUMN_K57=0 MDW_WGRAD_K57_BLOCKS_PER_SM=1",
-                                   "MDW_FWD_COLUMN_K57=2 MDW_COLUMN_STAGED_WEIGHTS=0"])
+                                   "MDW_FWD_COLUMN_K57=0 MDW_WGRAD_K57_BLOCKS_PER_SM=1"])
 def test_large_kernel_column_walks_keep_results(knobs):
     # FWD_COLUMN_K57 (by shape by default) routes every NHWC 5x5/7x7 case it fits to the column walk
     # (stencil_column_k57.cuh): the forward at 1, the stride-1 input gradient too at 2; NCHW_COLUMN_K57 = 1 the NCHW
     # forward to its walk down the columns. WGRAD_COLUMN_K57 = 0 sends the NHWC weight gradient back to the tiled
-    # kernel; WGRAD_K57_BLOCKS_PER_SM = 1 gives that walk's blocks several bands of rows each; COLUMN_STAGED_WEIGHTS = 0
-    # has the forward walks read their weights from global memory, lane by lane.
+    # kernel; WGRAD_K57_BLOCKS_PER_SM = 1 gives that walk's blocks several bands of rows each.
     # Knobs are read once per process, hence the subprocess.
     env = dict(os.environ, **dict(kv.split("=") for kv in knobs.split()))
     tests = ["test_large_kernel_shapes", "test_large_kernel_passes_run_the_kernels_the_column_knobs_pick",

@@ -261,31 +261,6 @@ __device__ __forceinline__ ImageRange image_range(int batch, const Tiling& t, in
   return r;
 }
 
-// The column walks' weights: a lane owns one 32-bit word of channels (V of them) and holds their KK taps in
-// registers. Read straight from global memory, a warp's load of one tap touches ~KK * V * elem * 32 / 128 cache lines
-// (the lanes' taps lie KK * V elements apart), which on short rows costs more L1 wavefronts than the walk's own loads.
-// Instead the block copies its channel group's weights [c_base, c_base + ld) (fewer at the last group of C) once,
-// coalesced, into shared memory, tap-major (w_s[k * ld + c - c_base]; FLIP: the kernel rotated by 180 degrees), and
-// each lane then reads one word per tap, consecutive lanes consecutive words. Ends with a barrier, so every lane of
-// the block must call it.
-template <int KK, bool FLIP, typename S>
-__device__ __forceinline__ void stage_weight_words(const S* __restrict__ w, int C, int c_base, int ld, S* w_s) {
-  const int n = C - c_base < ld ? C - c_base : ld;
-  for (int e = threadIdx.x; e < n * KK; e += blockDim.x) {
-    const int c = e / KK, k = e - c * KK;
-    w_s[(FLIP ? KK - 1 - k : k) * ld + c] = w[static_cast<size_t>(c_base) * KK + e];
-  }
-  __syncthreads();
-}
-
-// Lane word cl's taps from stage_weight_words' copy, widened to fp32.
-template <class TT, int KK, int V>
-__device__ __forceinline__ void load_staged_weights(const typename TT::S* w_s, int ld, int cl, float (&wr)[KK][V]) {
-  const uint32_t* words = reinterpret_cast<const uint32_t*>(w_s);
-#pragma unroll
-  for (int k = 0; k < KK; ++k) widen_word<TT, V>(words[k * (ld / V) + cl], wr[k]);
-}
-
 // The block's K*K weights of channels [c_base, c_base + cw) into shared memory as fp32, tap-major
 // (w_smem[kk * cw + c - c_base]); channels >= C get zeros. Ends with a barrier.
 template <class TT, int K>

@@ -40,7 +40,7 @@ int knob(Knob k, DType dt) {
   static const char* names[kKnobs] = {"GROUP_FASTEST", "IMAGES", "WGRAD_BLOCKS_PER_SM", "NCHW_ROWS", "WGRAD_COLUMN",
                                       "FWD_COLUMN",    "FWD_COLUMN_ROWS", "COLUMN_REVERSE", "FWD_COLUMN_DEEP",
                                       "FWD_COLUMN_K57", "NCHW_COLUMN_K57", "WGRAD_COLUMN_K57",
-                                      "WGRAD_K57_BLOCKS_PER_SM", "COLUMN_STAGED_WEIGHTS"};
+                                      "WGRAD_K57_BLOCKS_PER_SM"};
   static const char* suffix[] = {"F32", "F16", "BF16", "F64"};
   static int cache[kKnobs][4];
   const int ki = static_cast<int>(k), di = static_cast<int>(dt);
@@ -60,7 +60,6 @@ int knob(Knob k, DType dt) {
         {-1, -1, -1, 0},  // NCHW_COLUMN_K57 (NCHW 5x5/7x7 forward down the columns; -1: by shape; fp64 not measured)
         {1, 1, 1, 0},     // WGRAD_COLUMN_K57 (NHWC 5x5/7x7 weight gradient: column walk, kernel rows over lanes)
         {4, 4, 4, 4},     // WGRAD_K57_BLOCKS_PER_SM (that walk's grid)
-        {3, 3, 3, 3},     // COLUMN_STAGED_WEIGHTS (bit 0: 3x3 walk, bit 1: 5x5/7x7 walk; weights via shared memory)
     };
     const std::string base = std::string("MDW_") + names[ki];
     int v = env_int(base.c_str(), defaults[ki][di]);

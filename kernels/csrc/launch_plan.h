@@ -30,7 +30,6 @@ struct Tiling {
   int group_fastest;     // NHWC forward/dgrad: channel group is the fastest-varying block index
   int blocks_per_group;  // NHWC forward/dgrad: blocks of one channel group
   int reverse;           // column walks: bands of rows from the last image to the first (COLUMN_REVERSE)
-  int staged;            // NHWC forward column walks: weights through shared memory (COLUMN_STAGED_WEIGHTS)
 };
 
 inline int ceil_div(long long a, long long b) { return static_cast<int>((a + b - 1) / b); }
@@ -130,8 +129,6 @@ enum class Knob {
   kNchwColumnK57,  // NCHW 5x5/7x7 forward walking down the columns (1) or tiled (0); -1: by shape
   kWgradColumnK57,       // NHWC 5x5/7x7 weight gradient through the column walk, kernel rows over lanes (1) or tiled (0)
   kWgradK57BlocksPerSm,  // that walk's blocks per SM (its grid; each block a contiguous run of rows)
-  kColumnStagedWeights,  // NHWC column-walking forwards (and rotated input gradients): each block loads its channels'
-                         // weights into shared memory once (bit 0: the 3x3 walk, bit 1: the 5x5/7x7 walk)
   kCount
 };
 int knob(Knob k, DType dt);

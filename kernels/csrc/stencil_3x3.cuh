@@ -257,13 +257,10 @@ __global__ void __launch_bounds__(256, MINB)
   constexpr int V = 4 / sizeof(typename TT::S);  // channels per 32-bit word
   constexpr int KH = K - S;                      // window columns carried from one step to the next
   const int lane = threadIdx.x;
-  const int words = s.C / V;
-  const int group = blockIdx.x % t.groups;
-  __shared__ __align__(4) typename TT::S w_s[KK * 32 * V];  // lanes_c <= 32 words (column_tiling)
-  if (t.staged) stage_weight_words<KK, FLIP>(w, s.C, group * t.lanes_c * V, t.lanes_c * V, w_s);
   if (!STATS && lane >= t.threads) return;
   const NhwcLane ln = nhwc_lane(lane, t);
-  const int cw_own = group * t.lanes_c + ln.cv;
+  const int words = s.C / V;
+  const int cw_own = (blockIdx.x % t.groups) * t.lanes_c + ln.cv;
   const int OHR = R == 1 ? s.OH : (s.OH + 1) >> 1;  // lane rows per image
   const int bands = gridDim.x / t.groups;
   const int band = t.reverse ? bands - 1 - static_cast<int>(blockIdx.x) / t.groups : blockIdx.x / t.groups;
@@ -277,14 +274,11 @@ __global__ void __launch_bounds__(256, MINB)
 
   // The lane's channels are fixed: its weights (and bias) live in registers for the whole row.
   float wr[KK][V], b[V];
-  if (t.staged) load_staged_weights<TT, KK, V>(w_s, t.lanes_c * V, cw - group * t.lanes_c, wr);
 #pragma unroll
   for (int v = 0; v < V; ++v) {
     const int c = cw * V + v;
-    if (!t.staged) {
 #pragma unroll
-      for (int k = 0; k < KK; ++k) wr[k][v] = TT::to_acc(__ldg(w + c * KK + (FLIP ? KK - 1 - k : k)));
-    }
+    for (int k = 0; k < KK; ++k) wr[k][v] = TT::to_acc(__ldg(w + c * KK + (FLIP ? KK - 1 - k : k)));
     b[v] = !FLIP && bias != nullptr ? TT::to_acc(__ldg(bias + c)) : 0.f;
   }
   WordNorm<TT, V, NORM> norm;
@@ -431,7 +425,6 @@ void launch_column(const ConvShape& s, DType dt, const void* x, const void* w, c
   constexpr int kMinBlocks = DEEP || (NORM && V == 2) ? 3 : 4;
   Tiling t = column_tiling(s.N * (R == 1 ? s.OH : (s.OH + 1) / 2), s.C / V);
   t.reverse = knob(Knob::kColumnReverse, dt);
-  t.staged = knob(Knob::kColumnStagedWeights, dt) & 1;
   const dim3 grid(t.groups * t.tiles_h);
   fwd_nhwc_column_kernel<TT, S, U, FLIP, R, kMinBlocks, false, NORM><<<grid, t.block, 0, stream>>>(
       static_cast<const uint32_t*>(x), static_cast<const Sx*>(w), static_cast<const Sx*>(bias),
@@ -463,7 +456,6 @@ void launch_column_stats(const ConvShape& s, DType dt, const void* x, const void
   constexpr int kMinBlocks = sizeof(Sx) == 4 ? 4 : 3;
   Tiling t = column_stats_tiling(s, dt);
   t.reverse = knob(Knob::kColumnReverse, dt);
-  t.staged = knob(Knob::kColumnStagedWeights, dt) & 1;
   const dim3 grid(t.groups * t.tiles_h);
   fwd_nhwc_column_kernel<TT, S, U, false, R, kMinBlocks, true><<<grid, t.block, 0, stream>>>(
       static_cast<const uint32_t*>(x), static_cast<const Sx*>(w), nullptr, static_cast<uint32_t*>(y), s, t, partial,

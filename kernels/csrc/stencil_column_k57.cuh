@@ -88,13 +88,10 @@ __global__ void __launch_bounds__(THREADS, MINB)
   constexpr int V = 4 / sizeof(typename TT::S);  // channels per 32-bit word
   constexpr int NO = (K - 1) / S + 1;            // outputs a step's input columns reach: the sums carried
   const int lane = threadIdx.x;
-  const int words = s.C / V;
-  const int group = blockIdx.x % t.groups;
-  __shared__ __align__(4) typename TT::S w_s[KK * 32 * V];  // lanes_c <= 32 words (column_tiling)
-  if (t.staged) stage_weight_words<KK, FLIP>(w, s.C, group * t.lanes_c * V, t.lanes_c * V, w_s);
   if (lane >= t.threads) return;
   const NhwcLane ln = nhwc_lane(lane, t);
-  const int cw = group * t.lanes_c + ln.cv;
+  const int words = s.C / V;
+  const int cw = (blockIdx.x % t.groups) * t.lanes_c + ln.cv;
   const int bands = gridDim.x / t.groups;
   const int band = t.reverse ? bands - 1 - static_cast<int>(blockIdx.x) / t.groups : blockIdx.x / t.groups;
   const int r = band * t.sy_n + ln.sy;
@@ -104,14 +101,11 @@ __global__ void __launch_bounds__(THREADS, MINB)
   // Weights and row set-up as in fwd_nhwc_column_kernel, written out again: moving them into shared helpers
   // changed the 3x3 kernels' machine code (register allocation), and those are the measured ones.
   float wr[KK][V], b[V];
-  if (t.staged) load_staged_weights<TT, KK, V>(w_s, t.lanes_c * V, ln.cv, wr);
 #pragma unroll
   for (int v = 0; v < V; ++v) {
     const int c = cw * V + v;
-    if (!t.staged) {
 #pragma unroll
-      for (int k = 0; k < KK; ++k) wr[k][v] = TT::to_acc(__ldg(w + c * KK + (FLIP ? KK - 1 - k : k)));
-    }
+    for (int k = 0; k < KK; ++k) wr[k][v] = TT::to_acc(__ldg(w + c * KK + (FLIP ? KK - 1 - k : k)));
     b[v] = !FLIP && bias != nullptr ? TT::to_acc(__ldg(bias + c)) : 0.f;
   }
 
@@ -178,7 +172,6 @@ void launch_column_k(const ConvShape& s, DType dt, const void* x, const void* w,
   constexpr int V = 4 / sizeof(Sx);
   Tiling t = column_tiling(s.N * s.OH, s.C / V, Shape::kThreads);
   t.reverse = knob(Knob::kColumnReverse, dt);
-  t.staged = knob(Knob::kColumnStagedWeights, dt) >> 1 & 1;
   const dim3 grid(t.groups * t.tiles_h);
   fwd_nhwc_column_k_kernel<TT, K, S, Shape::kUnroll, FLIP, Shape::kThreads, Shape::kMinBlocks>
       <<<grid, t.block, 0, stream>>>(static_cast<const uint32_t*>(x), static_cast<const Sx*>(w),
