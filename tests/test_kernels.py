@@ -184,7 +184,7 @@ def test_mobilenet_shapes(dw, dtype, layout):
                                    "MDW_FWD_COLUMN_DEEP=1 MDW_FWD_COLUMN_ROWS=1", "MDW_COLUMN_REVERSE=0",
                                    "MDW_FWD_COLUMN=1", "MDW_FWD_COLUMN=0 MDW_WGRAD_COLUMN=0"])
 def test_launch_knobs_keep_results(knobs):
-    # The launch knobs (kernels/csrc/generic.cu) pick other kernels or launch shapes and are read once per
+    # The launch knobs (kernels/csrc/launch_plan.h) pick other kernels or launch shapes and are read once per
     # process, so each setting runs the MobileNet-shape checks in a process of its own.
     env = dict(os.environ, **dict(kv.split("=") for kv in knobs.split()))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
