@@ -211,7 +211,8 @@ def test_large_kernel_shapes(dw, dtype, layout):
             for padding in (k // 2, 0, k - 1, k + 1):
                 _check_case(dw, dtype, layout, k, stride, 1, padding, (i + j) % 2 == 0, n, c, h, w, gen)
     # Many rows of few channels: more bands of rows than the NHWC weight-gradient walk has blocks at
-    # WGRAD_K57_BLOCKS_PER_SM=1, so that each block walks several (test_large_kernel_column_walks_keep_results).
+    # WGRAD_K57_BLOCKS_PER_SM=1, so that each block walks several (test_large_kernel_column_walks_keep_results);
+    # in NCHW, rows of whole 16-bit words, which its weight-gradient kernel takes.
     for k, stride in ((5, 1), (7, 2)):
         _check_case(dw, dtype, layout, k, stride, 1, k // 2, True, 32, 8, 64, 64, gen)
 
@@ -223,11 +224,11 @@ def test_large_kernel_shapes(dw, dtype, layout):
 def test_large_kernel_passes_run_the_kernels_the_column_knobs_pick(dw):
     from torch.profiler import ProfilerActivity, profile
 
-    # unset is -1, by shape: on these 20x20 inputs the NHWC passes do not walk and the NCHW forward does; the NHWC
-    # weight gradient walks unless WGRAD_COLUMN_K57 is 0
+    # unset is -1, by shape: on these 20x20 inputs the NHWC passes do not walk and the NCHW forward does; the weight
+    # gradient takes a kernel row per lane in NHWC (WGRAD_COLUMN_K57 bit 0) and NCHW (bit 1), both set by default
     nhwc_setting = int(os.environ.get("MDW_FWD_COLUMN_K57", "-1"))
     nchw_setting = int(os.environ.get("MDW_NCHW_COLUMN_K57", "-1"))
-    wgrad_setting = int(os.environ.get("MDW_WGRAD_COLUMN_K57", "1"))
+    wgrad_setting = int(os.environ.get("MDW_WGRAD_COLUMN_K57", "3"))
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for dtype, k, layout in itertools.product(DTYPES, (5, 7), ("nchw", "nhwc")):
             x = _make_input(2, 16, 20, 20, dtype, layout, None).requires_grad_()
@@ -242,10 +243,12 @@ def test_large_kernel_passes_run_the_kernels_the_column_knobs_pick(dw):
     forward = [n for n in walks if n not in rotated]
     nchw = [n for n in names if "fwd_nchw_column_k_kernel" in n]
     wgrad = [n for n in names if "wgrad_nhwc_column_k_kernel" in n]
+    wgrad_nchw = [n for n in names if "wgrad_nchw_column_k_kernel" in n]
     assert (len(forward) >= 6) if nhwc_setting >= 1 else not forward, names
     assert (len(rotated) >= 6) if nhwc_setting >= 2 else not rotated, names
     assert (len(nchw) >= 6) if nchw_setting != 0 else not nchw, names
-    assert (len(wgrad) == 6) if wgrad_setting != 0 else not wgrad, names  # the 6 NHWC cases
+    assert (len(wgrad) == 6) if wgrad_setting & 1 else not wgrad, names  # the 6 NHWC cases
+    assert (len(wgrad_nchw) == 6) if wgrad_setting & 2 else not wgrad_nchw, names  # the 6 NCHW cases
 
 
 @pytest.mark.gpu
@@ -312,8 +315,8 @@ def test_large_kernel_walks_by_default_where_the_suites_measured_them_faster(dw,
 def test_large_kernel_column_walks_keep_results(knobs):
     # FWD_COLUMN_K57 (by shape by default) routes every NHWC 5x5/7x7 case it fits to the column walk
     # (stencil_column_k57.cuh): the forward at 1, the stride-1 input gradient too at 2; NCHW_COLUMN_K57 = 1 the NCHW
-    # forward to its walk down the columns. WGRAD_COLUMN_K57 = 0 sends the NHWC weight gradient back to the tiled
-    # kernel; WGRAD_K57_BLOCKS_PER_SM = 1 gives that walk's blocks several bands of rows each.
+    # forward to its walk down the columns. WGRAD_COLUMN_K57 = 0 sends the weight gradient of both layouts back to
+    # the tiled kernel; WGRAD_K57_BLOCKS_PER_SM = 1 gives the NHWC walk's blocks several bands of rows each.
     # Knobs are read once per process, hence the subprocess.
     env = dict(os.environ, **dict(kv.split("=") for kv in knobs.split()))
     tests = ["test_large_kernel_shapes", "test_large_kernel_passes_run_the_kernels_the_column_knobs_pick",

@@ -61,16 +61,27 @@ bool input_grad_column_k57_fits(const ConvShape& s, DType dt, const void* grad_o
          column_k57_fits(input_grad_as_forward(s), dt, grad_out, grad_input);
 }
 
+// The NCHW 5x5/7x7 weight-gradient kernel (depthwise_k57.cu): square 5x5 or 7x7, equal strides 1 or 2, dilation 1,
+// 16/32-bit; it loads 32-bit words, so 16-bit rows of x and grad_out must hold whole words (W and OW even).
+bool wgrad_nchw_k57_fits(const ConvShape& s, DType dt, const void* go, const void* x) {
+  return dt != DType::F64 && !s.channels_last && s.KH == s.KW && (s.KH == 5 || s.KH == 7) && s.SH == s.SW &&
+         (s.SH == 1 || s.SH == 2) && s.DH == 1 && s.DW == 1 &&
+         (dt == DType::F32 || (s.W % 2 == 0 && s.OW % 2 == 0)) && aligned(go, 4) && aligned(x, 4);
+}
+
 enum class WgradTechnique { kColumn, kColumnK57, kTiled, kGeneric };
 
 // Weight gradient: the technique both the workspace size and the launch follow.
 //   NHWC 3x3 s1/s2, whole 32-bit words of channels, WGRAD_COLUMN on     column walk
-//   NHWC 5x5/7x7 s1/s2, whole 32-bit words, WGRAD_COLUMN_K57 on          column walk, a kernel row per lane
+//   NHWC 5x5/7x7 s1/s2, whole 32-bit words, WGRAD_COLUMN_K57 bit 0       column walk, a kernel row per lane
+//   NCHW 5x5/7x7 s1/s2, 16-bit rows of whole words, WGRAD_COLUMN_K57 bit 1   strips, a kernel row per lane
 //   3/5/7 square, s1/s2, dilation 1, 16/32-bit (NHWC: C % WgradVec)     tiled
 //   anything else                                                        generic
 WgradTechnique weight_grad_technique(const ConvShape& s, DType dt, const void* go, const void* x) {
   if (knob(Knob::kWgradColumn, dt) != 0 && column_fits(s, dt, go, x)) return WgradTechnique::kColumn;
-  if (knob(Knob::kWgradColumnK57, dt) != 0 && column_k57_fits(s, dt, go, x)) return WgradTechnique::kColumnK57;
+  const int k57 = knob(Knob::kWgradColumnK57, dt);
+  if ((k57 & 1) && column_k57_fits(s, dt, go, x)) return WgradTechnique::kColumnK57;
+  if ((k57 & 2) && wgrad_nchw_k57_fits(s, dt, go, x)) return WgradTechnique::kColumnK57;
   if (tiled_fits(s, dt, go, x, wgrad_vec(s.KH))) return WgradTechnique::kTiled;
   return WgradTechnique::kGeneric;
 }

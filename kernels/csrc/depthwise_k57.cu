@@ -1,7 +1,8 @@
 // The 5x5/7x7 walks, each behind a launch knob (launch_plan.h) whose default the H200 suites picked:
 //   NHWC forward and stride-1 input gradient (FWD_COLUMN_K57): stencil_column_k57.cuh's column walk
 //   NCHW forward (NCHW_COLUMN_K57): the same walk turned by 90 degrees, below
-//   NHWC weight gradient (WGRAD_COLUMN_K57): a column walk with the kernel rows split over lanes, below
+//   weight gradient (WGRAD_COLUMN_K57): NHWC a column walk with the kernel rows split over lanes, NCHW strips of a row
+//   with a kernel row per lane, below
 // In a file of their own so that the pass files are compiled from unchanged source and keep the machine code that
 // was measured (builds here are not always bit-identical anyway: the same depthwise_input_grad.cu gave one tiled
 // kernel two register allocations in two builds).
@@ -308,12 +309,156 @@ void launch_wgrad_column_k(const ConvShape& s, const WgradK57Plan& p, const void
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// ---- NCHW 5x5/7x7 weight gradient: strips of a row, a kernel row per lane, 32-bit word loads ----
+//
+// The tiled NCHW kernel gives a lane 2 output columns and all K * K taps (49 accumulators at 7x7) and loads the
+// inputs one 16-bit element at a time. Here a lane owns TW = 4 output columns of one output row and one kernel row
+// kh: per tile it loads its TW grad_out values and the L = (TW - 1) * S + K input columns of input row
+// oh * S - PH + kh that they reach, and adds the TW x K products into its K taps (plus the bias). 16-bit data moves
+// as whole 32-bit words: the input window starts at an element of the padding's parity, so the lane loads the
+// words around it and picks each element by that parity (the same for every lane). Lanes: consecutive lanes take
+// consecutive strips of a row (coalesced), then the K kernel rows, then RY rows; a tile is (n, RY rows, LX strips).
+// Block (chunk, channel c): a contiguous run of tiles, so consecutive rows, which share K - S input rows, run on one
+// SM one after the other; lanes of the same kh are summed in a fixed order at the end.
+template <class TT, int K, int S>
+struct WgradNchwK57 {
+  static constexpr int kStrip = 4;                              // TW: output columns per lane
+  static constexpr int kCols = (kStrip - 1) * S + K;            // L: input columns a strip reaches
+  static constexpr int kV = 4 / sizeof(typename TT::S);         // elements per 32-bit word
+  static constexpr int kWords = kV == 2 ? kCols / 2 + 1 : kCols;  // words covering L columns from either parity
+  static constexpr int kGWords = kStrip / kV;
+};
+
+struct WgradNchwK57Plan {
+  int lx, ry;             // strips per tile row, rows per tile
+  int strip_groups, row_groups, tiles, tiles_per_chunk, chunks, threads, block;
+};
+
+template <class TT, int K, int S>
+__global__ void __launch_bounds__(256)
+    wgrad_nchw_column_k_kernel(const uint32_t* __restrict__ go, const uint32_t* __restrict__ x, float* __restrict__ ws,
+                               ConvShape s, WgradNchwK57Plan p) {
+  using Shape = WgradNchwK57<TT, K, S>;
+  constexpr int TW = Shape::kStrip, L = Shape::kCols, V = Shape::kV, NW = Shape::kWords, NG = Shape::kGWords;
+  __shared__ float red[256][K + 1];
+  const int lane = threadIdx.x;
+  const int sx = lane % p.lx;
+  const int kh = (lane / p.lx) % K;
+  const int ry = lane / (p.lx * K);
+  const int c = blockIdx.y, chunk = blockIdx.x;
+  const bool active = lane < p.threads;
+  const int row_words = s.W / V, grow_words = s.OW / V;  // whole words per row (16-bit: W and OW even)
+  // The input window of strip column ow0 starts at ow0 * S - PW: its parity is PW's (ow0 * S is even).
+  const int odd = V == 2 ? (s.PW & 1) : 0;
+
+  float acc[K + 1];
+#pragma unroll
+  for (int k = 0; k <= K; ++k) acc[k] = 0.f;
+  if (active) {
+    const int tile_end = (chunk + 1) * p.tiles_per_chunk < p.tiles ? (chunk + 1) * p.tiles_per_chunk : p.tiles;
+    for (int tile = chunk * p.tiles_per_chunk; tile < tile_end; ++tile) {
+      const int sg = tile % p.strip_groups;
+      const int rest = tile / p.strip_groups;
+      const int rg = rest % p.row_groups, n = rest / p.row_groups;
+      const int oh = rg * p.ry + ry;
+      const int ow0 = (sg * p.lx + sx) * TW;
+      if (oh >= s.OH || ow0 >= s.OW) continue;
+      const size_t plane = static_cast<size_t>(n) * s.C + c;
+      const uint32_t* gp = go + (plane * s.OH + oh) * grow_words + ow0 / V;
+      float g[TW];
+#pragma unroll
+      for (int q = 0; q < NG; ++q) {
+        const uint32_t word = ow0 / V + q < grow_words ? __ldg(gp + q) : 0u;
+        float pair[V];
+        widen_word<TT, V>(word, pair);
+#pragma unroll
+        for (int v = 0; v < V; ++v) g[q * V + v] = pair[v];
+      }
+#pragma unroll
+      for (int j = 0; j < TW; ++j) acc[K] += g[j];
+      const int ih = oh * S - s.PH + kh;
+      if (ih < 0 || ih >= s.H) continue;
+      // Words w0 .. w0 + NW - 1 of the input row, w0 = floor((ow0 * S - PW) / V); zeros outside the row.
+      const int start = ow0 * S - s.PW;
+      const int w0 = (start - odd) / V;  // exact: start - odd is a multiple of V
+      const uint32_t* xp = x + (plane * s.H + ih) * row_words;
+      float e[NW * V];
+#pragma unroll
+      for (int q = 0; q < NW; ++q) {
+        const int wi = w0 + q;
+        const uint32_t word = static_cast<unsigned>(wi) < static_cast<unsigned>(row_words) ? __ldg(xp + wi) : 0u;
+        float pair[V];
+        widen_word<TT, V>(word, pair);
+#pragma unroll
+        for (int v = 0; v < V; ++v) e[q * V + v] = pair[v];
+      }
+#pragma unroll
+      for (int i = 0; i < L; ++i) {
+        const float xv = odd ? e[i + 1] : e[i];  // NW * V >= L + 1
+#pragma unroll
+        for (int j = 0; j < TW; ++j) {
+          const int kw = i - j * S;
+          if (kw >= 0 && kw < K) acc[kw] = fmaf(g[j], xv, acc[kw]);
+        }
+      }
+    }
+  }
+
+#pragma unroll
+  for (int k = 0; k <= K; ++k) red[lane][k] = acc[k];
+  __syncthreads();
+  // Thread (kh, e) sums its kernel row's lanes: strips, then rows, in index order. The bias from the kh = 0 lanes.
+  if (lane < K * (K + 1)) {
+    const int okh = lane / (K + 1), e = lane - okh * (K + 1);
+    if (e < K || okh == 0) {
+      float sum = 0.f;
+      for (int y = 0; y < p.ry; ++y)
+        for (int x_ = 0; x_ < p.lx; ++x_) sum += red[x_ + p.lx * (okh + K * y)][e];
+      ws[(static_cast<size_t>(chunk) * s.C + c) * (K * K + 1) + (e == K ? K * K : okh * K + e)] = sum;
+    }
+  }
+}
+
+// Strips: as many of a row as fit 32 lanes; rows: as many as fit 256 lanes with the K kernel rows. Chunks: about 8
+// blocks per SM over all channels, each a contiguous run of tiles.
+WgradNchwK57Plan plan_wgrad_nchw_column_k57(const ConvShape& s) {
+  WgradNchwK57Plan p{};
+  const int strips = ceil_div(s.OW, 4);
+  p.lx = strips < 32 ? strips : 32;
+  p.ry = 256 / (p.lx * s.KH);
+  if (p.ry > s.OH) p.ry = s.OH;
+  if (p.ry < 1) p.ry = 1;
+  p.strip_groups = ceil_div(strips, p.lx);
+  p.row_groups = ceil_div(s.OH, p.ry);
+  p.tiles = s.N * p.row_groups * p.strip_groups;
+  p.threads = p.lx * s.KH * p.ry;
+  p.block = ceil_div(p.threads, 32) * 32;
+  int chunks = ceil_div(static_cast<long long>(num_sms()) * 8, s.C);
+  if (chunks > p.tiles) chunks = p.tiles;
+  if (chunks < 1) chunks = 1;
+  p.tiles_per_chunk = ceil_div(p.tiles, chunks);
+  p.chunks = ceil_div(p.tiles, p.tiles_per_chunk);
+  return p;
+}
+
 }  // namespace
 
-int weight_grad_column_k57_chunks(const ConvShape& s, DType dt) { return plan_wgrad_column_k57(s, dt).chunks; }
+int weight_grad_column_k57_chunks(const ConvShape& s, DType dt) {
+  return s.channels_last ? plan_wgrad_column_k57(s, dt).chunks : plan_wgrad_nchw_column_k57(s).chunks;
+}
 
 int weight_grad_column_k57(const ConvShape& s, DType dt, const void* go, const void* x, void* ws,
                            cudaStream_t stream) {
+  if (!s.channels_last) {
+    const WgradNchwK57Plan p = plan_wgrad_nchw_column_k57(s);
+    dispatch_k57(s, dt, [&](auto tt, auto k, auto st) {
+      wgrad_nchw_column_k_kernel<decltype(tt), decltype(k)::value, decltype(st)::value>
+          <<<dim3(p.chunks, s.C), p.block, 0, stream>>>(static_cast<const uint32_t*>(go),
+                                                         static_cast<const uint32_t*>(x), static_cast<float*>(ws), s, p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+    return p.chunks;
+  }
   const WgradK57Plan p = plan_wgrad_column_k57(s, dt);
   dispatch_k57(s, dt, [&](auto tt, auto k, auto st) {
     launch_wgrad_column_k<decltype(tt), decltype(k)::value, decltype(st)::value>(s, p, go, x, ws, stream);

@@ -68,7 +68,8 @@ int weight_grad_column(const ConvShape& s, DType dt, const void* grad_out, const
 int weight_grad_column_normed_chunks(const ConvShape& s, DType dt);
 int weight_grad_column_normed(const ConvShape& s, DType dt, const void* grad_out, const void* y, const InputNorm& norm,
                               void* ws, cudaStream_t stream);
-// NHWC 5x5 or 7x7, stride 1 or 2, whole 32-bit words of channels: a lane walks one output row for one kernel row.
+// 5x5 or 7x7, stride 1 or 2, 16/32-bit, one kernel row per lane. NHWC (whole 32-bit words of channels): a lane walks
+// one output row; NCHW (16-bit: W and OW even): a lane takes 4 columns of one output row.
 int weight_grad_column_k57_chunks(const ConvShape& s, DType dt);
 int weight_grad_column_k57(const ConvShape& s, DType dt, const void* grad_out, const void* x, void* ws,
                            cudaStream_t stream);
