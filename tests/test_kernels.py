@@ -225,10 +225,11 @@ def test_large_kernel_passes_run_the_kernels_the_column_knobs_pick(dw):
     from torch.profiler import ProfilerActivity, profile
 
     # unset is -1, by shape: on these 20x20 inputs the NHWC passes do not walk and the NCHW forward does; the weight
-    # gradient takes a kernel row per lane in NHWC (WGRAD_COLUMN_K57 bit 0) and NCHW (bit 1), both set by default
+    # gradient takes a kernel row per lane in NHWC (WGRAD_COLUMN_K57 bit 0) and NCHW (bit 1); by shape (-1) always in
+    # NHWC and in NCHW for 7x7 from 14 output columns (so here the 3 NCHW 7x7 cases), 5x5 from 28
     nhwc_setting = int(os.environ.get("MDW_FWD_COLUMN_K57", "-1"))
     nchw_setting = int(os.environ.get("MDW_NCHW_COLUMN_K57", "-1"))
-    wgrad_setting = int(os.environ.get("MDW_WGRAD_COLUMN_K57", "3"))
+    wgrad_setting = int(os.environ.get("MDW_WGRAD_COLUMN_K57", "-1"))
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for dtype, k, layout in itertools.product(DTYPES, (5, 7), ("nchw", "nhwc")):
             x = _make_input(2, 16, 20, 20, dtype, layout, None).requires_grad_()
@@ -247,8 +248,9 @@ def test_large_kernel_passes_run_the_kernels_the_column_knobs_pick(dw):
     assert (len(forward) >= 6) if nhwc_setting >= 1 else not forward, names
     assert (len(rotated) >= 6) if nhwc_setting >= 2 else not rotated, names
     assert (len(nchw) >= 6) if nchw_setting != 0 else not nchw, names
-    assert (len(wgrad) == 6) if wgrad_setting & 1 else not wgrad, names  # the 6 NHWC cases
-    assert (len(wgrad_nchw) == 6) if wgrad_setting & 2 else not wgrad_nchw, names  # the 6 NCHW cases
+    assert (len(wgrad) == 6) if wgrad_setting < 0 or wgrad_setting & 1 else not wgrad, names  # the 6 NHWC cases
+    want_nchw = 3 if wgrad_setting < 0 else (6 if wgrad_setting & 2 else 0)
+    assert len(wgrad_nchw) == want_nchw, names
 
 
 @pytest.mark.gpu
@@ -311,12 +313,14 @@ def test_large_kernel_walks_by_default_where_the_suites_measured_them_faster(dw,
 @cuda
 @pytest.mark.parametrize("knobs", ["MDW_FWD_COLUMN_K57=1", "MDW_FWD_COLUMN_K57=2 MDW_NCHW_COLUMN_K57=1",
                                    "MDW_FWD_COLUMN_K57=2 MDW_WGRAD_COLUMN_K57=0",
-                                   "MDW_FWD_COLUMN_K57=0 MDW_WGRAD_K57_BLOCKS_PER_SM=1"])
+                                   "MDW_FWD_COLUMN_K57=0 MDW_WGRAD_K57_BLOCKS_PER_SM=1",
+                                   "MDW_FWD_COLUMN_K57=1 MDW_WGRAD_COLUMN_K57=3"])
 def test_large_kernel_column_walks_keep_results(knobs):
     # FWD_COLUMN_K57 (by shape by default) routes every NHWC 5x5/7x7 case it fits to the column walk
     # (stencil_column_k57.cuh): the forward at 1, the stride-1 input gradient too at 2; NCHW_COLUMN_K57 = 1 the NCHW
     # forward to its walk down the columns. WGRAD_COLUMN_K57 = 0 sends the weight gradient of both layouts back to
-    # the tiled kernel; WGRAD_K57_BLOCKS_PER_SM = 1 gives the NHWC walk's blocks several bands of rows each.
+    # the tiled kernel, = 3 sends NCHW cases of every size to its kernel; WGRAD_K57_BLOCKS_PER_SM = 1 gives the NHWC
+    # walk's blocks several bands of rows each.
     # Knobs are read once per process, hence the subprocess.
     env = dict(os.environ, **dict(kv.split("=") for kv in knobs.split()))
     tests = ["test_large_kernel_shapes", "test_large_kernel_passes_run_the_kernels_the_column_knobs_pick",

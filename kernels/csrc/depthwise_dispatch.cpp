@@ -75,13 +75,17 @@ enum class WgradTechnique { kColumn, kColumnK57, kTiled, kGeneric };
 //   NHWC 3x3 s1/s2, whole 32-bit words of channels, WGRAD_COLUMN on     column walk
 //   NHWC 5x5/7x7 s1/s2, whole 32-bit words, WGRAD_COLUMN_K57 bit 0       column walk, a kernel row per lane
 //   NCHW 5x5/7x7 s1/s2, 16-bit rows of whole words, WGRAD_COLUMN_K57 bit 1   strips, a kernel row per lane
+//   (WGRAD_COLUMN_K57 = -1, the default: NHWC always; NCHW 7x7 from 14 output columns, 5x5 from 28, where the H200
+//   suites measured it faster than tiled: on shorter rows the 5x5's 20 products per tile do not pay for its set-up)
 //   3/5/7 square, s1/s2, dilation 1, 16/32-bit (NHWC: C % WgradVec)     tiled
 //   anything else                                                        generic
 WgradTechnique weight_grad_technique(const ConvShape& s, DType dt, const void* go, const void* x) {
   if (knob(Knob::kWgradColumn, dt) != 0 && column_fits(s, dt, go, x)) return WgradTechnique::kColumn;
   const int k57 = knob(Knob::kWgradColumnK57, dt);
-  if ((k57 & 1) && column_k57_fits(s, dt, go, x)) return WgradTechnique::kColumnK57;
-  if ((k57 & 2) && wgrad_nchw_k57_fits(s, dt, go, x)) return WgradTechnique::kColumnK57;
+  const bool nhwc_walk = k57 < 0 || (k57 & 1);
+  const bool nchw_walk = k57 < 0 ? s.OW >= (s.KH == 7 ? 14 : 28) : (k57 & 2) != 0;
+  if (nhwc_walk && column_k57_fits(s, dt, go, x)) return WgradTechnique::kColumnK57;
+  if (nchw_walk && wgrad_nchw_k57_fits(s, dt, go, x)) return WgradTechnique::kColumnK57;
   if (tiled_fits(s, dt, go, x, wgrad_vec(s.KH))) return WgradTechnique::kTiled;
   return WgradTechnique::kGeneric;
 }

@@ -394,7 +394,8 @@ __global__ void __launch_bounds__(256)
       }
 #pragma unroll
       for (int i = 0; i < L; ++i) {
-        const float xv = odd ? e[i + 1] : e[i];  // NW * V >= L + 1
+        float xv = e[i];
+        if constexpr (V == 2) xv = odd ? e[i + 1] : xv;  // NW * V >= L + 1 for 16-bit
 #pragma unroll
         for (int j = 0; j < TW; ++j) {
           const int kw = i - j * S;
@@ -408,8 +409,9 @@ __global__ void __launch_bounds__(256)
   for (int k = 0; k <= K; ++k) red[lane][k] = acc[k];
   __syncthreads();
   // Thread (kh, e) sums its kernel row's lanes: strips, then rows, in index order. The bias from the kh = 0 lanes.
-  if (lane < K * (K + 1)) {
-    const int okh = lane / (K + 1), e = lane - okh * (K + 1);
+  // (A block can have fewer lanes than the K * (K + 1) sums: one strip of a few rows.)
+  for (int idx = lane; idx < K * (K + 1); idx += blockDim.x) {
+    const int okh = idx / (K + 1), e = idx - okh * (K + 1);
     if (e < K || okh == 0) {
       float sum = 0.f;
       for (int y = 0; y < p.ry; ++y)

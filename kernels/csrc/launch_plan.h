@@ -128,7 +128,7 @@ enum class Knob {
                    // -1: by shape (depthwise_dispatch.cpp)
   kNchwColumnK57,  // NCHW 5x5/7x7 forward walking down the columns (1) or tiled (0); -1: by shape
   kWgradColumnK57,       // 5x5/7x7 weight gradient with a kernel row per lane (bit 0: NHWC column walk, bit 1: NCHW
-                         // strips) or tiled (bit clear)
+                         // strips) or tiled (bit clear); -1: NHWC, and NCHW by shape
   kWgradK57BlocksPerSm,  // that walk's blocks per SM (its grid; each block a contiguous run of rows)
   kCount
 };
