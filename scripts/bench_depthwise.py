@@ -15,7 +15,11 @@ pass reads its inputs from L2. cuDNN autotunes its algorithm per shape, as in tr
 "cuDNN autotuned in the benchmark").
 Writes docs/results/depthwise_<gpu>.md and .csv for mobilenet_v1, docs/results/depthwise_<suite>_<gpu>.md and .csv
 for the others; the markdown ends each dtype x layout with the suite's acceptance quantity, the best of the other
-backends' sums over custom's, forward and forward+backward.
+backends' sums over custom's, for each pass measured.
+
+--modes picks the passes: fwd and fwdbwd (the default), and fwd_dgrad / fwd_wgrad, the forward with only the input
+or only the weight gradient (the other operand detached), which split the backward: its input gradient takes
+about fwd_dgrad - fwd, its weight gradient fwd_wgrad - fwd.
 
 --l2 warm measures the layers as they run inside the model instead: before each pass a producer kernel (a ReLU
 from another tensor, standing in for the model's BatchNorm + ReLU) writes the input, so its last-written part is
@@ -25,6 +29,7 @@ still in L2. The time reported is (producer + pass) - producer, each a median of
   python scripts/bench_depthwise.py --suite convnext_t   # ConvNeXt-T's 7x7 layers -> depthwise_convnext_t_<gpu>
   python scripts/bench_depthwise.py --dtypes fp16 --layouts nhwc --backends cudnn,custom --batch 64
   python scripts/bench_depthwise.py --dtypes fp16 --layouts nhwc --backends cudnn,custom --modes fwd --l2 warm
+  python scripts/bench_depthwise.py --suite efficientnet_b0 --layouts nhwc --modes fwd,fwd_dgrad,fwd_wgrad
 
 --ab MDW_<KNOB>=<value>[,...] A/B-tests launch knobs: custom is also timed with those settings, as the backend
 custom_ab, right after custom in every layer (the kernels re-read the knobs in between); both get the acceptance
@@ -57,7 +62,10 @@ from mobilenet.reporting import environment, gpu_slug  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 LAYOUTS = {"nchw": torch.contiguous_format, "nhwc": torch.channels_last}
-MODE_TITLE = {"fwd": "forward", "fwdbwd": "forward+backward"}
+# fwd_dgrad and fwd_wgrad run the forward and one gradient (the other operand does not require grad), so that the
+# backward's time splits into its two passes: (fwd_dgrad - fwd) and (fwd_wgrad - fwd).
+MODE_TITLE = {"fwd": "forward", "fwdbwd": "forward+backward", "fwd_dgrad": "forward+input gradient",
+              "fwd_wgrad": "forward+weight gradient"}
 ROTATION_BYTES = 512 << 20  # input sets per case total at least this: > 8x the H200's 60 MB L2
 AB_BACKEND = "custom_ab"  # custom with --ab's knob settings
 
@@ -133,12 +141,19 @@ def bench_layer(backends, dtype, fmt, n, layer: Layer, modes, repeats, check, wa
                         produce(i)
                     with torch.no_grad():
                         fn(xs[i], w, None, stride, padding, dilation)
-            else:
+            elif mode == "fwdbwd":
                 def step(i, fn=fn):
                     if warm:
                         produce(i)
                     y = fn(xs[i], w, None, stride, padding, dilation)
                     torch.autograd.grad(y, (xs[i], w), gos[i])
+            else:  # one gradient: the other operand detached, so no backend computes its gradient
+                def step(i, fn=fn, wants_input=mode == "fwd_dgrad"):
+                    if warm:
+                        produce(i)
+                    x, wt = (xs[i], w.detach()) if wants_input else (xs[i].detach(), w)
+                    y = fn(x, wt, None, stride, padding, dilation)
+                    torch.autograd.grad(y, x if wants_input else wt, gos[i])
             try:
                 ms, how = time_case(step, n_sets, repeats)
                 out[(name, mode)] = (ms - producer_ms, how)
@@ -153,7 +168,7 @@ def env_info(argv) -> dict:
     return {
         **environment(torch.device("cuda")),
         "command": " ".join(shlex.quote(a) for a in ["python"] + argv),
-        # launch-shape overrides of the custom kernels (kernels/csrc/generic.cu, knob())
+        # launch-shape overrides of the custom kernels (kernels/csrc/launch_plan.cpp, knob())
         "knobs": " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MDW_")) or "none (defaults)",
     }
 
@@ -167,7 +182,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--dtypes", default="fp32,fp16,bf16")
     ap.add_argument("--layouts", default="nchw,nhwc")
     ap.add_argument("--backends", default="torch,cudnn,custom")
-    ap.add_argument("--modes", default="fwd,fwdbwd", help="fwd and/or fwdbwd")
+    ap.add_argument("--modes", default="fwd,fwdbwd",
+                    help="comma-separated passes: fwd, fwdbwd, and fwd_dgrad / fwd_wgrad (the forward and only the "
+                         "input or only the weight gradient)")
     ap.add_argument("--suite", choices=list(SUITES), default=DEFAULT_SUITE,
                     help="which network's depthwise layers (mobilenet/bench/depthwise_suites.py names the papers)")
     ap.add_argument("--batch", type=int, default=None,
@@ -197,6 +214,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.error(f"--layers: comma-separated integers, got {args.layers!r}")
     if not all(0 <= i < len(suite.layers) for i in args.layer_ids):
         ap.error(f"--layers: suite {args.suite} has layers 0-{len(suite.layers) - 1}, got {args.layers}")
+    args.mode_list = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in args.mode_list if m not in MODE_TITLE]
+    if unknown or not args.mode_list:
+        ap.error(f"--modes: comma-separated from {', '.join(MODE_TITLE)}; got {args.modes!r}")
     settings = [s for s in args.ab.split(",") if s]
     if not all(s.startswith("MDW_") and "=" in s for s in settings):
         ap.error(f"--ab: comma-separated MDW_<KNOB>=<value> settings, got {args.ab!r}")
@@ -215,7 +236,7 @@ def main(argv=None):
 
     dtypes = [d for d in args.dtypes.split(",") if d]
     layouts = [l for l in args.layouts.split(",") if l]
-    modes = [m for m in args.modes.split(",") if m]
+    modes = args.mode_list
     backends = {b: conv_fn(b) for b in args.backends.split(",") if b}
     if args.ab:
         backends[AB_BACKEND] = backends["custom"]
@@ -338,8 +359,8 @@ def write_results(rows, backends, dtypes, layouts, modes, info, bw, args):
 
 
 def acceptance_lines(summary, others, custom="custom") -> list[str]:
-    """Per dtype x layout: the best of the other backends' sums over custom's (or the A/B variant's), forward and
-    forward+backward (the issue's acceptance: >= 1.00 in every line)."""
+    """Per dtype x layout: the best of the other backends' sums over custom's (or the A/B variant's), for each pass
+    measured (the issue's acceptance, on forward and forward+backward: >= 1.00 in every line)."""
     if not summary or not others or custom not in summary[0][3]:
         return []
     out = ["", f"{custom} against the best of {', '.join(others)}, sums over the suite's layers: best / {custom} "

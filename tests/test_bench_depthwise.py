@@ -130,3 +130,26 @@ def test_ab_backend_gets_its_own_acceptance_lines_and_is_not_an_other_backend(tm
     assert "- `custom_ab`: custom with MDW_FWD_COLUMN_K57=2" in md
     assert "- fp16 NHWC: forward 0.80x (cudnn 0.200 ms / custom 0.250 ms)" in md  # cudnn, not custom_ab, is best
     assert "- fp16 NHWC: forward 2.00x (cudnn 0.200 ms / custom_ab 0.100 ms)" in md
+
+
+def test_modes_option_takes_the_known_passes_and_names_them_when_refusing(capsys):
+    assert bench.parse_args([]).mode_list == ["fwd", "fwdbwd"]
+    assert bench.parse_args(["--modes", "fwd_dgrad,fwd_wgrad"]).mode_list == ["fwd_dgrad", "fwd_wgrad"]
+    for bad in (["--modes", "bwd"], ["--modes", "fwd,wgrad"], ["--modes", ","]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+        err = capsys.readouterr().err
+        assert "--modes: comma-separated from fwd, fwdbwd, fwd_dgrad, fwd_wgrad" in err and repr(bad[1]) in err
+
+
+def test_single_gradient_passes_get_tables_and_acceptance_lines_of_their_own(tmp_path):
+    args = bench.parse_args(["--dtypes", "fp16", "--layouts", "nhwc", "--backends", "cudnn,custom", "--layers", "0",
+                             "--modes", "fwd,fwd_wgrad", "--out", str(tmp_path / "dw")])
+    rows = [_row(0, "fwd", 0.135, 0.150), _row(0, "fwd_wgrad", 0.40, 0.20)]
+    bench.write_results(rows, {"cudnn": None, "custom": None}, ["fp16"], ["nhwc"], ["fwd", "fwd_wgrad"], INFO, 4.0e12,
+                        args)
+    md = (tmp_path / "dw.md").read_text()
+    assert "## fp16 NHWC forward+weight gradient" in md
+    assert "| fp16 | NHWC | forward+weight gradient | 0.400 | 0.200 |" in md
+    assert ("- fp16 NHWC: forward 0.90x (cudnn 0.135 ms / custom 0.150 ms); "
+            "forward+weight gradient 2.00x (cudnn 0.400 ms / custom 0.200 ms)") in md

@@ -88,6 +88,12 @@ def test_floor_bytes():
     x, y, w = 2 * 8 * 64 * 4, 2 * 16 * 16 * 4, 16 * 25 * 4
     assert floor_bytes(odd, 2, 4, "fwd") == x + y + w
     assert floor_bytes(odd, 2, 4, "fwdbwd") == 3 * x + 2 * y + 2 * w
+    # one gradient each: the input gradient reads grad_out and the weight and writes grad_input; the weight
+    # gradient reads grad_out and the input and writes the weight gradient: the same byte count
+    assert floor_bytes(odd, 2, 4, "fwd_dgrad") == 2 * x + 2 * y + 2 * w
+    assert floor_bytes(odd, 2, 4, "fwd_wgrad") == 2 * x + 2 * y + 2 * w
+    with pytest.raises(KeyError):
+        floor_bytes(odd, 2, 4, "bwd")
 
 
 def test_weighted_sum_uses_counts():

@@ -129,13 +129,16 @@ def expand(layers) -> list[Layer]:
 def floor_bytes(layer: Layer, n: int, elem: int, mode: str) -> int:
     """The fewest bytes one pass of one layer moves at batch n and `elem` bytes per element. fwd: read the input
     and the weight, write the output; fwdbwd adds the backward's read of grad_out and the input, its write of
-    grad_input and the weight gradient."""
+    grad_input and the weight gradient; fwd_dgrad adds only the input gradient's (grad_out and the weight read,
+    grad_input written), fwd_wgrad only the weight gradient's (grad_out and the input read, the weight gradient
+    written)."""
     oh, ow = layer.out_hw
     x = n * layer.C * layer.H * layer.W * elem
     y = n * layer.out_channels * oh * ow * elem
     w = layer.out_channels * layer.k * layer.k * elem
     fwd = x + y + w
-    return fwd if mode == "fwd" else fwd + y + x + x + w
+    extra = {"fwd": 0, "fwdbwd": y + x + x + w, "fwd_dgrad": y + w + x, "fwd_wgrad": y + x + w}
+    return fwd + extra[mode]
 
 
 def weighted_sum(rows, key: str) -> float:
