@@ -8,6 +8,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -244,7 +245,9 @@ def test_skip_corrupt_skips_and_counts(digits, tmp_path, caplog):
 def test_without_file_checks_a_dali_failure_still_names_the_file(digits, tmp_path):
     """DALI fails without naming the file; the loader finds and names it. DALI's failure runs in a fresh interpreter:
     in a process that has run other pipelines, DALI 2.4's CPU decoder can segfault in a decode thread while failing,
-    where in a process of its own the same failure raises cleanly."""
+    where in a process of its own the same failure almost always raises cleanly. It segfaulted there too once, in a
+    CI run of 2026-12-02, so a SIGSEGV of the interpreter (DALI's decode thread, not the loader) is retried, twice
+    at most; any other outcome is checked at once."""
     root = copy_tree(digits, tmp_path / "data")
     bad = sorted((root / "val" / "5").glob("*.jpg"))[0]
     bad.write_text("not an image\n")
@@ -260,7 +263,10 @@ def test_without_file_checks_a_dali_failure_still_names_the_file(digits, tmp_pat
         except CorruptImageError as e:
             print(e)
         """
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    for _ in range(3):
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        if proc.returncode != -signal.SIGSEGV:
+            break
     assert proc.returncode == 0, f"exit status {proc.returncode}:\n{proc.stderr[-3000:]}"
     assert re.search(f"{re.escape(str(bad))}.*not a JPEG.*DALI stopped", proc.stdout), proc.stdout
     with pytest.raises(ValueError, match="skip_corrupt=true needs data.dali.check_files=true"):
