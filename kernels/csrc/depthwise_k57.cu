@@ -8,8 +8,6 @@
 // kernel two register allocations in two builds).
 #include <c10/cuda/CUDAException.h>
 
-#include <type_traits>
-
 #include "depthwise_launchers.h"
 #include "device_common.h"
 #include "launch_plan.h"
@@ -121,29 +119,6 @@ void launch_nchw_column_k(const ConvShape& s, const void* x, const void* w, cons
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// f(TT{}, K, S) with K and S as std::integral_constant, for the walks' cases: 16/32-bit data (the dispatch's tests
-// exclude fp64), square 5x5 or 7x7, equal strides 1 or 2.
-template <class F>
-void dispatch_k57(const ConvShape& s, DType dt, F&& f) {
-  auto by_shape = [&](auto tt) {
-    using I5 = std::integral_constant<int, 5>;
-    using I7 = std::integral_constant<int, 7>;
-    using S1 = std::integral_constant<int, 1>;
-    using S2 = std::integral_constant<int, 2>;
-    if (s.KH == 5) {
-      s.SH == 1 ? f(tt, I5{}, S1{}) : f(tt, I5{}, S2{});
-    } else {
-      s.SH == 1 ? f(tt, I7{}, S1{}) : f(tt, I7{}, S2{});
-    }
-  };
-  switch (dt) {
-    case DType::F32: return by_shape(F32T{});
-    case DType::F16: return by_shape(F16T{});
-    case DType::BF16: return by_shape(BF16T{});
-    default: return;
-  }
-}
-
 // ---- NHWC 5x5/7x7 weight gradient: the column walk with the kernel rows split over lanes ----
 //
 // The 3x3 weight-gradient walk gives a lane one output row and all K * K * V taps; at 7x7 that is 98 fp32
@@ -157,11 +132,6 @@ void dispatch_k57(const ConvShape& s, DType dt, F&& f) {
 // Groups of U = NH steps issue their loads before their FMAs, and the ring slot of step t is t % NH, a constant
 // in each unrolled group. Lanes: lane = cw + lanes_c * (kh + K * ry); a block takes sy_n rows at a time and walks a
 // contiguous run of bands of them (its chunk); lanes of the same (cw, kh) are summed in row order at the end.
-template <int K, int S>
-struct WgradColumnK57 {
-  static constexpr int kHeld = (K - 1) / S + 1;  // grad_out columns an input column reaches
-};
-
 struct WgradK57Plan {
   Tiling tiling;         // lanes_c words, sy_n rows, groups of words; tiles_h = bands of sy_n rows
   int chunks;            // blocks per channel group, each a contiguous run of bands
@@ -174,7 +144,7 @@ __global__ void __launch_bounds__(256, 4)
     wgrad_nhwc_column_k_kernel(const uint32_t* __restrict__ go, const uint32_t* __restrict__ x, float* __restrict__ ws,
                                ConvShape s, Tiling t, int bands_per_chunk) {
   constexpr int V = 4 / sizeof(typename TT::S);  // channels per 32-bit word
-  constexpr int NH = WgradColumnK57<K, S>::kHeld;
+  constexpr int NH = (K - 1) / S + 1;  // grad_out columns an input column reaches
   constexpr int U = NH;
   constexpr int E = (K + 1) * V;  // a lane's partials: K taps and the bias, V channels each
   extern __shared__ float red[];  // [block lanes][E]

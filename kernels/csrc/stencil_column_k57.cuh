@@ -11,6 +11,8 @@
 
 #include <c10/cuda/CUDAException.h>
 
+#include <type_traits>
+
 #include "device_common.h"
 #include "stencil_3x3.cuh"
 
@@ -179,26 +181,38 @@ void launch_column_k(const ConvShape& s, DType dt, const void* x, const void* w,
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The dtype x K x stride switch; the dispatch has checked the case (column_k57_fits in depthwise_dispatch.cpp).
-template <bool FLIP>
-void column_k57(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
-                cudaStream_t stream) {
-  auto run = [&](auto tt) {
-    using TT = decltype(tt);
-    if constexpr (FLIP) {  // the input gradient runs this way at stride 1 only
-      (s.KH == 5 ? launch_column_k<TT, 5, 1, true> : launch_column_k<TT, 7, 1, true>)(s, dt, x, w, bias, y, stream);
-    } else if (s.KH == 5) {
-      (s.SH == 1 ? launch_column_k<TT, 5, 1, false> : launch_column_k<TT, 5, 2, false>)(s, dt, x, w, bias, y, stream);
+// f(TT{}, K, S) with K and S as std::integral_constant, for the walks' cases: 16/32-bit data (the dispatch's tests
+// exclude fp64), square 5x5 or 7x7, equal strides 1 or 2.
+template <class F>
+void dispatch_k57(const ConvShape& s, DType dt, F&& f) {
+  auto by_shape = [&](auto tt) {
+    using I5 = std::integral_constant<int, 5>;
+    using I7 = std::integral_constant<int, 7>;
+    using S1 = std::integral_constant<int, 1>;
+    using S2 = std::integral_constant<int, 2>;
+    if (s.KH == 5) {
+      s.SH == 1 ? f(tt, I5{}, S1{}) : f(tt, I5{}, S2{});
     } else {
-      (s.SH == 1 ? launch_column_k<TT, 7, 1, false> : launch_column_k<TT, 7, 2, false>)(s, dt, x, w, bias, y, stream);
+      s.SH == 1 ? f(tt, I7{}, S1{}) : f(tt, I7{}, S2{});
     }
   };
   switch (dt) {
-    case DType::F32: return run(F32T{});
-    case DType::F16: return run(F16T{});
-    case DType::BF16: return run(BF16T{});
-    default: return;  // the dispatch's column test excludes fp64
+    case DType::F32: return by_shape(F32T{});
+    case DType::F16: return by_shape(F16T{});
+    case DType::BF16: return by_shape(BF16T{});
+    default: return;
   }
+}
+
+// The dispatch has checked the case (column_k57_fits in depthwise_dispatch.cpp); the input gradient (FLIP) runs this
+// way at stride 1 only.
+template <bool FLIP>
+void column_k57(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
+                cudaStream_t stream) {
+  dispatch_k57(s, dt, [&](auto tt, auto k, auto st) {
+    if constexpr (!FLIP || decltype(st)::value == 1)
+      launch_column_k<decltype(tt), decltype(k)::value, decltype(st)::value, FLIP>(s, dt, x, w, bias, y, stream);
+  });
 }
 
 }  // namespace
