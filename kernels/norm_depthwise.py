@@ -80,8 +80,11 @@ class _BatchNormReluDepthwise(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, norm_weight, norm_bias, conv_weight, running_mean, running_var, num_batches_tracked, eps,
-                momentum, stride, padding):
-        if running_mean is not None:
+                momentum, stride, padding, sums):
+        if sums is not None:  # y's statistics from the sums the convolution that wrote it returned
+            mean, invstd, _var = torch.ops.mobilenet_bn.bn_stats_from_sums(
+                sums, y.numel() // y.shape[1], running_mean, running_var, num_batches_tracked, eps, momentum)
+        elif running_mean is not None:
             mean, invstd, _var = _stats_update(y, norm_weight, norm_bias, running_mean, running_var,
                                                num_batches_tracked, eps, momentum)
         else:
@@ -108,20 +111,23 @@ class _BatchNormReluDepthwise(torch.autograd.Function):
             grad_x = _dw_bwd(grad_out, y, conv_weight, stride, padding, [1, 1], [True, False, False])[0]
             grad_y, grad_norm_weight, grad_norm_bias = _bn_bwd(grad_x, y, norm_weight, norm_bias, mean, invstd)
         return (grad_y if needs[0] else None, grad_norm_weight if needs[1] else None,
-                grad_norm_bias if needs[2] else None, grad_conv_weight, None, None, None, None, None, None, None)
+                grad_norm_bias if needs[2] else None, grad_conv_weight, None, None, None, None, None, None, None,
+                None)
 
 
 def batch_norm_relu_depthwise_conv2d(y: Tensor, norm_weight: Tensor, norm_bias: Tensor, conv_weight: Tensor,
                                      stride=(1, 1), padding=(1, 1), eps: float = 1e-5,
                                      running_mean: Tensor | None = None, running_var: Tensor | None = None,
                                      num_batches_tracked: Tensor | None = None,
-                                     momentum: float | None = None) -> Tensor:
+                                     momentum: float | None = None, sums: Tensor | None = None) -> Tensor:
     """F.conv2d(relu(batch_norm(y, training=True)), conv_weight, None, stride, padding, groups=C) for a 3x3 depthwise
     conv_weight (C, 1, 3, 3) on channels_last y, without relu(batch_norm(y)) being stored. With running_mean,
     running_var and num_batches_tracked (and momentum in [0, 1]) the running statistics are updated as
     nn.BatchNorm2d updates them, in the statistics kernel. Differentiable in y, norm_weight, norm_bias and
     conv_weight. conv_weight is used in y's dtype (autocast's rule for a convolution), the BatchNorm's parameters in
-    fp32. Cases the walk does not take raise ValueError (normed_unsupported says why)."""
+    fp32. Cases the walk does not take raise ValueError (normed_unsupported says why). `sums` [2, C] fp32, the sum
+    and sum of squares of y per channel as the convolution that wrote y returned them (kernels/norm_pointwise.py),
+    replace the BatchNorm's statistics pass over y."""
     _check_supported(y, norm_weight, norm_bias)
     if not isinstance(conv_weight, Tensor) or conv_weight.dim() != 4:
         raise ValueError(f"batch_norm_relu_depthwise_conv2d: conv_weight must have shape (C, 1, 3, 3), got "
@@ -138,6 +144,9 @@ def batch_norm_relu_depthwise_conv2d(y: Tensor, norm_weight: Tensor, norm_bias: 
                              f"statistics, got {momentum}")
         _check_channel_vectors(y, running_mean=running_mean, running_var=running_var)
         _check_unbiased_count("batch_norm_relu_depthwise_conv2d", y.numel() // y.shape[1])
+    if sums is not None and (sums.dtype != torch.float32 or tuple(sums.shape) != (2, y.shape[1])):
+        raise ValueError(f"batch_norm_relu_depthwise_conv2d: sums must be a float32 (2, {y.shape[1]}) tensor, got "
+                         f"{sums.dtype} {tuple(sums.shape)}")
     return _BatchNormReluDepthwise.apply(y, _f32(norm_weight), _f32(norm_bias), conv_weight, running_mean,
                                          running_var, num_batches_tracked, float(eps),
-                                         float(momentum) if update else 0.0, stride, padding)
+                                         float(momentum) if update else 0.0, stride, padding, sums)

@@ -84,6 +84,13 @@ class NormConfig:
     # where it cannot run); false = off. The summary's norm row says which ran (mobilenet/model.py
     # apply_in_depthwise_state).
     apply_in_depthwise: str = "auto"
+    # Each BatchNorm + ReLU whose output feeds a pointwise (1x1) conv (the 13 after the depthwise convs) computes only
+    # its statistics in training, and cuDNN's fused convolutions (forward and weight gradient, built through
+    # cudnn-frontend's graph API) apply relu(batch_norm(.)) as they load their input (kernels/norm_pointwise.py). It
+    # needs norm=custom channels_last=true amp=true sync_bn=false compile=false norm.stats_from_depthwise=false,
+    # channel counts that are multiples of 8 (every width_mult of the paper), and the nvidia-cudnn-frontend package.
+    # auto | true | false as apply_in_depthwise.
+    apply_in_pointwise: str = "auto"
 
 
 @dataclass

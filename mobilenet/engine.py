@@ -27,7 +27,7 @@ from .depthwise import get_backend
 from .errors import ConfigError, checking_user_input
 from .evaluation import evaluate
 from .meter import StepMeter, Throughput
-from .model import apply_in_depthwise_state, build_model
+from .model import apply_in_depthwise_state, apply_in_pointwise_state, build_model
 from .norm import convert_sync_batchnorm, custom_pair_needs, get_norm, sync_bn_state
 from .optim import build_optimizer, build_scheduler, scheduled_lrs
 from .reporting import TensorBoardLog, environment, print_summary
@@ -98,8 +98,10 @@ def _refuse_unless(switch: str, needs: list[tuple[bool, str]]) -> None:
 
 
 def _check_apply_in_depthwise(cfg) -> None:
-    """norm.apply_in_depthwise=true runs only where every BatchNorm before a depthwise conv can be applied by it."""
+    """norm.apply_in_depthwise=true runs only where every BatchNorm before a depthwise conv can be applied by it, and
+    norm.apply_in_pointwise=true only where every one before a pointwise conv can be applied by cuDNN."""
     apply_in_depthwise_state(cfg)  # raises ConfigError for true with a blocker, or a value that is not a choice
+    apply_in_pointwise_state(cfg)
 
 
 def _check_process_layout(cfg, dist: distributed.DistInfo, device: torch.device) -> None:
@@ -137,7 +139,8 @@ def build_for_run(cfg, device: torch.device, num_classes: int, model: nn.Module 
         with checking_user_input(ValueError):  # an unknown model name or a width out of range
             model = build_model(cfg.model.name, num_classes, cfg.model.width_mult, cfg.backend.name, cfg.model.dropout,
                                 norm=cfg.norm.name, stats_from_depthwise=cfg.norm.stats_from_depthwise,
-                                apply_norm_in_depthwise=apply_in_depthwise_state(cfg)[0])
+                                apply_norm_in_depthwise=apply_in_depthwise_state(cfg)[0],
+                                apply_norm_in_pointwise=apply_in_pointwise_state(cfg)[0])
     model = model.to(device)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)

@@ -7,12 +7,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.cudnn_frontend import cudnn_frontend_missing
 from kernels.depthwise_args import column_walk_offsets_fit
 
+from .config import enum_value
 from .depthwise import DepthwiseConv2d
 from .errors import ConfigError
-from .norm import (check_apply_in_depthwise, check_stats_from_depthwise, custom_pair_needs, depthwise_norm_relu,
-                   get_norm, norm_relu_depthwise)
+from .norm import (check_apply_in_depthwise, check_apply_in_pointwise, check_stats_from_depthwise, custom_pair_needs,
+                   depthwise_norm_relu, get_norm, norm_relu_depthwise, norm_relu_pointwise)
 
 # (output channels, stride) of the 13 depthwise-separable blocks at width multiplier 1.0 (Table 1).
 BLOCKS: tuple[tuple[int, int], ...] = (
@@ -78,10 +80,7 @@ def apply_in_depthwise_state(cfg) -> tuple[bool, str]:
     """(apply each BatchNorm + ReLU before a depthwise conv in that conv's kernels, the summary's words) for
     norm.apply_in_depthwise. auto: on wherever it can run; true with a blocker is a ConfigError: nothing is silently
     left off."""
-    mode = str(cfg.norm.apply_in_depthwise).lower()  # Hydra hands `=true` over as a bool
-    if mode not in APPLY_IN_DEPTHWISE_MODES:
-        raise ConfigError(f"norm.apply_in_depthwise={cfg.norm.apply_in_depthwise!r} is not a choice; choose one of: "
-                          f"{', '.join(APPLY_IN_DEPTHWISE_MODES)}")
+    mode = _switch_mode(cfg, "apply_in_depthwise")
     if mode == "false":
         return False, "norm.apply_in_depthwise=false"
     needs = [*custom_pair_needs(cfg),
@@ -91,13 +90,61 @@ def apply_in_depthwise_state(cfg) -> tuple[bool, str]:
              (not cfg.norm.stats_from_depthwise,
               "norm.stats_from_depthwise=false (that walk reads the normalized input this one never writes)")]
     needs += _depthwise_shape_needs(cfg)
+    return _switch_state("norm.apply_in_depthwise", mode, needs)
+
+
+def _switch_state(switch: str, mode: str, needs: list[tuple[bool, str]]) -> tuple[bool, str]:
+    """(on, the summary's words) for an auto|true|false fusion switch whose `needs` are (holds, what it needs):
+    auto is on where every need holds; true with a need that does not is a ConfigError."""
     missing = [what for ok, what in needs if not ok]
     if missing and mode == "true":
-        raise ConfigError(f"norm.apply_in_depthwise=true needs {', '.join(missing)}; or set "
-                          "norm.apply_in_depthwise=auto (on where it can run, and the summary says which) or false")
+        raise ConfigError(f"{switch}=true needs {', '.join(missing)}; or set {switch}=auto (on where it can run, and "
+                          "the summary says which) or false")
     if missing:
-        return False, f"norm.apply_in_depthwise=auto: off, it needs {', '.join(missing)}"
-    return True, f"norm.apply_in_depthwise={mode}"
+        return False, f"{switch}=auto: off, it needs {', '.join(missing)}"
+    return True, f"{switch}={mode}"
+
+
+def _switch_mode(cfg, key: str) -> str:
+    value = getattr(cfg.norm, key)
+    mode = str(value).lower()  # Hydra hands `=true` over as a bool
+    if mode not in APPLY_IN_DEPTHWISE_MODES:
+        raise ConfigError(f"norm.{key}={value!r} is not a choice; choose one of: {', '.join(APPLY_IN_DEPTHWISE_MODES)}")
+    return mode
+
+
+# --- norm.apply_in_pointwise: which runs apply each BatchNorm + ReLU before a pointwise conv in cuDNN's fused ones --
+
+def pointwise_channels(width_mult: float) -> list[tuple[int, int]]:
+    """(input, output channels) of the 13 pointwise convs."""
+    channels, out = _scaled(STEM_CHANNELS, width_mult), []
+    for block_out, _ in BLOCKS:
+        out.append((channels, _scaled(block_out, width_mult)))
+        channels = _scaled(block_out, width_mult)
+    return out
+
+
+def apply_in_pointwise_state(cfg) -> tuple[bool, str]:
+    """(apply each BatchNorm + ReLU before a pointwise conv in cuDNN's fused convolutions, the summary's words) for
+    norm.apply_in_pointwise, as apply_in_depthwise_state does for the depthwise convs."""
+    mode = _switch_mode(cfg, "apply_in_pointwise")
+    if mode == "false":
+        return False, "norm.apply_in_pointwise=false"
+    odd = list(dict.fromkeys(f"{a}->{b}" for a, b in pointwise_channels(cfg.model.width_mult) if a % 8 or b % 8))
+    missing_frontend = cudnn_frontend_missing()
+    needs = [(cfg.norm.name == "custom", f"norm=custom (got {cfg.norm.name})"),
+             (bool(cfg.channels_last), "channels_last=true (cuDNN's fused convolutions are NHWC)"),
+             (bool(cfg.amp) and enum_value(cfg.amp_dtype) == "fp16",
+              "amp=true amp_dtype=fp16 (the fused convolutions' scale and shift operands are in the input's dtype, "
+              "too coarse in bf16)"),
+             (not cfg.sync_bn, "sync_bn=false (the statistics would be this rank's only)"),
+             (not cfg.compile, "compile=false (it runs eagerly or captured in a CUDA graph)"),
+             (not cfg.norm.stats_from_depthwise,
+              "norm.stats_from_depthwise=false (that pair writes the normalized output this one never reads)"),
+             (not odd, f"pointwise channel counts that are multiples of 8 (model.width_mult={cfg.model.width_mult} "
+                       f"gives {', '.join(odd)})"),
+             (missing_frontend is None, missing_frontend or "")]
+    return _switch_state("norm.apply_in_pointwise", mode, needs)
 
 
 class ConvBNReLU(nn.Sequential):
@@ -166,14 +213,19 @@ class GlobalAvgPool(nn.Module):
 class MobileNetV1(nn.Module):
     """apply_norm_in_depthwise: in training, each BatchNorm + ReLU that feeds a depthwise conv (the stem's and the
     first 12 pointwise blocks') is applied by that conv's kernels as they load their input (mobilenet/norm.py
-    norm_relu_depthwise); the same modules, so the same state_dict. Eval runs the layers one by one."""
+    norm_relu_depthwise). apply_norm_in_pointwise: likewise each BatchNorm + ReLU that feeds a pointwise conv (the 13
+    after the depthwise convs), applied by cuDNN's fused convolutions (norm_relu_pointwise). The same modules either
+    way, so the same state_dict. Eval runs the layers one by one."""
 
     def __init__(self, num_classes: int = 1000, width_mult: float = 1.0, depthwise: str = "torch", dropout: float = 0.0,
-                 norm: str = "torch", stats_from_depthwise: bool = False, apply_norm_in_depthwise: bool = False):
+                 norm: str = "torch", stats_from_depthwise: bool = False, apply_norm_in_depthwise: bool = False,
+                 apply_norm_in_pointwise: bool = False):
         super().__init__()
-        if stats_from_depthwise and apply_norm_in_depthwise:
-            raise ValueError("stats_from_depthwise and apply_norm_in_depthwise cannot both be on: the statistics walk "
-                             "reads the normalized input that apply_norm_in_depthwise never writes")
+        for name, on in (("apply_norm_in_depthwise", apply_norm_in_depthwise),
+                         ("apply_norm_in_pointwise", apply_norm_in_pointwise)):
+            if stats_from_depthwise and on:
+                raise ValueError(f"stats_from_depthwise and {name} cannot both be on: the depthwise conv and its "
+                                 "BatchNorm then run as one pair that writes the normalized output")
         if not 0 < width_mult <= 4:
             raise ValueError(f"model.width_mult must be in (0, 4] (the paper uses 0.25, 0.5, 0.75, 1.0), got {width_mult}")
         if num_classes < 1:
@@ -191,6 +243,10 @@ class MobileNetV1(nn.Module):
         if apply_norm_in_depthwise:
             for producer, block in zip(self.features[:-1], self.features[1:]):
                 check_apply_in_depthwise(self._last_norm(producer), block[0])
+        self.apply_norm_in_pointwise = apply_norm_in_pointwise
+        if apply_norm_in_pointwise:
+            for block in self.features[1:]:
+                check_apply_in_pointwise(block[1], block[3][0])
         self.pool = GlobalAvgPool()
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.classifier = nn.Linear(in_ch, num_classes)
@@ -214,21 +270,27 @@ class MobileNetV1(nn.Module):
         """The BatchNorm + ReLU that ends the stem or a depthwise-separable block."""
         return layer[1] if isinstance(layer, ConvBNReLU) else layer[3][1]
 
-    def _features_norm_in_depthwise(self, x: torch.Tensor) -> torch.Tensor:
-        """self.features(x) with each block's depthwise conv applying the BatchNorm + ReLU before it: y is the
+    def _features_norm_in_next_conv(self, x: torch.Tensor) -> torch.Tensor:
+        """self.features(x) with each BatchNorm + ReLU applied by the conv after it where its switch is on: y is the
         pre-normalization output of the conv before, `pending` the BatchNorm + ReLU still to apply to it."""
         stem_conv, pending = self.features[0]
-        y = stem_conv(x)
+        y, sums = stem_conv(x), None  # sums: y's per-channel sums where the conv that wrote it returned them
         for block in self.features[1:]:
-            depthwise, norm_relu, relu_slot, pointwise = block
-            x = relu_slot(norm_relu(norm_relu_depthwise(pending, depthwise, y)))
-            pointwise_conv, pending = pointwise
-            y = pointwise_conv(x)
+            depthwise, norm_relu, relu_slot, (pointwise_conv, next_pending) = block
+            if self.apply_norm_in_depthwise:
+                y = norm_relu_depthwise(pending, depthwise, y, sums)
+            else:
+                y = depthwise(pending(y))
+            if self.apply_norm_in_pointwise:
+                y, sums = norm_relu_pointwise(norm_relu, pointwise_conv, y)
+            else:
+                y = pointwise_conv(relu_slot(norm_relu(y)))
+            pending = next_pending
         return pending(y)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.apply_norm_in_depthwise and self.training:
-            x = self._features_norm_in_depthwise(x)
+        if (self.apply_norm_in_depthwise or self.apply_norm_in_pointwise) and self.training:
+            x = self._features_norm_in_next_conv(x)
         else:
             x = self.features(x)
         x = self.pool(x)
@@ -237,11 +299,12 @@ class MobileNetV1(nn.Module):
 
 def build_model(name: str, num_classes: int, width_mult: float, depthwise: str, dropout: float = 0.0,
                 norm: str = "torch", stats_from_depthwise: bool = False,
-                apply_norm_in_depthwise: bool = False) -> nn.Module:
+                apply_norm_in_depthwise: bool = False, apply_norm_in_pointwise: bool = False) -> nn.Module:
     if name != "mobilenet_v1":
         raise ValueError(f"unknown model {name!r}; choose one of: mobilenet_v1")
     return MobileNetV1(num_classes=num_classes, width_mult=width_mult, depthwise=depthwise, dropout=dropout, norm=norm,
-                       stats_from_depthwise=stats_from_depthwise, apply_norm_in_depthwise=apply_norm_in_depthwise)
+                       stats_from_depthwise=stats_from_depthwise, apply_norm_in_depthwise=apply_norm_in_depthwise,
+                       apply_norm_in_pointwise=apply_norm_in_pointwise)
 
 
 def count_parameters(model: nn.Module) -> int:

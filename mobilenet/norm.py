@@ -37,6 +37,7 @@ __all__ = [
     "combine_rank_statistics", "convert_sync_batchnorm", "sync_bn_state", "check_stats_from_depthwise",
     "running_update_label",
     "depthwise_norm_relu", "check_apply_in_depthwise", "norm_relu_depthwise", "custom_pair_needs",
+    "check_apply_in_pointwise", "norm_relu_pointwise",
 ]
 
 APEX_INSTALL = (
@@ -267,11 +268,13 @@ def check_apply_in_depthwise(bn: nn.Module, conv: nn.Module) -> None:
     _require_custom_pair("norm.apply_in_depthwise", conv, bn)
 
 
-def norm_relu_depthwise(bn: "CustomBatchNormReLU", conv: nn.Module, y: Tensor) -> Tensor:
+def norm_relu_depthwise(bn: "CustomBatchNormReLU", conv: nn.Module, y: Tensor, sums: Tensor | None = None) -> Tensor:
     """conv(bn(y)) in training with bn's normalize and ReLU applied by the depthwise kernels as they load y
     (kernels.norm_depthwise): bn computes only its batch statistics (and updates its running statistics in that
     kernel), and bn(y) is never stored. The same output as conv(bn(y)) bit for bit where both run the column walks;
-    eval mode runs conv(bn(y)). A training input the walk does not take stops the run (NormUnavailable naming why)."""
+    eval mode runs conv(bn(y)). A training input the walk does not take stops the run (NormUnavailable naming why).
+    `sums`: y's per-channel sum and sum of squares as norm_relu_pointwise returned them with y, which then replace
+    bn's statistics pass."""
     check_apply_in_depthwise(bn, conv)
     if not _uses_batch_stats(bn):
         return conv(bn(y))
@@ -295,7 +298,50 @@ def norm_relu_depthwise(bn: "CustomBatchNormReLU", conv: nn.Module, y: Tensor) -
                               "BatchNorm has momentum=None (a cumulative average); set norm.apply_in_depthwise=false")
     running = (bn.running_mean, bn.running_var, bn.num_batches_tracked) if update else (None, None, None)
     return batch_norm_relu_depthwise_conv2d(y, bn.weight, bn.bias, conv.weight, conv.stride, conv.padding, bn.eps,
-                                            *running, momentum=bn.momentum if update else None)
+                                            *running, momentum=bn.momentum if update else None, sums=sums)
+
+
+# --- norm.apply_in_pointwise: the BatchNorm + ReLU before a pointwise conv, applied by cuDNN's fused convolutions ---
+
+
+def check_apply_in_pointwise(bn: nn.Module, conv: nn.Module) -> None:
+    """The pair norm_relu_pointwise runs: a norm=custom (not sync) BatchNorm, then a bias-free 1x1 nn.Conv2d."""
+    if type(bn) is not CustomBatchNormReLU:
+        raise NormUnavailable(f"norm.apply_in_pointwise needs norm=custom without sync_bn (got {type(bn).__name__}); "
+                              "set norm.apply_in_pointwise=false")
+    if (not isinstance(conv, nn.Conv2d) or conv.kernel_size != (1, 1) or conv.stride != (1, 1) or conv.groups != 1
+            or conv.bias is not None or conv.padding != (0, 0)):
+        raise NormUnavailable(f"norm.apply_in_pointwise needs a bias-free 1x1 convolution of stride 1 after the "
+                              f"BatchNorm, got {conv}; set norm.apply_in_pointwise=false")
+
+
+def norm_relu_pointwise(bn: "CustomBatchNormReLU", conv: nn.Conv2d, y: Tensor) -> tuple[Tensor, Tensor | None]:
+    """(conv(bn(y)), its per-channel sums or None) in training with bn's normalize and ReLU applied by cuDNN's fused
+    convolutions as they load y (kernels.norm_pointwise): bn computes only its batch statistics (and updates its
+    running statistics in that kernel), and bn(y) is never stored; the sums (sum and sum of squares of the output)
+    can replace the next BatchNorm's statistics pass (norm_relu_depthwise). The same output as conv(bn(y)) to
+    rounding; eval mode runs conv(bn(y)) and gives no sums. A training input the fused graphs do not take stops the
+    run (NormUnavailable naming why): nothing falls back."""
+    check_apply_in_pointwise(bn, conv)
+    if not _uses_batch_stats(bn):
+        return conv(bn(y)), None
+    if not y.is_cuda:
+        raise NormUnavailable(f"norm.apply_in_pointwise is on: cuDNN's fused convolutions need a CUDA tensor, got one "
+                              f"on {y.device}")
+    _check_batch_size(y)
+    from kernels.norm_pointwise import batch_norm_relu_conv1x1, pointwise_unsupported
+
+    why = pointwise_unsupported(y, conv.weight)
+    if why is not None:
+        raise NormUnavailable(f"norm.apply_in_pointwise is on: this pointwise conv cannot apply the BatchNorm before "
+                              f"it ({why}); set norm.apply_in_pointwise=false")
+    update = bn.training and bn.track_running_stats
+    if update and bn.momentum is None:
+        raise NormUnavailable("norm.apply_in_pointwise (on) updates the running statistics with a momentum; this "
+                              "BatchNorm has momentum=None (a cumulative average); set norm.apply_in_pointwise=false")
+    running = (bn.running_mean, bn.running_var, bn.num_batches_tracked) if update else (None, None, None)
+    return batch_norm_relu_conv1x1(y, bn.weight, bn.bias, conv.weight, bn.eps, *running,
+                                   momentum=bn.momentum if update else None)
 
 
 def _custom_check(device: torch.device) -> None:

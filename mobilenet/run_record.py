@@ -12,7 +12,7 @@ from . import streams
 from .config import enum_value
 from .distributed import DistInfo
 from .meter import Throughput
-from .model import apply_in_depthwise_state
+from .model import apply_in_depthwise_state, apply_in_pointwise_state
 from .norm import running_update_label
 
 
@@ -31,6 +31,9 @@ def norm_label(cfg, training: bool = True) -> str:
     if cfg.norm.name == "custom":
         applied, why = apply_in_depthwise_state(cfg)
         label += f" (applied by the depthwise kernel after it, in training; {why})" if applied else f" ({why})"
+        applied, why = apply_in_pointwise_state(cfg)
+        label += (f" (applied by cuDNN's fused pointwise conv after it, in training; {why})" if applied
+                  else f" ({why})")
     return label
 
 

@@ -3,9 +3,12 @@ noise floor.
 
     python scripts/compare_loss_curves.py [--backends custom,cudnn] [--steps 100] [--out FILE] [HYDRA OVERRIDES ...]
     python scripts/compare_loss_curves.py --norms custom,torch --steps 300 backend=custom amp=true channels_last=true
+    python scripts/compare_loss_curves.py --setting norm.apply_in_pointwise=true,false --steps 300 backend=custom \
+        norm=custom amp=true channels_last=true data=synthetic
 
 Each candidate trains `--steps` steps from the same seed (same initial weights, same batches) in one process.
-`--backends` varies `backend` (the overrides fix the norm), `--norms` varies `norm` (the overrides fix the backend).
+`--backends` varies `backend` (the overrides fix the norm), `--norms` varies `norm` (the overrides fix the backend),
+`--setting NAME=A,B` any other setting.
 The reference runs twice, the second time with every initial weight perturbed by a random relative 2^-11 (half
 an fp16 ulp): how far that moves the loss curve is the noise floor, what rounding alone does to this training. The
 candidate matches when its gap to the reference stays within `--tolerance` times that floor (plus a small
@@ -50,17 +53,25 @@ def main() -> int:
     which = p.add_mutually_exclusive_group()
     which.add_argument("--backends", help="CANDIDATE,REFERENCE depthwise backends (the default: custom,cudnn)")
     which.add_argument("--norms", help="CANDIDATE,REFERENCE norms, e.g. custom,torch")
+    which.add_argument("--setting", help="NAME=CANDIDATE,REFERENCE: any other setting, e.g. "
+                                         "norm.apply_in_pointwise=true,false")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--tolerance", type=float, default=3.0, help="allowed multiple of the reference's own run-to-run gap")
     p.add_argument("--slack", type=float, default=1e-3, help="absolute loss slack added to the allowed gap")
     p.add_argument("--out", type=Path)
     args, overrides = p.parse_known_args()
-    axis, values = ("norm", args.norms) if args.norms else ("backend", args.backends or "custom,cudnn")
+    if args.setting:
+        if "=" not in args.setting:
+            p.error(f"--setting takes NAME=CANDIDATE,REFERENCE, got {args.setting!r}")
+        (axis, values), option = args.setting.split("=", 1), "--setting"
+    else:
+        axis, values = ("norm", args.norms) if args.norms else ("backend", args.backends or "custom,cudnn")
+        option = f"--{axis}s"
     pair = values.split(",")
     if len(pair) != 2 or not all(pair):
-        p.error(f"--{axis}s takes CANDIDATE,REFERENCE (two names and a comma), got {values!r}")
+        p.error(f"{option} takes CANDIDATE,REFERENCE (two values and a comma), got {values!r}")
     if any(o.split("=", 1)[0] == axis for o in overrides):
-        p.error(f"{axis} is what --{axis}s varies: leave it out of the overrides")
+        p.error(f"{axis} is what {option} varies: leave it out of the overrides")
     candidate, reference = (f"{axis}={v}" for v in pair)
     overrides = overrides or DEFAULT
     log_root = Path("runs") / "loss_curves"

@@ -405,6 +405,25 @@ def test_a_kernel_name_decides_before_the_op_that_launched_it():
     assert category_of(dw_kernel, walk) == "depthwise"
 
 
+def test_a_convolution_launched_by_a_batchnorm_pair_is_a_convolution():
+    """norm.apply_in_pointwise: the pair's op launches the BatchNorm's statistics kernel and cuDNN's convolutions."""
+    from mobilenet.profiling.classify import category_of
+    from mobilenet.profiling.trace import Event
+    fused = Event("xmma__5x_cudnn::gemm::warp_specialized_kernel_gmma_utmaldg<xmma__5x_cudnn::implicit_gemm::fprop>",
+                  "kernel", 0.0, 1.0, 7, 0, {})
+    stats = Event("void mbn::reduce_nhwc<8, mbn::StatsOp<mdw::F16T> >(mbn::StatsOp<mdw::F16T>, int, int, int, float*)",
+                  "kernel", 0.0, 1.0, 7, 0, {})
+    forward = [Event("mobilenet_cudnn::sbr_conv1x1", "cpu_op", 0.0, 1.0, 1, 1, {}),
+               Event("_BatchNormReluConv1x1", "cpu_op", 0.0, 1.0, 1, 1, {})]
+    assert category_of(fused, forward) == "other"
+    assert category_of(stats, [Event("mobilenet_bn::bn_stats_update", "cpu_op", 0.0, 1.0, 1, 1, {}),
+                               Event("_BatchNormReluConv1x1", "cpu_op", 0.0, 1.0, 1, 1, {})]) == "norm"
+    dgrad = [Event("aten::convolution_backward", "cpu_op", 0.0, 1.0, 1, 1, {}),
+             Event("_BatchNormReluConv1x1Backward", "cpu_op", 0.0, 1.0, 1, 1, {})]
+    assert category_of(fused, dgrad) == "other"
+    assert category_of(fused, [Event("_BatchNormReluConv1x1Backward", "cpu_op", 0.0, 1.0, 1, 1, {})]) == "norm"
+
+
 def test_fixture_pageable_copies():
     """User report 1: host-to-device copies of pageable memory dominate the GPU time."""
     r = _fixture("fp32_pageable_infer")

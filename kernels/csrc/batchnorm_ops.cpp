@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <optional>
 #include <tuple>
 #include <utility>
 
@@ -356,6 +357,64 @@ void bn_update_running_stats_unbiased(at::Tensor& running_mean, at::Tensor& runn
                                        c10::cuda::getCurrentCUDAStream());
 }
 
+// --- norm.apply_in_pointwise: around cuDNN's fused convolutions (kernels/norm_pointwise.py) ------------------------
+
+// [2, C] in `dtype`: scale = weight * invstd and shift = bias - mean * scale.
+at::Tensor bn_scale_shift(const at::Tensor& mean, const at::Tensor& invstd, const at::Tensor& weight,
+                          const at::Tensor& bias, c10::ScalarType dtype) {
+  TORCH_CHECK(mean.is_cuda() && mean.dim() == 1, "bn_scale_shift: mean must be a 1-D CUDA tensor");
+  const std::pair<const at::Tensor*, const char*> vectors[] = {
+      {&mean, "mean"}, {&invstd, "invstd"}, {&weight, "weight"}, {&bias, "bias"}};
+  for (const auto& [t, name] : vectors) {
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == mean.size(0) && t->scalar_type() == at::kFloat &&
+                    t->device() == mean.device() && t->is_contiguous(),
+                "bn_scale_shift: ", name, " must be a contiguous float32 (", mean.size(0), ",) tensor on ",
+                mean.device(), ", got ", t->scalar_type(), " ", t->sizes(), " on ", t->device());
+  }
+  const DType dt = to_dtype(dtype);
+  c10::cuda::CUDAGuard guard(mean.device());
+  at::Tensor out = at::empty({2, mean.size(0)}, mean.options().dtype(dtype));
+  launch_scale_shift(static_cast<int>(mean.size(0)), dt, mean.const_data_ptr<float>(), invstd.const_data_ptr<float>(),
+                     weight.const_data_ptr<float>(), bias.const_data_ptr<float>(), out.mutable_data_ptr(),
+                     c10::cuda::getCurrentCUDAStream());
+  return out;
+}
+
+// (mean, invstd, biased var) from sums [2, C] fp32 of `count` values per channel; with running_mean, running_var and
+// num_batches_tracked, the running statistics updated (momentum in [0, 1]).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_stats_from_sums(
+    const at::Tensor& sums, int64_t count, const std::optional<at::Tensor>& running_mean,
+    const std::optional<at::Tensor>& running_var, const std::optional<at::Tensor>& num_batches_tracked, double eps,
+    double momentum) {
+  TORCH_CHECK(sums.is_cuda() && sums.dim() == 2 && sums.size(0) == 2 && sums.scalar_type() == at::kFloat &&
+                  sums.is_contiguous(),
+              "bn_stats_from_sums: sums must be a contiguous float32 (2, C) CUDA tensor, got ", sums.scalar_type(),
+              " ", sums.sizes(), " on ", sums.device());
+  TORCH_CHECK(count > 1, "bn_stats_from_sums: the unbiased variance needs more than 1 value per channel, got ", count);
+  const int64_t C = sums.size(1);
+  c10::cuda::CUDAGuard guard(sums.device());
+  at::Tensor mean = at::empty({C}, sums.options()), invstd = at::empty({C}, sums.options()),
+             var = at::empty({C}, sums.options());
+  RunningUpdate update;
+  const bool updating = running_mean.has_value();
+  TORCH_CHECK(updating == running_var.has_value() && updating == num_batches_tracked.has_value(),
+              "bn_stats_from_sums: give running_mean, running_var and num_batches_tracked together, or none");
+  if (updating) {
+    TORCH_CHECK(momentum >= 0, "bn_stats_from_sums: the running-statistics update needs momentum in [0, 1], got ",
+                momentum);
+    check_running_stats(*running_mean, *running_var, *num_batches_tracked, mean, var, momentum);
+    update.running_mean = running_mean->mutable_data_ptr<float>();
+    update.running_var = running_var->mutable_data_ptr<float>();
+    update.num_batches_tracked = num_batches_tracked->mutable_data_ptr<int64_t>();
+    update.momentum = momentum;
+    update.count = count;
+  }
+  launch_stats_from_sums(static_cast<int>(C), sums.const_data_ptr<float>(), count, static_cast<float>(eps),
+                         mean.mutable_data_ptr<float>(), invstd.mutable_data_ptr<float>(),
+                         var.mutable_data_ptr<float>(), update, c10::cuda::getCurrentCUDAStream());
+  return {mean, invstd, var};
+}
+
 }  // namespace
 }  // namespace mbn
 
@@ -399,6 +458,13 @@ TORCH_LIBRARY(mobilenet_bn, m) {
   m.def(
       "bn_stats_update(Tensor x, Tensor weight, Tensor bias, Tensor(a!) running_mean, Tensor(b!) running_var, "
       "Tensor(c!) num_batches_tracked, float eps, float momentum) -> (Tensor, Tensor, Tensor)");
+  // norm.apply_in_pointwise (kernels/norm_pointwise.py): the per-channel operands of cuDNN's fused convolutions,
+  // scale and shift in their dtype as [2, C]; and the statistics from cuDNN's genstats sums [2, C] fp32 (sum and
+  // sum of squares of `count` values per channel), with the running statistics updated when given.
+  m.def("bn_scale_shift(Tensor mean, Tensor invstd, Tensor weight, Tensor bias, ScalarType dtype) -> Tensor");
+  m.def(
+      "bn_stats_from_sums(Tensor sums, int count, Tensor(a!)? running_mean, Tensor(b!)? running_var, "
+      "Tensor(c!)? num_batches_tracked, float eps, float momentum) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(mobilenet_bn, CUDA, m) {
@@ -414,4 +480,6 @@ TORCH_LIBRARY_IMPL(mobilenet_bn, CUDA, m) {
   m.impl("bn_relu_grad_sums", &mbn::bn_relu_grad_sums);
   m.impl("bn_relu_input_grad", &mbn::bn_relu_input_grad);
   m.impl("bn_update_running_stats_unbiased", &mbn::bn_update_running_stats_unbiased);
+  m.impl("bn_scale_shift", &mbn::bn_scale_shift);
+  m.impl("bn_stats_from_sums", &mbn::bn_stats_from_sums);
 }

@@ -959,4 +959,63 @@ void launch_update_running_stats_unbiased(int C, const float* mean, const float*
   launch_update(C, mean, unbiased_var, 1.f, momentum, running_mean, running_var, num_batches_tracked, stream);
 }
 
+// --- norm.apply_in_pointwise: the per-channel kernels around cuDNN's fused convolutions -----------------------------
+
+namespace {
+
+// scale = weight * invstd (the forward's, bn_scale) and shift = bias - mean * scale, rounded to T: the per-channel
+// operands of a cuDNN convolution that applies relu(x * scale + shift) to its input as it loads it. The shift is
+// taken against the rounded scale, so that x * scale + shift = (x - mean) * scale + bias up to the shift's own
+// rounding, |bias - mean * scale| * 2^-11 in fp16 (2^-8 in bf16): small where |mean| is within a few deviations.
+template <class TT>
+__global__ void __launch_bounds__(256) scale_shift(int C, const float* mean, const float* invstd, const float* weight,
+                                                   const float* bias, typename TT::S* out) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  const typename TT::S scale = TT::from_acc(bn_scale(weight[c], invstd[c]));
+  out[c] = scale;
+  out[C + c] = TT::from_acc(__fsub_rn(bias[c], __fmul_rn(mean[c], TT::to_acc(scale))));
+}
+
+// The batch statistics from the sum and the sum of squares of `count` values per channel (sums [2][C], fp32, as
+// cuDNN's genstats writes them), in fp64 from there, and the running statistics updated from them as
+// finalize_stats updates them (momentum >= 0; u.running_mean == nullptr: no update).
+__global__ void __launch_bounds__(256)
+    stats_from_sums(int C, const float* sums, double count, float eps, float* mean, float* invstd, float* var,
+                    FinalizeUpdate u) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  const double m = static_cast<double>(sums[c]) / count;
+  const double v = fmax(static_cast<double>(sums[C + c]) / count - m * m, 0.0);
+  const float mf = static_cast<float>(m), vf = static_cast<float>(v);
+  mean[c] = mf;
+  invstd[c] = static_cast<float>(1.0 / sqrt(v + static_cast<double>(eps)));
+  var[c] = vf;
+  if (u.running_mean != nullptr) {
+    update_channel(c, mf, vf, u.unbias, u.momentum, u.keep, u.running_mean, u.running_var);
+    if (c == 0) *u.num_batches_tracked += 1;
+  }
+}
+
+}  // namespace
+
+void launch_scale_shift(int C, DType dt, const float* mean, const float* invstd, const float* weight,
+                        const float* bias, void* out, cudaStream_t stream) {
+  const int blocks = ceil_div(C, 256);
+  if (dt == DType::F16)
+    scale_shift<F16T><<<blocks, 256, 0, stream>>>(C, mean, invstd, weight, bias, static_cast<F16T::S*>(out));
+  else if (dt == DType::BF16)
+    scale_shift<BF16T><<<blocks, 256, 0, stream>>>(C, mean, invstd, weight, bias, static_cast<BF16T::S*>(out));
+  else
+    scale_shift<F32T><<<blocks, 256, 0, stream>>>(C, mean, invstd, weight, bias, static_cast<F32T::S*>(out));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void launch_stats_from_sums(int C, const float* sums, int64_t count, float eps, float* mean, float* invstd,
+                            float* var, const RunningUpdate& update, cudaStream_t stream) {
+  stats_from_sums<<<ceil_div(C, 256), 256, 0, stream>>>(C, sums, static_cast<double>(count), eps, mean, invstd, var,
+                                                         finalize_update(update));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace mbn

@@ -119,4 +119,13 @@ void launch_update_running_stats_unbiased(int C, const float* mean, const float*
                                           float* running_mean, float* running_var, int64_t* num_batches_tracked,
                                           cudaStream_t stream);
 
+// norm.apply_in_pointwise (kernels/norm_pointwise.py): out [2][C] in dt = (weight * invstd, bias - mean * scale), the
+// operands of a cuDNN convolution that normalizes its input as it loads it; and the batch statistics (fp32 mean,
+// invstd, biased var) from [2][C] fp32 sums and sums of squares of `count` values per channel, with the running
+// statistics updated as the forward's finalize updates them (momentum in [0, 1]).
+void launch_scale_shift(int C, DType dt, const float* mean, const float* invstd, const float* weight,
+                        const float* bias, void* out, cudaStream_t stream);
+void launch_stats_from_sums(int C, const float* sums, int64_t count, float eps, float* mean, float* invstd,
+                            float* var, const RunningUpdate& update, cudaStream_t stream);
+
 }  // namespace mbn

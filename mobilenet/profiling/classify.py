@@ -55,6 +55,11 @@ CATEGORY_TITLES = {
 NORM_OPS = re.compile(r"batch_norm|BatchNorm|NativeBatchNorm|mobilenet_bn::|bn_relu|aten::relu|ReluBackward|"
                       r"threshold_backward|ThresholdBackward|bnp\.|groupbn", re.I)
 NORM_KERNELS = re.compile(r"^(void )?mbn::|batch_?norm|bn_fw|bn_bw|nhwc_batch_norm", re.I)
+# Convolution ops (not depthwise ones, which are decided before): under norm.apply_in_pointwise the op that launches
+# a pointwise convolution is the BatchNorm + ReLU pair's (_BatchNormReluConv1x1), whose name says BatchNorm; the
+# convolution's own op (cuDNN's fused graph, or aten's dgrad) says what the kernel is.
+CONV_OPS = re.compile(r"mobilenet_cudnn::|^aten::(conv2d|convolution|_convolution|cudnn_convolution|"
+                      r"convolution_backward)$")
 
 
 def short_kernel_name(name: str, width: int = 110) -> str:
@@ -141,6 +146,8 @@ def category_of(row: Event, ops: list[Event]) -> str:
         category = "norm"
     if category == "other" and any(_is_depthwise_conv(op) for op in ops):
         category = "depthwise"
+    if category == "other" and any(CONV_OPS.search(op.name) for op in ops):
+        return category
     if category == "other" and any(NORM_OPS.search(op.name) for op in ops):
         category = "norm"
     return category
