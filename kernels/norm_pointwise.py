@@ -173,12 +173,13 @@ class _Plan:
                                          handle=self.handle)
 
 
-def _run(kind: str, y: Tensor, w: Tensor, feeds: dict[str, Tensor]) -> None:
+def _plan(kind: str, y: Tensor, w: Tensor, feeds: dict[str, Tensor]) -> _Plan:
+    """The plan for this shape, built and autotuned on `feeds` (which that overwrites) on its first use."""
     key = (kind, tuple(y.shape), tuple(w.shape), y.dtype, y.device)
     plan = _plans.get(key)
     if plan is None:
         plan = _plans[key] = _Plan(kind, y, w, feeds)
-    plan.run(feeds)
+    return plan
 
 
 def _fprop_outputs(y: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
@@ -192,9 +193,11 @@ def sbr_conv1x1(y: Tensor, scale_shift: Tensor, w: Tensor) -> tuple[Tensor, Tens
     """(conv1x1(relu(y * scale + shift), w), [2, K] fp32 sums and sums of squares of that output per channel);
     scale_shift [2, C] in y's dtype (mobilenet_bn::bn_scale_shift)."""
     out, sums = _fprop_outputs(y, w)
-    sums.zero_()  # genstats accumulates into its outputs
-    _run("fprop", y, w, {"y": y, "scale": scale_shift[0], "shift": scale_shift[1], "w": w, "out": out,
-                         "sum": sums[0], "sumsq": sums[1]})
+    feeds = {"y": y, "scale": scale_shift[0], "shift": scale_shift[1], "w": w, "out": out, "sum": sums[0],
+             "sumsq": sums[1]}
+    plan = _plan("fprop", y, w, feeds)
+    sums.zero_()  # genstats adds into its outputs (and the autotuning ran it already)
+    plan.run(feeds)
     return out, sums
 
 
@@ -207,8 +210,8 @@ def _(y, scale_shift, w):
 def sbr_conv1x1_wgrad(grad_out: Tensor, y: Tensor, scale_shift: Tensor, w: Tensor) -> Tensor:
     """The weight gradient of sbr_conv1x1's output, relu(y * scale + shift) recomputed from y."""
     grad_w = torch.empty(w.shape, dtype=y.dtype, device=y.device, memory_format=torch.channels_last)
-    _run("wgrad", y, w, {"y": y, "scale": scale_shift[0], "shift": scale_shift[1], "grad_out": grad_out,
-                         "grad_w": grad_w})
+    feeds = {"y": y, "scale": scale_shift[0], "shift": scale_shift[1], "grad_out": grad_out, "grad_w": grad_w}
+    _plan("wgrad", y, w, feeds).run(feeds)
     return grad_w
 
 
