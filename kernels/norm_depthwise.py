@@ -28,7 +28,7 @@ from torch import Tensor
 
 from . import kernel_layout, load
 from .depthwise_args import out_shape, stats_unsupported
-from .norm_ops import _check_channel_vectors, _check_supported, _check_unbiased_count, _f32
+from .norm_ops import _check_running_update, _check_supported, _f32
 
 load()
 
@@ -137,13 +137,7 @@ def batch_norm_relu_depthwise_conv2d(y: Tensor, norm_weight: Tensor, norm_bias: 
     why = normed_unsupported(y, conv_weight, None, stride, padding)
     if why is not None:
         raise ValueError(f"batch_norm_relu_depthwise_conv2d: {why}")
-    update = running_mean is not None
-    if update:
-        if momentum is None or not 0.0 <= momentum <= 1.0:
-            raise ValueError(f"batch_norm_relu_depthwise_conv2d: momentum must be in [0, 1] to update the running "
-                             f"statistics, got {momentum}")
-        _check_channel_vectors(y, running_mean=running_mean, running_var=running_var)
-        _check_unbiased_count("batch_norm_relu_depthwise_conv2d", y.numel() // y.shape[1])
+    update = _check_running_update("batch_norm_relu_depthwise_conv2d", y, momentum, running_mean, running_var)
     if sums is not None and (sums.dtype != torch.float32 or tuple(sums.shape) != (2, y.shape[1])):
         raise ValueError(f"batch_norm_relu_depthwise_conv2d: sums must be a float32 (2, {y.shape[1]}) tensor, got "
                          f"{sums.dtype} {tuple(sums.shape)}")

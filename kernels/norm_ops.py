@@ -300,6 +300,19 @@ def update_running_stats(running_mean: Tensor, running_var: Tensor, num_batches_
     _update(running_mean, running_var, num_batches_tracked, mean, var, _momentum_arg(momentum), int(count))
 
 
+def _check_running_update(op: str, x: Tensor, momentum: float | None, running_mean: Tensor | None,
+                          running_var: Tensor | None) -> bool:
+    """Whether a pair's statistics kernel updates running statistics (running_mean given), checking what that needs:
+    a momentum in [0, 1], (C,) vectors, more than one value per channel."""
+    if running_mean is None:
+        return False
+    if momentum is None or not 0.0 <= momentum <= 1.0:
+        raise ValueError(f"{op}: momentum must be in [0, 1] to update the running statistics, got {momentum}")
+    _check_channel_vectors(x, running_mean=running_mean, running_var=running_var)
+    _check_unbiased_count(op, x.numel() // x.shape[1])
+    return True
+
+
 def _check_unbiased_count(op: str, count: int) -> None:
     if count < 2:
         raise ValueError(f"{op}: the unbiased variance needs more than 1 value per channel, got {count}")

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from .cudnn_frontend import cudnn_frontend_missing
-from .norm_ops import _check_channel_vectors, _check_supported, _check_unbiased_count, _f32
+from .norm_ops import _check_running_update, _check_supported, _f32
 
 __all__ = ["pointwise_unsupported", "batch_norm_relu_conv1x1", "stats_from_sums", "sbr_conv1x1", "sbr_conv1x1_wgrad"]
 
@@ -294,13 +294,7 @@ def batch_norm_relu_conv1x1(y: Tensor, norm_weight: Tensor, norm_bias: Tensor, c
     if missing is not None:
         raise ValueError(f"batch_norm_relu_conv1x1 needs {missing}")
     conv_weight = conv_weight.to(y.dtype).contiguous(memory_format=torch.channels_last)
-    update = running_mean is not None
-    if update:
-        if momentum is None or not 0.0 <= momentum <= 1.0:
-            raise ValueError(f"batch_norm_relu_conv1x1: momentum must be in [0, 1] to update the running statistics, "
-                             f"got {momentum}")
-        _check_channel_vectors(y, running_mean=running_mean, running_var=running_var)
-        _check_unbiased_count("batch_norm_relu_conv1x1", y.numel() // y.shape[1])
+    update = _check_running_update("batch_norm_relu_conv1x1", y, momentum, running_mean, running_var)
     return _BatchNormReluConv1x1.apply(y, _f32(norm_weight), _f32(norm_bias), conv_weight, running_mean, running_var,
                                        num_batches_tracked, float(eps), float(momentum) if update else 0.0)
 

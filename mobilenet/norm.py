@@ -263,6 +263,18 @@ def depthwise_norm_relu(conv: nn.Module, bn: "CustomBatchNormReLU", x: Tensor) -
 # --- norm.apply_in_depthwise: the BatchNorm + ReLU before a depthwise conv, applied by that conv's kernels ---------
 
 
+def _running_update(switch: str, bn: nn.BatchNorm2d) -> tuple[tuple, float | None]:
+    """((running_mean, running_var, num_batches_tracked), momentum) for a pair whose statistics kernel updates bn's
+    running statistics, or ((None,) * 3, None) where bn updates none; a cumulative average (momentum=None), which
+    those kernels do not compute, stops the run naming `switch`."""
+    if not (bn.training and bn.track_running_stats):
+        return (None, None, None), None
+    if bn.momentum is None:
+        raise NormUnavailable(f"{switch} (on) updates the running statistics with a momentum; this BatchNorm has "
+                              f"momentum=None (a cumulative average); set {switch}=false")
+    return (bn.running_mean, bn.running_var, bn.num_batches_tracked), bn.momentum
+
+
 def check_apply_in_depthwise(bn: nn.Module, conv: nn.Module) -> None:
     """The pair norm_relu_depthwise runs: a norm=custom (not sync) BatchNorm, then a backend=custom depthwise conv."""
     _require_custom_pair("norm.apply_in_depthwise", conv, bn)
@@ -292,13 +304,9 @@ def norm_relu_depthwise(bn: "CustomBatchNormReLU", conv: nn.Module, y: Tensor, s
     if why is not None:
         raise NormUnavailable(f"norm.apply_in_depthwise is on: this depthwise conv cannot apply the BatchNorm before "
                               f"it ({why}); set norm.apply_in_depthwise=false")
-    update = bn.training and bn.track_running_stats
-    if update and bn.momentum is None:
-        raise NormUnavailable("norm.apply_in_depthwise (on) updates the running statistics with a momentum; this "
-                              "BatchNorm has momentum=None (a cumulative average); set norm.apply_in_depthwise=false")
-    running = (bn.running_mean, bn.running_var, bn.num_batches_tracked) if update else (None, None, None)
+    running, momentum = _running_update("norm.apply_in_depthwise", bn)
     return batch_norm_relu_depthwise_conv2d(y, bn.weight, bn.bias, conv.weight, conv.stride, conv.padding, bn.eps,
-                                            *running, momentum=bn.momentum if update else None, sums=sums)
+                                            *running, momentum=momentum, sums=sums)
 
 
 # --- norm.apply_in_pointwise: the BatchNorm + ReLU before a pointwise conv, applied by cuDNN's fused convolutions ---
@@ -335,13 +343,8 @@ def norm_relu_pointwise(bn: "CustomBatchNormReLU", conv: nn.Conv2d, y: Tensor) -
     if why is not None:
         raise NormUnavailable(f"norm.apply_in_pointwise is on: this pointwise conv cannot apply the BatchNorm before "
                               f"it ({why}); set norm.apply_in_pointwise=false")
-    update = bn.training and bn.track_running_stats
-    if update and bn.momentum is None:
-        raise NormUnavailable("norm.apply_in_pointwise (on) updates the running statistics with a momentum; this "
-                              "BatchNorm has momentum=None (a cumulative average); set norm.apply_in_pointwise=false")
-    running = (bn.running_mean, bn.running_var, bn.num_batches_tracked) if update else (None, None, None)
-    return batch_norm_relu_conv1x1(y, bn.weight, bn.bias, conv.weight, bn.eps, *running,
-                                   momentum=bn.momentum if update else None)
+    running, momentum = _running_update("norm.apply_in_pointwise", bn)
+    return batch_norm_relu_conv1x1(y, bn.weight, bn.bias, conv.weight, bn.eps, *running, momentum=momentum)
 
 
 def _custom_check(device: torch.device) -> None:

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from mobilenet.config import compose
 from mobilenet.model import MobileNetV1
 from mobilenet.norm import NormUnavailable
+from test_norm_in_depthwise import _batch
+from test_norm_in_depthwise import _step as _depthwise_step
 
 HAS_FRONTEND = importlib.util.find_spec("cudnn") is not None
 PAIR = ["backend=custom", "norm=custom", "channels_last=true", "amp=true", "data=synthetic"]
@@ -336,20 +338,8 @@ def _models():
     return off, on
 
 
-def _step(model, x, target, dtype=torch.float16):
-    """One training step's loss, every gradient and every buffer, in module order."""
-    model.zero_grad(set_to_none=True)
-    with torch.autocast("cuda", dtype=dtype):
-        loss = F.cross_entropy(model(x), target)
-    loss.backward()
-    return ([loss.detach()] + [p.grad.detach().clone() for p in model.parameters()]
-            + [b.detach().clone() for b in model.buffers()])
-
-
-def _batch():
-    g = torch.Generator(device="cuda").manual_seed(8)
-    x = torch.randn(16, 3, 64, 64, device="cuda", generator=g).contiguous(memory_format=torch.channels_last)
-    return x, torch.randint(0, 10, (16,), device="cuda", generator=g)
+def _step(model, x, target):
+    return _depthwise_step(model, x, target, torch.float16)
 
 
 def _perturbed(model):
@@ -367,9 +357,7 @@ def _perturbed(model):
 
 def _within_noise(ref, cand, floor):
     """Every tensor of `cand` is as close to `ref` as rounding alone moves it (`floor`: the same step from weights
-    perturbed by half an fp16 ulp), with a factor of 3 as compare_loss_curves.py allows. A whole model's gradients at
-    initialisation are sums with much cancellation, so their relative differences are large for any change of
-    rounding: only a comparison with this floor separates a bug from rounding."""
+    perturbed by half an fp16 ulp), with a factor of 3 as compare_loss_curves.py allows."""
     for i, (r, c, f) in enumerate(zip(ref, cand, floor)):
         if not r.is_floating_point():
             assert torch.equal(r, c), i

@@ -273,7 +273,7 @@ def main() -> None:
               + ", ".join(f"{k} {v:.2e}" for k, v in checks), flush=True)
         for n in notes:
             print("  " + n, flush=True)
-        del captured, graphs
+        captured.clear()
         torch.cuda.empty_cache()
     keys = list(totals)
     print("\n| layer | " + " | ".join(keys) + " |")
