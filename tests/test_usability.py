@@ -195,3 +195,23 @@ def test_compare_reads_a_train_py_grid(tmp_path):
     for row in rows:
         cells = [c.strip() for c in row.split("|")[1:-1]]
         assert float(cells[7].replace(",", "")) > 0 and cells[9] == "" and cells[10] == ""  # train img/s; infer blank
+
+
+def test_compare_loss_curves_varies_any_setting(tmp_path):
+    """--setting NAME=A,B: the two runs differ in that setting alone (here one that leaves a CPU run's arithmetic as
+    it is, so the curves match); the report names it, and a setting also given as an override is refused."""
+    out = tmp_path / "curves.md"
+    script = [sys.executable, "scripts/compare_loss_curves.py"]
+    proc = subprocess.run([*script, "--setting", "cuda_graph=false,auto", "--steps", "3", "--out", str(out),
+                           *TINY_SYNTHETIC], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = out.read_text()
+    assert "# Loss curves: cuda_graph=false vs cuda_graph=auto, same seed, 3 steps" in report
+    assert "Match within noise: yes" in report
+    refused = subprocess.run([*script, "--setting", "cuda_graph=false,auto", "cuda_graph=true"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "cuda_graph is what --setting varies" in refused.stderr
+    malformed = subprocess.run([*script, "--setting", "cuda_graph"], cwd=ROOT, capture_output=True, text=True,
+                               timeout=120)
+    assert malformed.returncode == 2 and "--setting takes NAME=CANDIDATE,REFERENCE" in malformed.stderr
