@@ -196,7 +196,7 @@ def sbr_conv1x1(y: Tensor, scale_shift: Tensor, w: Tensor) -> tuple[Tensor, Tens
     feeds = {"y": y, "scale": scale_shift[0], "shift": scale_shift[1], "w": w, "out": out, "sum": sums[0],
              "sumsq": sums[1]}
     plan = _plan("fprop", y, w, feeds)
-    sums.zero_()  # genstats adds into its outputs (and the autotuning ran it already)
+    sums.zero_()  # cuDNN does not document that genstats overwrites its outputs; the autotuning has run it
     plan.run(feeds)
     return out, sums
 
