@@ -1,24 +1,27 @@
 """norm.apply_in_pointwise: a BatchNorm + ReLU (training, batch statistics) whose normalize is done by the 1x1
 convolution after it, through cuDNN's fused convolutions (the graph API, driven by cudnn-frontend's Python
-bindings: `pip install nvidia-cudnn-frontend`). relu(batch_norm(y)) is never written or read back: the BatchNorm
-computes only its statistics, and cuDNN's forward and weight-gradient kernels apply relu(y * scale + shift) to y as
-they load it (scale = weight * invstd, shift = bias - mean * scale, fp32 per channel), the way NVIDIA's MLPerf
-ResNet-50 fuses its NHWC BatchNorms into the next convolution.
+bindings: `pip install -e ".[cudnn]"`). relu(batch_norm(y)) is never written or read back: the BatchNorm computes
+only its statistics, and cuDNN's forward and weight-gradient kernels apply relu(y * scale + shift) to y as they load
+it (scale = weight * invstd, shift = bias - mean * scale per channel, rounded to fp16: cuDNN 9.19 runs no fp32
+operands here on Hopper), the way NVIDIA's MLPerf ResNet-50 fuses its NHWC BatchNorms into the next convolution.
+fp16 only: bf16 operands are too coarse.
 
   mobilenet_bn::bn_scale_shift(mean, invstd, weight, bias, dtype) -> scale_shift
-      [2, C] in y's dtype: scale = weight * invstd, shift = bias - mean * scale (cuDNN takes no fp32 operands here).
+      [2, C] in y's dtype: scale = weight * invstd, shift = bias - mean * scale against the rounded scale.
   mobilenet_cudnn::sbr_conv1x1(y, scale_shift, w) -> (out, sums)
-      conv1x1(relu(y * scale + shift), w): y channels_last fp16/bf16, w (K, C, 1, 1) in y's dtype, out like y; and
+      conv1x1(relu(y * scale + shift), w): y channels_last fp16, w (K, C, 1, 1) in y's dtype, out like y; and
       sums [2, K] fp32, the sum and sum of squares of out per channel (cuDNN's genstats epilogue), from which the
-      next BatchNorm takes its statistics instead of a pass over out (mobilenet_bn::bn_stats_from_sums).
+      next BatchNorm takes its statistics instead of a pass over out (mobilenet_bn::bn_stats_from_sums). genstats
+      adds its blocks' sums with atomics: they vary in their last bits between calls (so steps are not bitwise
+      repeatable, and norm.apply_in_pointwise is off by default); out is repeatable.
   mobilenet_cudnn::sbr_conv1x1_wgrad(grad_out, y, scale_shift, w) -> grad_w
       its weight gradient, relu(y * scale + shift) recomputed from y; grad_w like w.
 
 The backward of the pair: the convolution's input gradient (cuDNN's plain dgrad, which does not read the input),
 the weight gradient above, then mobilenet_bn::bn_relu_bwd, which takes y and recomputes the ReLU's mask from it, as
-norm.apply_in_depthwise does. Each cuDNN graph is built once per shape and autotuned over all its execution plans
-on its first call (cudnn.benchmark's rule), which must not be inside a CUDA-graph capture: train.py's captured step
-runs its warm-up steps eagerly first.
+norm.apply_in_depthwise does. Each cuDNN graph is built once per shape and autotuned over the heuristics' first
+buildable plans on its first call (cudnn.benchmark's rule), which must not be inside a CUDA-graph capture: train.py's
+captured step runs its warm-up steps eagerly first.
 """
 
 from __future__ import annotations
@@ -121,7 +124,7 @@ class _Plan:
         g.validate()
         g.build_operation_graph()
         g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        # Bitwise repeatable steps, as the rest of norm=custom: no engine that cuDNN notes as nondeterministic.
+        # No engine that cuDNN notes as nondeterministic (genstats' atomic sums carry no such note).
         g.deselect_numeric_notes([cudnn.numerical_note.NONDETERMINISTIC])
         g.check_support()
         self.graph, self.tensors = g, t
