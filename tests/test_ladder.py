@@ -29,7 +29,7 @@ TABLE = """| step | overrides | train img/s |
 
 def test_the_ladder_table_gives_its_seven_steps_in_order():
     steps = parse_ladder(TABLE)
-    assert [s.label for s in steps] == list(LADDER_STEPS)
+    assert [s.label for s in steps] == list(LADDER_STEPS[:7])
     assert [s.img_s for s in steps] == [3549, 4711, 15055, 15320, 13986, 14120, 18703]
     assert steps[5].overrides == ("backend=custom norm=custom norm.apply_in_depthwise=true amp=true channels_last=true "
                                   "cuda_graph=false")
@@ -40,6 +40,17 @@ def test_a_table_from_before_the_norm_in_depthwise_step_still_parses():
     steps = parse_ladder(older)
     assert [s.label for s in steps] == [s for s in LADDER_STEPS if s not in OPTIONAL_STEPS]
     assert [s.img_s for s in steps] == [3549, 4711, 15055, 15320, 13986, 18703]
+
+
+def test_the_opt_in_pointwise_step_is_the_last_where_it_ran():
+    ran = TABLE.replace("| round 1:", "| BatchNorm+ReLU in cuDNN's pointwise convs | `norm.apply_in_pointwise=true` | "
+                                      "19,500 |\n| round 1:")
+    steps = parse_ladder(ran)
+    assert [s.label for s in steps] == list(LADDER_STEPS) and steps[-1].img_s == 19500
+    not_run = TABLE.replace("| round 1:", "| BatchNorm+ReLU in cuDNN's pointwise convs (not run) | "
+                                          "`norm.apply_in_pointwise=true` | not run: nvidia-cudnn-frontend is not "
+                                          "installed |\n| round 1:")
+    assert [s.label for s in parse_ladder(not_run)] == list(LADDER_STEPS[:7])
 
 
 def test_a_missing_or_failed_step_is_a_clear_error():

@@ -14,10 +14,12 @@ __all__ = ["LadderStep", "LADDER_STEPS", "OPTIONAL_STEPS", "parse_ladder", "writ
 # The ladder's steps in order, as train_ladder.sh labels them; the rows after them (the alternating rounds, bf16,
 # fp32) are not steps of the ladder.
 NORM_IN_DEPTHWISE_STEP = "BatchNorm+ReLU in the depthwise kernels"
+NORM_IN_POINTWISE_STEP = "BatchNorm+ReLU in cuDNN's pointwise convs"
 LADDER_STEPS = ("fp32 NCHW", "AMP fp16", "channels_last", "custom depthwise", "custom BatchNorm+ReLU",
-                NORM_IN_DEPTHWISE_STEP, "captured step")
-# Steps a table may lack: tables printed before train_ladder.sh measured norm.apply_in_depthwise as a step of its own.
-OPTIONAL_STEPS = frozenset({NORM_IN_DEPTHWISE_STEP})
+                NORM_IN_DEPTHWISE_STEP, "captured step", NORM_IN_POINTWISE_STEP)
+# Steps a table may lack: tables printed before train_ladder.sh measured norm.apply_in_depthwise as a step of its own,
+# and the opt-in norm.apply_in_pointwise, which runs only where nvidia-cudnn-frontend is installed.
+OPTIONAL_STEPS = frozenset({NORM_IN_DEPTHWISE_STEP, NORM_IN_POINTWISE_STEP})
 
 _ROW = re.compile(r"^\|\s*(?P<label>[^|]+?)\s*\|\s*`?(?P<overrides>[^|]*?)`?\s*\|\s*(?P<value>[^|]+?)\s*\|\s*$")
 
