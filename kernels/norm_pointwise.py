@@ -44,13 +44,15 @@ def pointwise_unsupported(y: Tensor, weight: Tensor) -> str | None:
     if y.dtype != torch.float16:
         # cuDNN takes the scale and shift operands in the input's dtype: bf16's 8 significant bits failed the
         # float64 checks that fp16 passes (docs/results/pointwise_norm_fusion_h200.md).
-        return f"cuDNN's fused convolutions are used with fp16 inputs only, got {y.dtype} (run with amp=true amp_dtype=fp16)"
+        return (f"cuDNN's fused convolutions are used with fp16 inputs only, got {y.dtype} (run with amp=true "
+                "amp_dtype=fp16)")
     if y.dim() != 4 or not y.is_contiguous(memory_format=torch.channels_last) or y.is_contiguous():
         return "the input must be channels_last (NHWC)"
     if weight.dim() != 4 or tuple(weight.shape[1:]) != (y.shape[1], 1, 1):
         return f"the convolution must be 1x1 over all {y.shape[1]} channels, got weight {tuple(weight.shape)}"
     if y.shape[1] % 8 or weight.shape[0] % 8:
-        return f"cuDNN's fused kernels need channel counts that are multiples of 8, got {y.shape[1]} -> {weight.shape[0]}"
+        return (f"cuDNN's fused kernels need channel counts that are multiples of 8, got {y.shape[1]} -> "
+                f"{weight.shape[0]}")
     return None
 
 
@@ -310,7 +312,8 @@ def stats_from_sums(sums: Tensor, count: int, eps: float, running_mean: Tensor |
     where given (momentum in [0, 1]). The variance is E[x^2] - E[x]^2 in fp64 from fp32 sums."""
     update = running_mean is not None
     if update and (momentum is None or not 0.0 <= momentum <= 1.0):
-        raise ValueError(f"stats_from_sums: momentum must be in [0, 1] to update the running statistics, got {momentum}")
+        raise ValueError(f"stats_from_sums: momentum must be in [0, 1] to update the running statistics, got "
+                         f"{momentum}")
     mean, invstd, _var = torch.ops.mobilenet_bn.bn_stats_from_sums(sums, count, running_mean, running_var,
                                                                    num_batches_tracked, eps,
                                                                    float(momentum) if update else 0.0)

@@ -87,11 +87,11 @@ class NormConfig:
     # Each BatchNorm + ReLU whose output feeds a pointwise (1x1) conv (the 13 after the depthwise convs) computes only
     # its statistics in training, and cuDNN's fused convolutions (forward and weight gradient, built through
     # cudnn-frontend's graph API) apply relu(batch_norm(.)) as they load their input (kernels/norm_pointwise.py). It
-    # needs norm=custom channels_last=true amp=true sync_bn=false compile=false norm.stats_from_depthwise=false,
-    # channel counts that are multiples of 8 (every width_mult of the paper), and the nvidia-cudnn-frontend package.
-    # auto | true | false as apply_in_depthwise, false by default: measured +4.3% on an H200, and within the fp16 noise
-    # floor over 300 steps, but cuDNN adds its statistics with atomics, so steps are not bitwise repeatable
-    # (docs/results/pointwise_norm_fusion_h200.md).
+    # needs norm=custom channels_last=true amp=true amp_dtype=fp16 sync_bn=false compile=false
+    # norm.stats_from_depthwise=false, channel counts that are multiples of 8 (every width_mult of the paper), and the
+    # nvidia-cudnn-frontend package. auto | true | false as apply_in_depthwise, false by default: measured +4.2-4.5% on
+    # an H200, and within the fp16 noise floor over 300 steps, but cuDNN adds its statistics with atomics, so steps
+    # are not bitwise repeatable (docs/results/pointwise_norm_fusion_h200.md).
     apply_in_pointwise: str = "false"
 
 

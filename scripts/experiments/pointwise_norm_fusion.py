@@ -18,9 +18,10 @@ conv that reads its output, run as the training step runs them today and as cuDN
     python scripts/experiments/pointwise_norm_fusion.py [--batch 256] [--dtype fp16] [--rounds 7] [--iters 20]
 
 Every cuDNN graph is autotuned: the heuristics' first CANDIDATES execution plans are built and the fastest on this
-layer kept (cudnn.benchmark is on for the torch side). Each variant's --iters calls are captured in one CUDA graph; the replays alternate over the
-variants for --rounds rounds, timed with CUDA events. Prints the median time per call of each (layer, variant) in
-microseconds, the sums over the layers, and each fused output's relative difference from the separate one.
+layer kept (cudnn.benchmark is on for the torch side). Each variant's --iters calls are captured in one CUDA graph;
+the replays alternate over the variants for --rounds rounds, timed with CUDA events. Prints the median time per
+call of each (layer, variant) in microseconds, the sums over the layers, and each fused output's relative difference
+from the separate one.
 """
 
 from __future__ import annotations
