@@ -19,9 +19,10 @@ Sources (the depthwise layers of each network's table):
   Table 1. One depthwise layer per MBConv block (16 over stages 2-8): channels = the block's input channels x 6
   (stage 2's MBConv1: its 32 input channels), the stage's kernel (3 or 5); a stage's first block has stride
   (the stage's resolution / the next stage's), the others stride 1 at the reduced size.
-- convnext_t: Liu et al. 2022, "A ConvNet for the 2020s", Table 9 (ConvNeXt-T: "d7x7" in every block) and Section
-  2: 7x7 depthwise, padding 3, stride 1; stages of 96 / 192 / 384 / 768 channels at 56 / 28 / 14 / 7 (after the
-  4x4 stride-4 stem), depths 3 / 3 / 9 / 3: 18 layers.
+- convnext_t: Liu et al. 2022, "A ConvNet for the 2020s", Section 2, as the authors' code builds ConvNeXt-T
+  (facebookresearch/ConvNeXt, models/convnext.py `convnext_tiny`: depths [3, 3, 9, 3], dims [96, 192, 384, 768],
+  every block's `nn.Conv2d(dim, dim, kernel_size=7, padding=3, groups=dim)`, a 4x4 stride-4 stem and 2x2 stride-2
+  downsampling): 7x7 depthwise, padding 3, stride 1, at 56 / 28 / 14 / 7 for a 224 px input: 18 layers.
 - large_k7: not a network; large kernels at large sizes (issue #22): 7x7, stride 1, padding 3 ('same'), 32 and 64
   channels at 224x224 and 112x112.
 
@@ -111,7 +112,7 @@ SUITES = {
         _square(480, 14, 5, 1), _square(672, 14, 5, 1, count=2),  # stage 6: 80 -> 112
         _square(672, 14, 5, 2), _square(1152, 7, 5, 1, count=3),  # stage 7: 112 -> 192
         _square(1152, 7, 3, 1))),  # stage 8: 192 -> 320
-    "convnext_t": Suite("ConvNeXt-T", "Liu et al. 2022, Table 9", (
+    "convnext_t": Suite("ConvNeXt-T", "Liu et al. 2022, Section 2; the authors' models/convnext.py convnext_tiny", (
         _square(96, 56, 7, 1, count=3), _square(192, 28, 7, 1, count=3), _square(384, 14, 7, 1, count=9),
         _square(768, 7, 7, 1, count=3))),
     "large_k7": Suite("large 7x7 kernels", "issue #22", (
