@@ -83,11 +83,6 @@ def _nhwc_strides(shape) -> list[int]:
     return [h * w * c, 1, w * c, c]
 
 
-def _data_type(dtype: torch.dtype):
-    cudnn = _cudnn()
-    return cudnn.data_type.HALF if dtype == torch.float16 else cudnn.data_type.BFLOAT16
-
-
 class _Plan:
     """One cuDNN graph for one shape, with the execution plan that ran fastest on its first inputs."""
 
@@ -97,7 +92,7 @@ class _Plan:
                                "built and autotuned inside a CUDA-graph capture; run one step eagerly first")
         cudnn = _cudnn()
         self.handle = _handle(y.device)
-        io = _data_type(y.dtype)
+        io = cudnn.data_type.HALF  # fp16 only (pointwise_unsupported)
         g = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
                           compute_data_type=cudnn.data_type.FLOAT, handle=self.handle)
         c = y.shape[1]

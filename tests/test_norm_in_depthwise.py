@@ -343,18 +343,24 @@ def test_ops_opcheck_and_clear_errors():
         batch_norm_relu_depthwise_conv2d(y, bn_w, bn_b, conv_w, stride, (1, 1), 1e-5, *running, momentum=None)
 
 
-def _models(dtype):
-    """MobileNetV1 (width 0.25: 8 to 256 channels) with the switch off and on, one state, on the GPU, channels_last."""
+def _model_pair(switches_of_both: dict, switch_on: dict):
+    """MobileNetV1 (width 0.25: 8 to 256 channels, backend=custom norm=custom) without and with `switch_on`, one
+    state (the BatchNorms' weights and biases drawn away from 1 and 0), on the GPU, channels_last."""
     torch.manual_seed(0)
-    kw = dict(num_classes=10, width_mult=0.25, depthwise="custom", norm="custom")
+    kw = dict(num_classes=10, width_mult=0.25, depthwise="custom", norm="custom", **switches_of_both)
     off = MobileNetV1(**kw).cuda().to(memory_format=torch.channels_last)
-    on = MobileNetV1(**kw, apply_norm_in_depthwise=True).cuda().to(memory_format=torch.channels_last)
+    on = MobileNetV1(**kw, **switch_on).cuda().to(memory_format=torch.channels_last)
     with torch.no_grad():
         for m in off.modules():
             if isinstance(m, torch.nn.BatchNorm2d):
                 m.weight.uniform_(0.5, 1.5), m.bias.normal_(0, 0.3)
     on.load_state_dict(off.state_dict())
     return off, on
+
+
+def _models(dtype):
+    """The model with norm.apply_in_depthwise off and on."""
+    return _model_pair({}, {"apply_norm_in_depthwise": True})
 
 
 def _step(model, x, target, dtype):

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from mobilenet.config import compose
 from mobilenet.model import MobileNetV1
 from mobilenet.norm import NormUnavailable
-from test_norm_in_depthwise import _batch
+from test_norm_in_depthwise import _batch, _model_pair
 from test_norm_in_depthwise import _step as _depthwise_step
 
 HAS_FRONTEND = importlib.util.find_spec("cudnn") is not None
@@ -325,17 +325,8 @@ def test_ops_opcheck_and_clear_errors():
 
 
 def _models():
-    """MobileNetV1 (width 0.25: 8 to 256 channels) with the switch off and on, one state, on the GPU, channels_last."""
-    torch.manual_seed(0)
-    kw = dict(num_classes=10, width_mult=0.25, depthwise="custom", norm="custom", apply_norm_in_depthwise=True)
-    off = MobileNetV1(**kw).cuda().to(memory_format=torch.channels_last)
-    on = MobileNetV1(**kw, apply_norm_in_pointwise=True).cuda().to(memory_format=torch.channels_last)
-    with torch.no_grad():
-        for m in off.modules():
-            if isinstance(m, torch.nn.BatchNorm2d):
-                m.weight.uniform_(0.5, 1.5), m.bias.normal_(0, 0.3)
-    on.load_state_dict(off.state_dict())
-    return off, on
+    """The model with norm.apply_in_depthwise on, and norm.apply_in_pointwise off and on."""
+    return _model_pair({"apply_norm_in_depthwise": True}, {"apply_norm_in_pointwise": True})
 
 
 def _step(model, x, target):
