@@ -217,27 +217,87 @@ def test_large_kernel_shapes(dw, dtype, layout):
         _check_case(dw, dtype, layout, k, stride, 1, k // 2, True, 32, 8, 64, 64, gen)
 
 
+def _kernels_of_passes(dw, cases) -> list[str]:
+    """The CUDA kernels a forward and both gradients run, for each (dtype, k, layout) on a 2 x 16 x 20 x 20 input
+    with 'same' padding at stride 1, by name as the profiler reports them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for dtype, k, layout in cases:
+            x = _make_input(2, 16, 20, 20, dtype, layout, None).requires_grad_()
+            w = torch.randn(16, 1, k, k, device="cuda", dtype=dtype, requires_grad=True)
+            y = dw(x, w, None, 1, k // 2, 1)
+            torch.autograd.grad(y, (x, w), torch.ones_like(y))
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nhwc_channel_groups_and_wide_rows(dw, dtype):
+    # NHWC cases that the shared-memory tile (FWD_SMEM, csrc/depthwise_smem.cu) splits in different ways: channel
+    # groups of 8, 16, 24 and 32 words and a partial last group, with 16-byte copies (words a multiple of 4) and
+    # without, rows wider than one tile, a few rows, padding 0 to past K - 1; then the epilogue's activations.
+    gen = torch.Generator(device="cuda").manual_seed(random.randrange(1 << 30))
+    channels = [16, 32, 144, 240, 34, 6]
+    sizes = [(2, 15, 57), (1, 30, 30), (3, 7, 7), (2, 14, 14)]
+    for i, (k, stride) in enumerate(itertools.product((3, 5, 7), (1, 2))):
+        for j, (n, h, w) in enumerate(sizes):
+            c = channels[(i + j) % len(channels)]
+            padding = (k // 2, 0, k - 1, k + 1)[(i + j) % 4]
+            _check_case(dw, dtype, "nhwc", k, stride, 1, padding, (i + j) % 2 == 0, n, c, h, w, gen)
+    for k, activation in ((3, "relu"), (5, "relu6"), (7, "relu")):
+        x = _make_input(2, 48, 19, 23, dtype, "nhwc", gen)
+        wt = torch.randn(48, 1, k, k, device="cuda", dtype=dtype, generator=gen)
+        b = torch.randn(48, device="cuda", dtype=dtype, generator=gen)
+        ref = F.conv2d(x.double(), wt.double(), b.double(), 1, k // 2, 1, 48)
+        ref = ref.clamp(0, 6) if activation == "relu6" else ref.clamp_min(0)
+        _poison_allocator(2 * x.numel() * x.element_size())
+        y = dw(x, wt, b, 1, k // 2, 1, activation=activation)
+        assert torch.isfinite(y).all() and _rel(y, ref) <= TOL[dtype], (dtype, k, activation)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.skipif("MDW_FWD_SMEM" not in os.environ, reason="run by test_smem_tile_keeps_results")
+def test_smem_tile_runs_where_the_knob_sends_it(dw):
+    # FWD_SMEM >= 1: every NHWC 3x3/5x5/7x7 forward of whole 32-bit words of channels runs the tile; >= 2 the
+    # stride-1 input gradient too (the FLIP instantiation, its template's last argument).
+    setting = int(os.environ["MDW_FWD_SMEM"])
+    names = _kernels_of_passes(dw, itertools.product(DTYPES, (3, 5, 7), ("nhwc",)))
+    tiles = [n for n in names if "fwd_nhwc_smem_kernel" in n]
+    rotated = [n for n in tiles if ", true>(" in n or "Lb1EEEv" in n]  # demangled or not
+    assert len(tiles) == (18 if setting >= 2 else 9 if setting >= 1 else 0), names
+    assert len(rotated) == (9 if setting >= 2 else 0), tiles
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("knobs", ["MDW_FWD_SMEM=1", "MDW_FWD_SMEM=2"])
+def test_smem_tile_keeps_results(knobs):
+    # The shared-memory tile on every case it takes (knobs are read once per process, hence the subprocess).
+    env = dict(os.environ, **dict(kv.split("=") for kv in knobs.split()))
+    tests = ["test_mobilenet_shapes", "test_large_kernel_shapes", "test_nhwc_channel_groups_and_wide_rows",
+             "test_smem_tile_runs_where_the_knob_sends_it", "test_coverage_grid_against_float64"]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"]
+                          + [f"{__file__}::{t}" for t in tests], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{knobs}:\n{proc.stdout[-3000:]}{proc.stderr[-2000:]}"
+    assert "17 passed" in proc.stdout, proc.stdout[-1000:]
+
+
 @pytest.mark.gpu
 @cuda
 @pytest.mark.skipif(not {"MDW_FWD_COLUMN_K57", "MDW_NCHW_COLUMN_K57", "MDW_WGRAD_COLUMN_K57"} & set(os.environ),
                     reason="run by test_large_kernel_column_walks_keep_results")
 def test_large_kernel_passes_run_the_kernels_the_column_knobs_pick(dw):
-    from torch.profiler import ProfilerActivity, profile
-
     # unset is -1, by shape: on these 20x20 inputs the NHWC passes do not walk and the NCHW forward does; the weight
     # gradient takes a kernel row per lane in NHWC (WGRAD_COLUMN_K57 bit 0) and NCHW (bit 1); by shape (-1) always in
     # NHWC and in NCHW for 7x7 from 14 output columns (so here the 3 NCHW 7x7 cases), 5x5 from 28
     nhwc_setting = int(os.environ.get("MDW_FWD_COLUMN_K57", "-1"))
     nchw_setting = int(os.environ.get("MDW_NCHW_COLUMN_K57", "-1"))
     wgrad_setting = int(os.environ.get("MDW_WGRAD_COLUMN_K57", "-1"))
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for dtype, k, layout in itertools.product(DTYPES, (5, 7), ("nchw", "nhwc")):
-            x = _make_input(2, 16, 20, 20, dtype, layout, None).requires_grad_()
-            w = torch.randn(16, 1, k, k, device="cuda", dtype=dtype, requires_grad=True)
-            y = dw(x, w, None, 1, k // 2, 1)
-            torch.autograd.grad(y, (x, w), torch.ones_like(y))
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    names = _kernels_of_passes(dw, itertools.product(DTYPES, (5, 7), ("nchw", "nhwc")))
     walks = [n for n in names if "fwd_nhwc_column_k_kernel" in n]
     # the template's FLIP argument tells the rotated walk (input gradient) from the forward one (demangled or not)
     rotated = [n for n in walks if ", true," in n or "Lb1E" in n]
@@ -280,8 +340,10 @@ def test_reload_knobs_makes_the_kernels_read_a_changed_environment(dw, monkeypat
 @pytest.mark.gpu
 @cuda
 def test_large_kernel_walks_by_default_where_the_suites_measured_them_faster(dw, monkeypatch):
-    # The knobs' default (-1) picks by shape (csrc/depthwise_dispatch.cpp k57_nhwc_walk, k57_nchw_walk): NHWC walks
-    # from 28 input rows up, forward and stride-1 input gradient; NCHW walks except 5x5 on 7 rows or fewer.
+    # The knobs' default (-1) picks by shape (csrc/depthwise_dispatch.cpp k57_nhwc_walk, k57_nchw_walk, smem_wanted):
+    # NHWC walks from 28 input rows up, forward and stride-1 input gradient, but 16-bit 5x5 at stride 1 takes the
+    # shared-memory tile first (the forward from 14 to 28 rows, the input gradient up to 28); NCHW walks except 5x5
+    # on 7 rows or fewer.
     from torch.profiler import ProfilerActivity, profile
 
     def kernels_of(layout, k, h):
@@ -293,14 +355,18 @@ def test_large_kernel_walks_by_default_where_the_suites_measured_them_faster(dw,
             torch.cuda.synchronize()
         return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
-    for name in ("MDW_FWD_COLUMN_K57", "MDW_NCHW_COLUMN_K57"):
+    for name in ("MDW_FWD_COLUMN_K57", "MDW_NCHW_COLUMN_K57", "MDW_FWD_SMEM"):
         monkeypatch.delenv(name, raising=False)
         monkeypatch.delenv(name + "_F16", raising=False)
     torch.ops.mobilenet_dw.reload_knobs()
     try:
-        for k, h, walks in ((7, 32, True), (5, 28, True), (7, 16, False), (5, 7, False)):
-            walk = [n for n in kernels_of("nhwc", k, h) if "fwd_nhwc_column_k_kernel" in n]
-            assert (len(walk) == 2) if walks else not walk, (k, h, walk)  # the forward and the rotated input grad
+        # (k, rows): NHWC walks (forward and rotated input gradient), shared-memory tiles likewise
+        for k, h, walks, tiles in ((7, 32, 2, 0), (5, 32, 2, 0), (5, 28, 0, 2), (5, 14, 0, 2), (7, 16, 0, 0),
+                                   (5, 7, 0, 1)):
+            names = kernels_of("nhwc", k, h)
+            walk = [n for n in names if "fwd_nhwc_column_k_kernel" in n]
+            tile = [n for n in names if "fwd_nhwc_smem_kernel" in n]
+            assert len(walk) == walks and len(tile) == tiles, (k, h, walk, tile)
         for k, h, walks in ((7, 7, True), (5, 14, True), (5, 7, False)):
             walk = [n for n in kernels_of("nchw", k, h) if "fwd_nchw_column_k_kernel" in n]
             assert bool(walk) == walks, (k, h, walk)
@@ -321,8 +387,9 @@ def test_large_kernel_column_walks_keep_results(knobs):
     # forward to its walk down the columns. WGRAD_COLUMN_K57 = 0 sends the weight gradient of both layouts back to
     # the tiled kernel, = 3 sends NCHW cases of every size to its kernel; WGRAD_K57_BLOCKS_PER_SM = 1 gives the NHWC
     # walk's blocks several bands of rows each.
-    # Knobs are read once per process, hence the subprocess.
-    env = dict(os.environ, **dict(kv.split("=") for kv in knobs.split()))
+    # Knobs are read once per process, hence the subprocess; the shared-memory tile, which the dispatch tries first,
+    # is off there so that every 5x5/7x7 case reaches the walks these knobs pick.
+    env = dict(os.environ, MDW_FWD_SMEM="0", **dict(kv.split("=") for kv in knobs.split()))
     tests = ["test_large_kernel_shapes", "test_large_kernel_passes_run_the_kernels_the_column_knobs_pick",
              "test_coverage_grid_against_float64"]
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"]

@@ -69,6 +69,30 @@ bool wgrad_nchw_k57_fits(const ConvShape& s, DType dt, const void* go, const voi
          (dt == DType::F32 || (s.W % 2 == 0 && s.OW % 2 == 0)) && aligned(go, 4) && aligned(x, 4);
 }
 
+// The shared-memory tile (depthwise_smem.cu): NHWC, square 3x3, 5x5 or 7x7, equal strides 1 or 2, dilation 1, whole
+// 32-bit words of channels and 4-byte pointers. Its offsets are 64-bit, its tile coordinates within one image.
+bool smem_fits(const ConvShape& s, DType dt, const void* in, const void* out) {
+  return dt != DType::F64 && s.channels_last && s.KH == s.KW && (s.KH == 3 || s.KH == 5 || s.KH == 7) &&
+         s.SH == s.SW && (s.SH == 1 || s.SH == 2) && s.DH == 1 && s.DW == 1 && (s.C * elem_size(dt)) % 4 == 0 &&
+         aligned(in, 4) && aligned(out, 4);
+}
+
+// The stride-1 input gradient as the forward tile on input_grad_as_forward(s) (padding K - 1 - P >= 0).
+bool input_grad_smem_fits(const ConvShape& s, DType dt, const void* grad_out, const void* grad_input) {
+  return s.SH == 1 && s.SW == 1 && s.PH <= s.KH - 1 && s.PW <= s.KW - 1 && smem_fits(s, dt, grad_out, grad_input);
+}
+
+// FWD_SMEM at -1 (its default) chooses by shape, as the H200 suites measured the tile against the walks and tiled
+// kernels (docs/kernel_notes.md, "The shared-memory tile"): 16-bit 5x5 at stride 1, the forward on inputs of 14 to
+// 28 rows (0.79-0.92x the time there, slower on 7 rows) and the input gradient up to 28 rows. Everywhere else it
+// was as fast or slower (3x3: 1.03-1.57x the column walks' time).
+bool smem_wanted(const ConvShape& s, DType dt, int level) {
+  const int v = knob(Knob::kFwdSmem, dt);
+  if (v >= 0) return v >= level;
+  const bool k5_16bit = (dt == DType::F16 || dt == DType::BF16) && s.KH == 5 && s.SH == 1;
+  return k5_16bit && s.H <= 28 && (level == 2 || s.H >= 14);
+}
+
 enum class WgradTechnique { kColumn, kColumnK57, kTiled, kGeneric };
 
 // Weight gradient: the technique both the workspace size and the launch follow.
@@ -126,6 +150,8 @@ bool k57_nchw_walk(const ConvShape& s, DType dt) {
 
 // Forward (depthwise_forward.cu):
 //   outside narrow_shape's domain                                       generic
+//   NHWC 3x3/5x5/7x7 s1/s2, whole 32-bit words of channels, FWD_SMEM >= 1     shared-memory tile
+//     (-1, the default: 16-bit 5x5 stride 1 on inputs of 14 to 28 rows)
 //   NHWC 5x5/7x7 s1/s2, whole 32-bit words of channels, FWD_COLUMN_K57 >= 1   column walk, partial sums (K = 5, 7)
 //     (-1, the default: inputs of 28 rows or more)
 //   outside the tiled kernels' cases (see tiled_fits)                   generic
@@ -138,6 +164,7 @@ void launch_forward(const DepthwiseShape& g, DType dt, const void* x, const void
                     cudaStream_t stream) {
   ConvShape s;
   if (!narrow_shape(g, &s)) return forward_generic(g, dt, x, w, bias, y, stream);
+  if (smem_wanted(s, dt, 1) && smem_fits(s, dt, x, y)) return forward_nhwc_smem(s, dt, x, w, bias, y, stream);
   if (k57_nhwc_walk(s, dt, 1) && column_k57_fits(s, dt, x, y))
     return forward_nhwc_column_k57(s, dt, x, w, bias, y, stream);
   if (!tiled_fits(s, dt, x, y, nhwc_vec(dt))) return forward_generic(g, dt, x, w, bias, y, stream);
@@ -196,6 +223,8 @@ void launch_wgrad_normed(const DepthwiseShape& g, DType dt, const void* go, cons
 
 // Input gradient (depthwise_input_grad.cu):
 //   outside narrow_shape's domain                                       generic
+//   NHWC 3x3/5x5/7x7 s1, whole 32-bit words of channels, FWD_SMEM >= 2  shared-memory tile, kernel rotated
+//     (-1, the default: 16-bit 5x5 on inputs of 28 rows or fewer)
 //   NHWC 5x5/7x7 s1, whole 32-bit words of channels, FWD_COLUMN_K57 >= 2   column walk, partial sums, kernel rotated
 //     (-1, the default: inputs of 28 rows or more)
 //   outside the tiled kernels' cases (see tiled_fits)                   generic
@@ -205,6 +234,7 @@ void launch_wgrad_normed(const DepthwiseShape& g, DType dt, const void* go, cons
 void launch_dgrad(const DepthwiseShape& g, DType dt, const void* go, const void* w, void* gx, cudaStream_t stream) {
   ConvShape s;
   if (!narrow_shape(g, &s)) return input_grad_generic(g, dt, go, w, gx, stream);
+  if (smem_wanted(s, dt, 2) && input_grad_smem_fits(s, dt, go, gx)) return input_grad_nhwc_smem(s, dt, go, w, gx, stream);
   if (k57_nhwc_walk(s, dt, 2) && input_grad_column_k57_fits(s, dt, go, gx))
     return input_grad_nhwc_column_k57(s, dt, go, w, gx, stream);
   if (!tiled_fits(s, dt, go, gx, nhwc_vec(dt))) return input_grad_generic(g, dt, go, w, gx, stream);

@@ -26,6 +26,10 @@ void forward_nhwc_column_normed(const ConvShape& s, DType dt, const void* x, con
 // NHWC 5x5 or 7x7, stride 1 or 2, whole 32-bit words of channels: a lane walks one output row carrying partial sums.
 void forward_nhwc_column_k57(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                              cudaStream_t stream);
+// NHWC 3x3, 5x5 or 7x7, stride 1 or 2, whole 32-bit words of channels: each block copies its input tile into shared
+// memory once (depthwise_smem.cu).
+void forward_nhwc_smem(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
+                       cudaStream_t stream);
 // NCHW 5x5 or 7x7, stride 1 or 2, 16/32-bit: a lane walks down TW columns carrying partial sums.
 void forward_nchw_column_k57(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                              cudaStream_t stream);
@@ -47,6 +51,9 @@ void input_grad_nhwc_column(const ConvShape& s, DType dt, const void* grad_out, 
 // NHWC 5x5 or 7x7, stride 1: the forward 5x5/7x7 column walk with the kernel rotated, on input_grad_as_forward(s).
 void input_grad_nhwc_column_k57(const ConvShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,
                                 cudaStream_t stream);
+// NHWC 3x3, 5x5 or 7x7, stride 1: the shared-memory tile with the kernel rotated, on input_grad_as_forward(s).
+void input_grad_nhwc_smem(const ConvShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,
+                          cudaStream_t stream);
 // NCHW 3x3, stride 1, padding 1, 16-bit: the forward's vector stencil with the kernel rotated.
 bool input_grad_nchw_vec3x3(const ConvShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,
                             cudaStream_t stream);

@@ -40,7 +40,7 @@ int knob(Knob k, DType dt) {
   static const char* names[kKnobs] = {"GROUP_FASTEST", "IMAGES", "WGRAD_BLOCKS_PER_SM", "NCHW_ROWS", "WGRAD_COLUMN",
                                       "FWD_COLUMN",    "FWD_COLUMN_ROWS", "COLUMN_REVERSE", "FWD_COLUMN_DEEP",
                                       "FWD_COLUMN_K57", "NCHW_COLUMN_K57", "WGRAD_COLUMN_K57",
-                                      "WGRAD_K57_BLOCKS_PER_SM"};
+                                      "WGRAD_K57_BLOCKS_PER_SM", "FWD_SMEM"};
   static const char* suffix[] = {"F32", "F16", "BF16", "F64"};
   static int cache[kKnobs][4];
   const int ki = static_cast<int>(k), di = static_cast<int>(dt);
@@ -61,6 +61,7 @@ int knob(Knob k, DType dt) {
         {-1, -1, -1, 0},  // WGRAD_COLUMN_K57 (5x5/7x7 weight gradient, a kernel row per lane; bit 0 NHWC, bit 1 NCHW;
                           // -1: NHWC, and NCHW by shape, see depthwise_dispatch.cpp)
         {4, 4, 4, 4},     // WGRAD_K57_BLOCKS_PER_SM (that walk's grid)
+        {-1, -1, -1, 0},  // FWD_SMEM (NHWC shared-memory tile; 2: also the stride-1 input gradient; -1: by shape)
     };
     const std::string base = std::string("MDW_") + names[ki];
     int v = env_int(base.c_str(), defaults[ki][di]);

@@ -130,6 +130,8 @@ enum class Knob {
   kWgradColumnK57,       // 5x5/7x7 weight gradient with a kernel row per lane (bit 0: NHWC column walk, bit 1: NCHW
                          // strips) or tiled (bit clear); -1: NHWC, and NCHW by shape
   kWgradK57BlocksPerSm,  // that walk's blocks per SM (its grid; each block a contiguous run of rows)
+  kFwdSmem,  // NHWC 3x3/5x5/7x7 shared-memory tile (depthwise_smem.cu): forward (1), and the stride-1 input gradient
+             // too (2); 0: off; -1: by shape (depthwise_dispatch.cpp)
   kCount
 };
 int knob(Knob k, DType dt);
