@@ -84,8 +84,8 @@ bool input_grad_smem_fits(const ConvShape& s, DType dt, const void* grad_out, co
 
 // FWD_SMEM at -1 (its default) chooses by shape, as the H200 suites measured the tile against the walks and tiled
 // kernels (docs/kernel_notes.md, "The shared-memory tile"): 16-bit 5x5 at stride 1, the forward on inputs of 14 to
-// 28 rows (0.79-0.92x the time there, slower on 7 rows) and the input gradient up to 28 rows. Everywhere else it
-// was as fast or slower (3x3: 1.03-1.57x the column walks' time).
+// 28 rows (0.79-0.95x the time there, slower on 7 rows) and the input gradient up to 28 rows. Everywhere else it
+// was as fast or slower (3x3: 1.03-1.74x the column walks' time).
 bool smem_wanted(const ConvShape& s, DType dt, int level) {
   const int v = knob(Knob::kFwdSmem, dt);
   if (v >= 0) return v >= level;

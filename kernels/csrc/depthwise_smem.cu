@@ -10,7 +10,7 @@
 //
 // By default (depthwise_dispatch.cpp smem_wanted) it runs only where the H200 suites measured it faster: 16-bit 5x5
 // at stride 1 on 14-28 input rows. On 3x3 layers it executes more instructions per output than the column walks
-// (the copy loop, the segment bookkeeping) and was 1.03-1.57x their time; the knob forces it on for A/B runs.
+// (the copy loop, the segment bookkeeping) and took 1.03-1.74x their time; the knob forces it on for A/B runs.
 //
 // Compute: lane (c, p) takes channel word c and output segments p, p + P, ... (a segment: R rows x TW columns). Each
 // output's products are added in the order kh, then kw, from the bias, with fmaf (the 3x3 column walk's order).
