@@ -234,7 +234,8 @@ void launch_wgrad_normed(const DepthwiseShape& g, DType dt, const void* go, cons
 void launch_dgrad(const DepthwiseShape& g, DType dt, const void* go, const void* w, void* gx, cudaStream_t stream) {
   ConvShape s;
   if (!narrow_shape(g, &s)) return input_grad_generic(g, dt, go, w, gx, stream);
-  if (smem_wanted(s, dt, 2) && input_grad_smem_fits(s, dt, go, gx)) return input_grad_nhwc_smem(s, dt, go, w, gx, stream);
+  if (smem_wanted(s, dt, 2) && input_grad_smem_fits(s, dt, go, gx))
+    return input_grad_nhwc_smem(s, dt, go, w, gx, stream);
   if (k57_nhwc_walk(s, dt, 2) && input_grad_column_k57_fits(s, dt, go, gx))
     return input_grad_nhwc_column_k57(s, dt, go, w, gx, stream);
   if (!tiled_fits(s, dt, go, gx, nhwc_vec(dt))) return input_grad_generic(g, dt, go, w, gx, stream);

@@ -202,9 +202,10 @@ int smem_segment_width(int OW) {
 }
 
 // Channel groups of at most 32 words, balanced (72 words: 3 of 24, not 32 + 32 + 8) and kept to multiples of 4
-// words where the channels allow 16-byte copies; tiles of at most 48 KB of shared memory. With 8 or 16 words per pixel a warp holds 4 or 2 lanes per
-// word, which read rows S apart (rows are the fastest segment index); the row stride is padded so that those rows
-// start cw banks apart (S * rs = cw mod 32), else they would read the same banks.
+// words where the channels allow 16-byte copies; tiles of at most 48 KB of shared memory. With 8 or 16 words per
+// pixel a warp holds 4 or 2 lanes per word, on different segments; the row stride is padded so that rows S apart
+// start cw banks apart (S * rs = cw mod 32). The segments' first rows are R * S apart, so at stride 1 (R = 2) this
+// padding does not separate their banks; the suites' default cases have groups of 32 words and never pad.
 SmemTile plan_smem_tile(const ConvShape& s, DType dt, const void* x, int K, int S, int TW) {
   SmemTile t{};
   const int V = dt == DType::F32 ? 1 : 2;
@@ -287,9 +288,10 @@ void smem_by_shape(const ConvShape& s, DType dt, const void* x, const void* w, c
     else if (s.KH == 5) smem_by_width<TT, 5, 1, true>(s, dt, x, w, bias, y, stream);
     else smem_by_width<TT, 7, 1, true>(s, dt, x, w, bias, y, stream);
   } else {
-    if (s.KH == 3) (s.SH == 1 ? smem_by_width<TT, 3, 1, false> : smem_by_width<TT, 3, 2, false>)(s, dt, x, w, bias, y, stream);
-    else if (s.KH == 5) (s.SH == 1 ? smem_by_width<TT, 5, 1, false> : smem_by_width<TT, 5, 2, false>)(s, dt, x, w, bias, y, stream);
-    else (s.SH == 1 ? smem_by_width<TT, 7, 1, false> : smem_by_width<TT, 7, 2, false>)(s, dt, x, w, bias, y, stream);
+    auto run = s.KH == 3   ? (s.SH == 1 ? smem_by_width<TT, 3, 1, false> : smem_by_width<TT, 3, 2, false>)
+               : s.KH == 5 ? (s.SH == 1 ? smem_by_width<TT, 5, 1, false> : smem_by_width<TT, 5, 2, false>)
+                           : (s.SH == 1 ? smem_by_width<TT, 7, 1, false> : smem_by_width<TT, 7, 2, false>);
+    run(s, dt, x, w, bias, y, stream);
   }
 }
 
