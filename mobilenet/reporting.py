@@ -12,9 +12,36 @@ from typing import Any
 import torch
 
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TREE_ENV = "MOBILENET_TREE"
+
+
+def source_tree(root: Path = REPO_ROOT) -> str:
+    """Which source tree ran, for result files: $MOBILENET_TREE when set (a copy that has no git metadata of its own,
+    or whose metadata names another commit, says what it is), else the checkout's short commit, with "+changes" when
+    tracked files differ from it, else "unknown (no git metadata)"."""
+    given = os.environ.get(TREE_ENV, "").strip()
+    if given:
+        return given
+
+    def git(*args: str) -> str | None:
+        try:
+            proc = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return proc.stdout.strip() if proc.returncode == 0 else None
+
+    commit = git("rev-parse", "--short", "HEAD")
+    if not commit:
+        return "unknown (no git metadata)"
+    changed = git("status", "--porcelain", "--untracked-files=no")
+    return commit + ("+changes" if changed else "")
+
+
 def environment(device: torch.device | None = None) -> dict[str, str]:
     """Versions and hardware, for summaries, hparams and result files."""
     env = {
+        "tree": source_tree(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda or "none",
         "cudnn": str(torch.backends.cudnn.version()) if torch.backends.cudnn.is_available() else "none",

@@ -55,6 +55,7 @@ def config_rows(cfg, device: torch.device, env: dict, backend: str | None = None
         "resolution": cfg.data.resolution,
         "device": env.get("gpu") if device.type == "cuda" else "cpu",
         "torch / CUDA / cuDNN": f"{env['torch']} / {env['cuda']} / {env['cudnn']}",
+        "source tree": env.get("tree", "unknown"),
     }
 
 

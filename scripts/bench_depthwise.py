@@ -284,6 +284,7 @@ def write_results(rows, backends, dtypes, layouts, modes, info, bw, args):
 
     md = [f"# Depthwise convolution benchmark: {suite.title}, {info['gpu']}", "",
           f"- GPU: {info['gpu']}, driver {info['driver']}",
+          f"- source tree: {info['tree']}; {time.strftime('%Y-%m-%d', time.gmtime())}",
           f"- torch {info['torch']}, CUDA {info['cuda']}, cuDNN {info['cudnn']}, Python {info['python']}",
           f"- command: `{info['command']}`",
           f"- custom-kernel launch knobs from the environment: {info['knobs']}",

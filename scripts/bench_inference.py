@@ -24,7 +24,6 @@ import argparse
 import csv
 import datetime
 import statistics
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,14 +140,6 @@ def measure(variants: list[Variant], rounds: int, steps: int, batch: int) -> dic
     return img_s
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=Path(__file__).resolve().parent.parent).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
 def write_results(variants, img_s, args, out_dir: Path | None, name: str) -> str:
     env = environment(torch.device("cuda"))
     rows = []
@@ -159,7 +150,7 @@ def write_results(variants, img_s, args, out_dir: Path | None, name: str) -> str
                      "max_img_s": round(max(values)), "rounds": len(values), "detail": v.detail})
     command = "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])
     lines = [f"# Inference: {', '.join(args.suites)}", "",
-             f"{datetime.date.today().isoformat()}, commit {args.commit or _commit()}, `{command}`; {env['gpu']}, "
+             f"{datetime.date.today().isoformat()}, commit {args.commit or env['tree']}, `{command}`; {env['gpu']}, "
              f"driver {env.get('driver', '?')}, torch {env['torch']}, CUDA {env['cuda']}, cuDNN {env['cudnn']}, "
              f"{env['cpu_cores']} CPU cores. Batch {args.batch_size}, {args.resolution}px, channels_last, synthetic "
              f"input on the GPU; median img/s over {args.rounds} alternating rounds of {args.steps} passes, one process.",
@@ -230,7 +221,8 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--resolution", type=int, default=224)
     p.add_argument("--out", type=Path, help="folder for NAME.md/.csv/.png (default: print only)")
     p.add_argument("--name", default="inference_h200")
-    p.add_argument("--commit", help="the commit measured (default: git rev-parse in this checkout)")
+    p.add_argument("--commit", help="the commit measured (default: mobilenet.reporting.source_tree(): $MOBILENET_TREE, "
+                                    "else this checkout's commit)")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.steps < 1:
         p.error("--rounds and --steps must be >= 1")

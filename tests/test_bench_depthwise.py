@@ -14,7 +14,7 @@ from mobilenet.bench.depthwise_suites import SUITES
 bench = load_script("bench_depthwise")
 
 INFO = {"gpu": "Test GPU", "driver": "1.0", "torch": "2.x", "cuda": "13.0", "cudnn": "91900", "python": "3.11",
-        "command": "python scripts/bench_depthwise.py", "knobs": "none (defaults)"}
+        "command": "python scripts/bench_depthwise.py", "knobs": "none (defaults)", "tree": "abc1234+changes"}
 
 
 def _row(layer, mode, cudnn_ms, custom_ms, custom_timing="graph"):
@@ -37,6 +37,7 @@ def test_tables_mark_eager_timings_and_sum_the_layers(tmp_path):
                         args)
     md = (tmp_path / "dw.md").read_text()
     assert "autotuned per shape" in md
+    assert "- source tree: abc1234+changes; 20" in md  # and the UTC date of the run
     assert "| 0 | 32x112x112 | 3 | 1 | 1 | 1 | 0.540 | 0.500 (eager) |" in md
     assert "| 2 | 128x56x56 | 3 | 1 | 1 | 1 | 0.110 | 0.100 |" in md  # graph-timed cells carry no mark
     assert "a time marked (eager)" in md

@@ -24,7 +24,7 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(out)
 
 
-_ENV_ORDER = ("gpu", "torch", "cuda", "cudnn", "mode", "backend", "precision", "memory_format", "batch_size",
+_ENV_ORDER = ("tree", "gpu", "torch", "cuda", "cudnn", "mode", "backend", "precision", "memory_format", "batch_size",
               "resolution", "compile", "device")
 _ENV_SKIP = ("profiler_schedule", "baseline_step_ms")
 
