@@ -30,6 +30,7 @@ DType to_dtype(c10::ScalarType t) {
   return DType::F32;  // not reached
 }
 
+using mdw::check_fp32_vectors;
 using mdw::in_layout;
 using mdw::layout_of;
 
@@ -180,14 +181,8 @@ void check_running_stats(const at::Tensor& running_mean, const at::Tensor& runni
                          const at::Tensor& num_batches_tracked, const at::Tensor& mean, const at::Tensor& var,
                          double momentum) {
   TORCH_CHECK(mean.is_cuda() && mean.dim() == 1, "batch_norm_relu running statistics: mean must be a 1-D CUDA tensor");
-  const std::pair<const at::Tensor*, const char*> vectors[] = {
-      {&running_mean, "running_mean"}, {&running_var, "running_var"}, {&mean, "mean"}, {&var, "var"}};
-  for (const auto& [t, name] : vectors) {
-    TORCH_CHECK(t->dim() == 1 && t->size(0) == mean.size(0) && t->scalar_type() == at::kFloat &&
-                    t->device() == mean.device() && t->is_contiguous(),
-                "batch_norm_relu running statistics: ", name, " must be a contiguous float32 (", mean.size(0),
-                ",) tensor on ", mean.device(), ", got ", t->scalar_type(), " ", t->sizes(), " on ", t->device());
-  }
+  check_fp32_vectors("batch_norm_relu running statistics", mean.size(0), mean.device(),
+                        {{&running_mean, "running_mean"}, {&running_var, "running_var"}, {&mean, "mean"}, {&var, "var"}});
   TORCH_CHECK(num_batches_tracked.numel() == 1 && num_batches_tracked.scalar_type() == at::kLong &&
                   num_batches_tracked.device() == mean.device(),
               "batch_norm_relu running statistics: num_batches_tracked must be one int64 on ", mean.device());
@@ -363,14 +358,8 @@ void bn_update_running_stats_unbiased(at::Tensor& running_mean, at::Tensor& runn
 at::Tensor bn_scale_shift(const at::Tensor& mean, const at::Tensor& invstd, const at::Tensor& weight,
                           const at::Tensor& bias, c10::ScalarType dtype) {
   TORCH_CHECK(mean.is_cuda() && mean.dim() == 1, "bn_scale_shift: mean must be a 1-D CUDA tensor");
-  const std::pair<const at::Tensor*, const char*> vectors[] = {
-      {&mean, "mean"}, {&invstd, "invstd"}, {&weight, "weight"}, {&bias, "bias"}};
-  for (const auto& [t, name] : vectors) {
-    TORCH_CHECK(t->dim() == 1 && t->size(0) == mean.size(0) && t->scalar_type() == at::kFloat &&
-                    t->device() == mean.device() && t->is_contiguous(),
-                "bn_scale_shift: ", name, " must be a contiguous float32 (", mean.size(0), ",) tensor on ",
-                mean.device(), ", got ", t->scalar_type(), " ", t->sizes(), " on ", t->device());
-  }
+  check_fp32_vectors("bn_scale_shift", mean.size(0), mean.device(),
+                        {{&mean, "mean"}, {&invstd, "invstd"}, {&weight, "weight"}, {&bias, "bias"}});
   const DType dt = to_dtype(dtype);
   c10::cuda::CUDAGuard guard(mean.device());
   at::Tensor out = at::empty({2, mean.size(0)}, mean.options().dtype(dtype));

@@ -136,14 +136,8 @@ std::tuple<at::Tensor, at::Tensor> depthwise_fwd_stats(const at::Tensor& x_in, c
 // The per-channel BatchNorm vectors of an InputNorm: contiguous fp32 (C,) on y's device; `op` names the op in errors.
 InputNorm input_norm_of(const char* op, const at::Tensor& y, const at::Tensor& mean, const at::Tensor& invstd,
                         const at::Tensor& weight, const at::Tensor& bias) {
-  const std::pair<const at::Tensor*, const char*> vectors[] = {
-      {&mean, "mean"}, {&invstd, "invstd"}, {&weight, "norm_weight"}, {&bias, "norm_bias"}};
-  for (const auto& [t, name] : vectors) {
-    TORCH_CHECK(t->dim() == 1 && t->size(0) == y.size(1) && t->scalar_type() == at::kFloat &&
-                    t->device() == y.device() && t->is_contiguous(),
-                op, ": ", name, " must be a contiguous float32 (", y.size(1), ",) tensor on ",
-                y.device(), ", got ", t->scalar_type(), " ", t->sizes(), " on ", t->device());
-  }
+  check_fp32_vectors(op, y.size(1), y.device(),
+                        {{&mean, "mean"}, {&invstd, "invstd"}, {&weight, "norm_weight"}, {&bias, "norm_bias"}});
   InputNorm n;
   n.mean = mean.const_data_ptr<float>();
   n.invstd = invstd.const_data_ptr<float>();

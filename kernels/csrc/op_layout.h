@@ -1,8 +1,13 @@
-// The memory layout both op families (depthwise conv, BatchNorm+ReLU) compute in and return, shared by their op
-// files. Host-side ATen code: the .cu kernel files do not include it.
+// What both op families (depthwise conv, BatchNorm+ReLU) share in their op files: the memory layout they compute in
+// and return, and the check of per-channel vectors. Host-side ATen code: the .cu kernel files do not include it.
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+#include <initializer_list>
+#include <utility>
 
 namespace mdw {
 
@@ -17,6 +22,18 @@ inline c10::MemoryFormat layout_of(const at::Tensor& x) {
 // t in layout fmt: t itself when it already is, else one copy.
 inline at::Tensor in_layout(const at::Tensor& t, c10::MemoryFormat fmt) {
   return t.is_contiguous(fmt) ? t : t.contiguous(fmt);
+}
+
+// Per-channel vectors (a BatchNorm's mean, invstd, weight, ...): each a contiguous float32 (channels,) tensor on
+// `device`, else an error that starts with `what` and names the vector.
+inline void check_fp32_vectors(const char* what, int64_t channels, const c10::Device& device,
+                                  std::initializer_list<std::pair<const at::Tensor*, const char*>> vectors) {
+  for (const auto& [t, name] : vectors) {
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == channels && t->scalar_type() == at::kFloat && t->device() == device &&
+                    t->is_contiguous(),
+                what, ": ", name, " must be a contiguous float32 (", channels, ",) tensor on ", device, ", got ",
+                t->scalar_type(), " ", t->sizes(), " on ", t->device());
+  }
 }
 
 }  // namespace mdw
