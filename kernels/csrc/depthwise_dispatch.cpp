@@ -22,42 +22,46 @@ bool tiled_fits(const ConvShape& s, DType dt, const void* in, const void* out, i
   return s.C % vec == 0 && aligned(in, bytes) && aligned(out, bytes);
 }
 
-// The column walk needs a 3x3 kernel, equal strides 1 or 2, dilation 1, whole 32-bit words of channels
-// (C even for 16-bit data, 4-byte pointers), and its word offsets within one image (rows -PH .. H + PH + 1
-// (the last two only with R = 2), columns -PW .. 2 * OW + 12) must fit an int. s is the shape the kernel
-// runs (for the input gradient: input_grad_as_forward's; for the weight gradient: the convolution's).
+// What every NHWC kernel that moves 32-bit words of channels needs (the column walks, the shared-memory tile): a
+// square kernel, equal strides 1 or 2, dilation 1, 16/32-bit data in whole words (C even for 16-bit data) and 4-byte
+// pointers.
+bool nhwc_words_fit(const ConvShape& s, DType dt, const void* in, const void* out) {
+  return dt != DType::F64 && s.channels_last && s.KH == s.KW && s.SH == s.SW && (s.SH == 1 || s.SH == 2) &&
+         s.DH == 1 && s.DW == 1 && (s.C * elem_size(dt)) % 4 == 0 && aligned(in, 4) && aligned(out, 4);
+}
+
+// The stride-1 input gradient runs as a forward kernel on input_grad_as_forward(s), whose padding K - 1 - P must not
+// be negative.
+bool input_grad_as_forward_fits(const ConvShape& s) {
+  return s.SH == 1 && s.SW == 1 && s.PH <= s.KH - 1 && s.PW <= s.KW - 1;
+}
+
+// The column walk needs a 3x3 kernel (and nhwc_words_fit), and its word offsets within one image (rows
+// -PH .. H + PH + 1 (the last two only with R = 2), columns -PW .. 2 * OW + 12) must fit an int. s is the shape the
+// kernel runs (for the input gradient: input_grad_as_forward's; for the weight gradient: the convolution's).
 bool column_fits(const ConvShape& s, DType dt, const void* in, const void* out) {
-  return dt != DType::F64 && s.channels_last && s.KH == 3 && s.KW == 3 && s.SH == s.SW &&
-         (s.SH == 1 || s.SH == 2) && s.DH == 1 && s.DW == 1 && (s.C * elem_size(dt)) % 4 == 0 && aligned(in, 4) &&
-         aligned(out, 4) &&
+  return nhwc_words_fit(s, dt, in, out) && s.KH == 3 &&
          static_cast<long long>(s.H + (s.PH > 0 ? s.PH : 0) + 2) * (s.W + 2 * s.OW + 12) * (s.C * elem_size(dt) / 4) <=
              INT_MAX;
 }
 
-// The stride-1 input gradient runs as the forward column walk on input_grad_as_forward(s), whose padding
-// K - 1 - P must not be negative.
 bool input_grad_column_fits(const ConvShape& s, DType dt, const void* grad_out, const void* grad_input) {
-  return s.SH == 1 && s.SW == 1 && s.PH <= s.KH - 1 && s.PW <= s.KW - 1 &&
-         column_fits(s, dt, grad_out, grad_input) && column_fits(input_grad_as_forward(s), dt, grad_out, grad_input);
+  return input_grad_as_forward_fits(s) && column_fits(s, dt, grad_out, grad_input) &&
+         column_fits(input_grad_as_forward(s), dt, grad_out, grad_input);
 }
 
-// The 5x5/7x7 column walk (stencil_column_k57.cuh): square 5x5 or 7x7, equal strides 1 or 2, dilation 1, whole
-// 32-bit words of channels and 4-byte pointers as column_fits; it needs no 16-byte vectors, so C need not be a
-// multiple of the tiled kernels' vector. Its word offsets within one image (rows -PH .. H + PH - 1, columns
-// -PW - 1 .. 2 * OW + 6 - PW) must fit an int.
+// The 5x5/7x7 column walk (stencil_column_k57.cuh): 5x5 or 7x7 (and nhwc_words_fit); it needs no 16-byte vectors,
+// so C need not be a multiple of the tiled kernels' vector. Its word offsets within one image (rows -PH .. H + PH - 1,
+// columns -PW - 1 .. 2 * OW + 6 - PW) must fit an int.
 bool column_k57_fits(const ConvShape& s, DType dt, const void* in, const void* out) {
-  return dt != DType::F64 && s.channels_last && s.KH == s.KW && (s.KH == 5 || s.KH == 7) && s.SH == s.SW &&
-         (s.SH == 1 || s.SH == 2) && s.DH == 1 && s.DW == 1 && (s.C * elem_size(dt)) % 4 == 0 && aligned(in, 4) &&
-         aligned(out, 4) &&
+  return nhwc_words_fit(s, dt, in, out) && (s.KH == 5 || s.KH == 7) &&
          static_cast<long long>(s.H + (s.PH > 0 ? s.PH : 0) + 2) * (s.W + 2 * s.OW + s.PW + 16) *
                  (s.C * elem_size(dt) / 4) <=
              INT_MAX;
 }
 
-// The stride-1 5x5/7x7 input gradient as the forward walk on input_grad_as_forward(s) (padding K - 1 - P >= 0).
 bool input_grad_column_k57_fits(const ConvShape& s, DType dt, const void* grad_out, const void* grad_input) {
-  return s.SH == 1 && s.SW == 1 && s.PH <= s.KH - 1 && s.PW <= s.KW - 1 &&
-         column_k57_fits(s, dt, grad_out, grad_input) &&
+  return input_grad_as_forward_fits(s) && column_k57_fits(s, dt, grad_out, grad_input) &&
          column_k57_fits(input_grad_as_forward(s), dt, grad_out, grad_input);
 }
 
@@ -69,21 +73,19 @@ bool wgrad_nchw_k57_fits(const ConvShape& s, DType dt, const void* go, const voi
          (dt == DType::F32 || (s.W % 2 == 0 && s.OW % 2 == 0)) && aligned(go, 4) && aligned(x, 4);
 }
 
-// The shared-memory tile (depthwise_smem.cu): NHWC, square 3x3, 5x5 or 7x7, equal strides 1 or 2, dilation 1, whole
-// 32-bit words of channels and 4-byte pointers. Its offsets are 64-bit, its tile coordinates within one image.
+// The shared-memory tile (depthwise_smem.cu): 3x3, 5x5 or 7x7 (and nhwc_words_fit). Its offsets are 64-bit, its
+// tile coordinates within one image.
 bool smem_fits(const ConvShape& s, DType dt, const void* in, const void* out) {
-  return dt != DType::F64 && s.channels_last && s.KH == s.KW && (s.KH == 3 || s.KH == 5 || s.KH == 7) &&
-         s.SH == s.SW && (s.SH == 1 || s.SH == 2) && s.DH == 1 && s.DW == 1 && (s.C * elem_size(dt)) % 4 == 0 &&
-         aligned(in, 4) && aligned(out, 4);
+  return nhwc_words_fit(s, dt, in, out) && (s.KH == 3 || s.KH == 5 || s.KH == 7);
 }
 
-// The stride-1 input gradient as the forward tile on input_grad_as_forward(s) (padding K - 1 - P >= 0).
+// The tile on input_grad_as_forward(s) takes what it takes on s: the same channels and pointers.
 bool input_grad_smem_fits(const ConvShape& s, DType dt, const void* grad_out, const void* grad_input) {
-  return s.SH == 1 && s.SW == 1 && s.PH <= s.KH - 1 && s.PW <= s.KW - 1 && smem_fits(s, dt, grad_out, grad_input);
+  return input_grad_as_forward_fits(s) && smem_fits(s, dt, grad_out, grad_input);
 }
 
 // FWD_SMEM at -1 (its default) chooses by shape, as the H200 suites measured the tile against the walks and tiled
-// kernels (docs/kernel_notes.md, "The shared-memory tile"): 16-bit 5x5 at stride 1, the forward on inputs of 14 to
+// kernels (docs/kernels.md, "The NHWC shared-memory tile"): 16-bit 5x5 at stride 1, the forward on inputs of 14 to
 // 28 rows (0.79-0.95x the time there, slower on 7 rows) and the input gradient up to 28 rows. Everywhere else it
 // was as fast or slower (3x3: 1.03-1.74x the column walks' time).
 bool smem_wanted(const ConvShape& s, DType dt, int level) {
