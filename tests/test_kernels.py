@@ -217,14 +217,14 @@ def test_large_kernel_shapes(dw, dtype, layout):
         _check_case(dw, dtype, layout, k, stride, 1, k // 2, True, 32, 8, 64, 64, gen)
 
 
-def _kernels_of_passes(dw, cases) -> list[str]:
-    """The CUDA kernels a forward and both gradients run, for each (dtype, k, layout) on a 2 x 16 x 20 x 20 input
+def _kernels_of_passes(dw, cases, size: int = 20) -> list[str]:
+    """The CUDA kernels a forward and both gradients run, for each (dtype, k, layout) on a 2 x 16 x size x size input
     with 'same' padding at stride 1, by name as the profiler reports them."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for dtype, k, layout in cases:
-            x = _make_input(2, 16, 20, 20, dtype, layout, None).requires_grad_()
+            x = _make_input(2, 16, size, size, dtype, layout, None).requires_grad_()
             w = torch.randn(16, 1, k, k, device="cuda", dtype=dtype, requires_grad=True)
             y = dw(x, w, None, 1, k // 2, 1)
             torch.autograd.grad(y, (x, w), torch.ones_like(y))
@@ -344,16 +344,8 @@ def test_large_kernel_walks_by_default_where_the_suites_measured_them_faster(dw,
     # NHWC walks from 28 input rows up, forward and stride-1 input gradient, but 16-bit 5x5 at stride 1 takes the
     # shared-memory tile first (the forward from 14 to 28 rows, the input gradient up to 28); NCHW walks except 5x5
     # on 7 rows or fewer.
-    from torch.profiler import ProfilerActivity, profile
-
     def kernels_of(layout, k, h):
-        x = _make_input(2, 16, h, h, torch.float16, layout, None).requires_grad_()
-        w = torch.randn(16, 1, k, k, device="cuda", dtype=torch.float16, requires_grad=True)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            y = dw(x, w, None, 1, k // 2, 1)
-            torch.autograd.grad(y, (x, w), torch.ones_like(y))
-            torch.cuda.synchronize()
-        return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        return _kernels_of_passes(dw, [(torch.float16, k, layout)], size=h)
 
     for name in ("MDW_FWD_COLUMN_K57", "MDW_NCHW_COLUMN_K57", "MDW_FWD_SMEM"):
         monkeypatch.delenv(name, raising=False)
