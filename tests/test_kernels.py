@@ -12,6 +12,7 @@ import importlib
 import itertools
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -180,8 +181,8 @@ def test_mobilenet_shapes(dw, dtype, layout):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("knobs", ["MDW_FWD_COLUMN_ROWS=1", "MDW_FWD_COLUMN_ROWS=2", "MDW_FWD_COLUMN_DEEP=1",
-                                   "MDW_FWD_COLUMN_DEEP=1 MDW_FWD_COLUMN_ROWS=1", "MDW_COLUMN_REVERSE=0",
+@pytest.mark.parametrize("knobs", ["MDW_FWD_COLUMN_ROWS=1", "MDW_FWD_COLUMN_ROWS=2",
+                                   "MDW_FWD_COLUMN_DEEP=0 MDW_FWD_COLUMN_ROWS=1", "MDW_COLUMN_REVERSE=0",
                                    "MDW_FWD_COLUMN=1", "MDW_FWD_COLUMN=0 MDW_WGRAD_COLUMN=0"])
 def test_launch_knobs_keep_results(knobs):
     # The launch knobs (kernels/csrc/launch_plan.h) pick other kernels or launch shapes and are read once per
@@ -284,6 +285,37 @@ def test_smem_tile_keeps_results(knobs):
                           + [f"{__file__}::{t}" for t in tests], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{knobs}:\n{proc.stdout[-3000:]}{proc.stderr[-2000:]}"
     assert "17 passed" in proc.stdout, proc.stdout[-1000:]
+
+
+@pytest.mark.gpu
+@cuda
+def test_input_gradient_walk_follows_its_knob(dw):
+    # DGRAD_COLUMN_ROWS = 0 (the default): the 3x3 stride-1 input gradient walks as the forward's rule picks (on these
+    # 20-wide rows two output rows per lane, with FWD_COLUMN_DEEP 4 steps of them); 1: one row per lane. The walk's
+    # template arguments <TT, S, U, FLIP, R, ...> appear in its name, demangled or not.
+    setting = int(os.environ.get("MDW_DGRAD_COLUMN_ROWS", "0"))
+    names = _kernels_of_passes(dw, itertools.product(DTYPES, (3,), ("nhwc",)))
+    rotated = [n for n in names if "fwd_nhwc_column_kernel" in n and (", true, " in n or "ELb1E" in n)]
+    two_rows = [n for n in rotated if re.search(r"true, 2,|ELb1ELi2E", n)]
+    assert len(rotated) == 3, names
+    assert len(two_rows) == (3 if setting == 0 else 0), rotated
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("knobs", ["MDW_COLUMN_SECTORS=0", "MDW_DGRAD_COLUMN_ROWS=1",
+                                   "MDW_FWD_COLUMN_DEEP=0"])
+def test_column_walk_knobs_keep_results(knobs):
+    # The column walks' settings other than the defaults: balanced channel groups instead of whole sectors (every
+    # column walk, 3x3 and 5x5/7x7, forward and input gradient), the input gradient's one-row walk, the shallower
+    # 16-bit walks; knobs are read once per process.
+    env = dict(os.environ, **dict(kv.split("=") for kv in knobs.split()))
+    tests = ["test_mobilenet_shapes", "test_large_kernel_shapes", "test_nhwc_channel_groups_and_wide_rows",
+             "test_input_gradient_walk_follows_its_knob"]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"]
+                          + [f"{__file__}::{t}" for t in tests], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{knobs}:\n{proc.stdout[-3000:]}{proc.stderr[-2000:]}"
+    assert "16 passed" in proc.stdout, proc.stdout[-1000:]
 
 
 @pytest.mark.gpu

@@ -229,39 +229,6 @@ void forward_fast(const ConvShape& s, const void* x, const void* w, const void* 
 
 // ---- column ----
 
-// Which column walk runs the forward: output rows per lane (FWD_COLUMN_ROWS) and steps in flight (FWD_COLUMN_DEEP).
-// NORM: the input goes through `norm` as it is loaded (norm.apply_in_depthwise).
-template <class TT, bool NORM = false>
-void column_forward(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
-                    cudaStream_t stream, const InputNorm& norm = InputNorm{}) {
-  // Two output rows per lane load 4 input rows for 2 outputs instead of 3 for 1, at 2 steps in flight instead
-  // of 4 (16-bit registers). Auto (0) takes it where the rows are short: at stride 1 with OW <= 28 the per-row
-  // start (weights, first window) weighs most, and there it measured 5-17% faster per layer in the L2-warm
-  // benchmark (fp16: 512x14 0.048 -> 0.040 ms), while the 112- and 56-wide layers and every stride-2 layer
-  // were as fast or faster with one row (docs/kernel_notes.md, v9).
-  const int rows = knob(Knob::kFwdColumnRows, dt);
-  if constexpr (sizeof(typename TT::S) == 2) {
-    // FWD_COLUMN_DEEP (16-bit, stride 1): in the 2026-11-30 sweep (docs/kernel_notes.md, commit ede22fc) it was 7-9% faster on
-    // the 112-, 56- and 28-wide layers and as fast on the 14- and 7-wide ones; two rows then win up to 56 wide.
-    // Off by default until the matrix's 16-bit channels_last rows are measured with it.
-    if (s.SH == 1 && knob(Knob::kFwdColumnDeep, dt) == 1) {
-      if (rows == 2 || (rows == 0 && s.OW <= 56)) {
-        launch_column<TT, 1, false, 2, true, NORM>(s, dt, x, w, bias, y, stream, norm);
-      } else {
-        launch_column<TT, 1, false, 1, true, NORM>(s, dt, x, w, bias, y, stream, norm);
-      }
-      return;
-    }
-  }
-  if (rows == 2 || (rows == 0 && s.SH == 1 && s.OW <= 28)) {
-    (s.SH == 1 ? launch_column<TT, 1, false, 2, false, NORM> : launch_column<TT, 2, false, 2, false, NORM>)(
-        s, dt, x, w, bias, y, stream, norm);
-  } else {
-    (s.SH == 1 ? launch_column<TT, 1, false, 1, false, NORM> : launch_column<TT, 2, false, 1, false, NORM>)(
-        s, dt, x, w, bias, y, stream, norm);
-  }
-}
-
 // The statistics walk: stride and rows per lane to their instantiation.
 template <class TT>
 void column_forward_stats(const ConvShape& s, DType dt, const void* x, const void* w, void* y, double* partial,
@@ -337,9 +304,9 @@ bool forward_nchw_vec3x3(const ConvShape& s, DType dt, const void* x, const void
 void forward_nhwc_column(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                          cudaStream_t stream) {
   switch (dt) {
-    case DType::F32: return column_forward<F32T>(s, dt, x, w, bias, y, stream);
-    case DType::F16: return column_forward<F16T>(s, dt, x, w, bias, y, stream);
-    case DType::BF16: return column_forward<BF16T>(s, dt, x, w, bias, y, stream);
+    case DType::F32: return column_walk<F32T, false>(s, dt, x, w, bias, y, stream);
+    case DType::F16: return column_walk<F16T, false>(s, dt, x, w, bias, y, stream);
+    case DType::BF16: return column_walk<BF16T, false>(s, dt, x, w, bias, y, stream);
     default: return;  // the dispatch's column test excludes fp64
   }
 }
@@ -347,9 +314,9 @@ void forward_nhwc_column(const ConvShape& s, DType dt, const void* x, const void
 void forward_nhwc_column_normed(const ConvShape& s, DType dt, const void* x, const void* w, const InputNorm& norm,
                                 void* y, cudaStream_t stream) {
   switch (dt) {
-    case DType::F32: return column_forward<F32T, true>(s, dt, x, w, nullptr, y, stream, norm);
-    case DType::F16: return column_forward<F16T, true>(s, dt, x, w, nullptr, y, stream, norm);
-    case DType::BF16: return column_forward<BF16T, true>(s, dt, x, w, nullptr, y, stream, norm);
+    case DType::F32: return column_walk<F32T, false, true>(s, dt, x, w, nullptr, y, stream, norm);
+    case DType::F16: return column_walk<F16T, false, true>(s, dt, x, w, nullptr, y, stream, norm);
+    case DType::BF16: return column_walk<BF16T, false, true>(s, dt, x, w, nullptr, y, stream, norm);
     default: return;  // normed_fits excludes fp64
   }
 }

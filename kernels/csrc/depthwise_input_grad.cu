@@ -217,14 +217,24 @@ bool input_grad_nchw_vec3x3(const ConvShape& s, DType dt, const void* go, const 
   return conv3x3_nchw_vec<true>(s, dt, go, w, nullptr, gx, stream);
 }
 
-// The forward stencil on input_grad_as_forward(s), whose input is grad_out; stride 1 only.
+// The forward stencil on input_grad_as_forward(s), whose input is grad_out; stride 1 only. DGRAD_COLUMN_ROWS = 1:
+// one output row and 4 steps per lane; 0: the rows and steps the forward's rule picks for that shape (column_walk).
+template <class TT>
+void dgrad_column(const ConvShape& f, DType dt, const void* go, const void* w, void* gx, cudaStream_t stream) {
+  if (knob(Knob::kDgradColumnRows, dt) == 0) {
+    column_walk<TT, true>(f, dt, go, w, nullptr, gx, stream);
+  } else {
+    launch_column<TT, 1, true, 1>(f, dt, go, w, nullptr, gx, stream);
+  }
+}
+
 void input_grad_nhwc_column(const ConvShape& s, DType dt, const void* go, const void* w, void* gx,
                             cudaStream_t stream) {
   const ConvShape f = input_grad_as_forward(s);
   switch (dt) {
-    case DType::F32: return launch_column<F32T, 1, true, 1>(f, dt, go, w, nullptr, gx, stream);
-    case DType::F16: return launch_column<F16T, 1, true, 1>(f, dt, go, w, nullptr, gx, stream);
-    case DType::BF16: return launch_column<BF16T, 1, true, 1>(f, dt, go, w, nullptr, gx, stream);
+    case DType::F32: return dgrad_column<F32T>(f, dt, go, w, gx, stream);
+    case DType::F16: return dgrad_column<F16T>(f, dt, go, w, gx, stream);
+    case DType::BF16: return dgrad_column<BF16T>(f, dt, go, w, gx, stream);
     default: return;  // the dispatch's column test excludes fp64
   }
 }

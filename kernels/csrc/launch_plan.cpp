@@ -40,7 +40,7 @@ int knob(Knob k, DType dt) {
   static const char* names[kKnobs] = {"GROUP_FASTEST", "IMAGES", "WGRAD_BLOCKS_PER_SM", "NCHW_ROWS", "WGRAD_COLUMN",
                                       "FWD_COLUMN",    "FWD_COLUMN_ROWS", "COLUMN_REVERSE", "FWD_COLUMN_DEEP",
                                       "FWD_COLUMN_K57", "NCHW_COLUMN_K57", "WGRAD_COLUMN_K57",
-                                      "WGRAD_K57_BLOCKS_PER_SM", "FWD_SMEM"};
+                                      "WGRAD_K57_BLOCKS_PER_SM", "FWD_SMEM", "COLUMN_SECTORS", "DGRAD_COLUMN_ROWS"};
   static const char* suffix[] = {"F32", "F16", "BF16", "F64"};
   static int cache[kKnobs][4];
   const int ki = static_cast<int>(k), di = static_cast<int>(dt);
@@ -55,13 +55,15 @@ int knob(Knob k, DType dt) {
         {2, 2, 2, 0},     // FWD_COLUMN (NHWC 3x3 column-walking forward; 2: also the stride-1 input gradient)
         {2, 0, 0, 1},     // FWD_COLUMN_ROWS (column-walking forward: output rows per lane; 0: auto, see depthwise_forward.cu)
         {1, 1, 1, 1},     // COLUMN_REVERSE (column walks: images last to first, see stencil_3x3.cuh)
-        {0, 0, 0, 0},     // FWD_COLUMN_DEEP (16-bit stride-1 column forward: more steps in flight, see depthwise_forward.cu)
+        {0, 1, 1, 0},     // FWD_COLUMN_DEEP (16-bit stride-1 column walks: more steps in flight, see stencil_3x3.cuh)
         {-1, -1, -1, 0},  // FWD_COLUMN_K57 (NHWC 5x5/7x7 column walk; 2: also the stride-1 input gradient; -1: by shape)
         {-1, -1, -1, 0},  // NCHW_COLUMN_K57 (NCHW 5x5/7x7 forward down the columns; -1: by shape; fp64 not measured)
         {-1, -1, -1, 0},  // WGRAD_COLUMN_K57 (5x5/7x7 weight gradient, a kernel row per lane; bit 0 NHWC, bit 1 NCHW;
                           // -1: NHWC, and NCHW by shape, see depthwise_dispatch.cpp)
         {4, 4, 4, 4},     // WGRAD_K57_BLOCKS_PER_SM (that walk's grid)
         {-1, -1, -1, 0},  // FWD_SMEM (NHWC shared-memory tile; 2: also the stride-1 input gradient; -1: by shape)
+        {1, 1, 1, 0},     // COLUMN_SECTORS (column walks' channel groups: whole 32-byte sectors where they split evenly)
+        {0, 0, 0, 0},     // DGRAD_COLUMN_ROWS (stride-1 input gradient walk: 1 row x 4 steps; 0: as the forward)
     };
     const std::string base = std::string("MDW_") + names[ki];
     int v = env_int(base.c_str(), defaults[ki][di]);

@@ -123,7 +123,7 @@ enum class Knob {
   kFwdColumn,    // NHWC 3x3 column-walking forward (1), and the stride-1 input gradient too (2)
   kFwdColumnRows,  // column-walking forward: output rows per lane (1 or 2; 0: by shape, see depthwise_forward.cu)
   kColumnReverse,  // column-walking forward/input gradient: blocks walk the images last to first (1) or first to last (0)
-  kFwdColumnDeep,  // 16-bit stride-1 column-walking forward: twice the steps in flight at 3 blocks per SM (1) or not (0)
+  kFwdColumnDeep,  // 16-bit stride-1 column walks: twice the steps in flight at 3 blocks per SM (1) or not (0)
   kFwdColumnK57,   // NHWC 5x5/7x7 column-walking forward (1), and the stride-1 input gradient too (2); 0: tiled;
                    // -1: by shape (depthwise_dispatch.cpp)
   kNchwColumnK57,  // NCHW 5x5/7x7 forward walking down the columns (1) or tiled (0); -1: by shape
@@ -132,6 +132,10 @@ enum class Knob {
   kWgradK57BlocksPerSm,  // that walk's blocks per SM (its grid; each block a contiguous run of rows)
   kFwdSmem,  // NHWC 3x3/5x5/7x7 shared-memory tile (depthwise_smem.cu): forward (1), and the stride-1 input gradient
              // too (2); 0: off; -1: by shape (depthwise_dispatch.cpp)
+  kColumnSectors,   // column walks: channel groups of whole 32-byte sectors where they split evenly (1) or balanced
+                    // groups (0) (column_tiling)
+  kDgradColumnRows, // NHWC 3x3 stride-1 input gradient's walk: one row x 4 steps per lane (1) or the forward's choice
+                    // of rows and steps (0: FWD_COLUMN_ROWS, FWD_COLUMN_DEEP; see input_grad_nhwc_column)
   kCount
 };
 int knob(Knob k, DType dt);

@@ -386,14 +386,27 @@ __global__ void __launch_bounds__(256, MINB)
   }
 }
 
-// Column-walk launch shape: lanes_c words of one pixel per row (all C / V words when there are at most
-// 32, else 32-word groups, balanced so the last group is not mostly idle lanes), 256 / lanes_c rows of
-// the flattened (n, oh) index per block (max_threads / lanes_c: the 5x5/7x7 walk of stencil_column_k57.cuh takes
-// smaller blocks), fewer when there are fewer rows, in equal bands.
-Tiling column_tiling(int rows, int words, int max_threads = 256) {
+// Column-walk launch shape: lanes_c words of one pixel per row, 256 / lanes_c rows of the flattened (n, oh) index
+// per block (max_threads / lanes_c: the 5x5/7x7 walk of stencil_column_k57.cuh takes smaller blocks), fewer when
+// there are fewer rows, in equal bands. Channel groups: all C / V words when there are at most 32; with
+// COLUMN_SECTORS (sectors), the widest of 32, 24 or 16 words that splits them with no idle lane, so that every group
+// starts on a 32-byte sector; else groups of at most 32 words, balanced so the last group is not mostly idle lanes.
+// Balanced groups of 29 words (144 fp32 channels) start mid-sector, and that layer's forward took 0.517 ms against
+// 0.315 with 24-word groups; groups of 8 words, or a half-idle last group, measured slower than balanced ones
+// (docs/kernels.md, "Channel groups of whole sectors").
+Tiling column_tiling(int rows, int words, int max_threads = 256, bool sectors = false) {
   Tiling t{};
   t.groups = ceil_div(words, 32);
   t.lanes_c = ceil_div(words, t.groups);
+  if (sectors && words > 32) {
+    for (int lanes_c = 32; lanes_c >= 16; lanes_c -= 8) {
+      if (words % lanes_c == 0) {
+        t.lanes_c = lanes_c;
+        t.groups = words / lanes_c;
+        break;
+      }
+    }
+  }
   t.sx_n = 1;
   t.sy_n = max_threads / t.lanes_c < rows ? max_threads / t.lanes_c : rows;
   t.tiles_h = ceil_div(rows, t.sy_n);
@@ -406,6 +419,9 @@ Tiling column_tiling(int rows, int words, int max_threads = 256) {
   return t;
 }
 
+// column_tiling's `sectors` for dtype dt (COLUMN_SECTORS).
+inline bool column_sectors(DType dt) { return knob(Knob::kColumnSectors, dt) == 1; }
+
 // Steps whose loads are in flight together for R = 2 (4 input rows at stride 1, 5 at stride 2).
 template <class TT, int S>
 constexpr int column_unroll_r2() {
@@ -413,7 +429,7 @@ constexpr int column_unroll_r2() {
 }
 
 // DEEP: the 16-bit stride-1 walk with twice the steps in flight (8 with one row per lane, 4 with two) at 3 blocks
-// per SM instead of 4 (80 and 72 registers, no spills). Off by default (FWD_COLUMN_DEEP, see depthwise_forward.cu).
+// per SM instead of 4 (80 and 72 registers, no spills). On by default (FWD_COLUMN_DEEP, see column_walk).
 // NORM: the walk that applies `norm` to its input (norm.apply_in_depthwise); with 16-bit data its 6 per-channel
 // constants spill 12-56 bytes at the 64 registers of 4 blocks per SM, so it runs at 3 (up to 85 registers).
 template <class TT, int S, bool FLIP, int R, bool DEEP = false, bool NORM = false>
@@ -423,13 +439,50 @@ void launch_column(const ConvShape& s, DType dt, const void* x, const void* w, c
   constexpr int V = 4 / sizeof(Sx);
   constexpr int U = DEEP ? (R == 1 ? 2 * kColumnUnroll : 4) : (R == 1 ? kColumnUnroll : column_unroll_r2<TT, S>());
   constexpr int kMinBlocks = DEEP || (NORM && V == 2) ? 3 : 4;
-  Tiling t = column_tiling(s.N * (R == 1 ? s.OH : (s.OH + 1) / 2), s.C / V);
+  Tiling t = column_tiling(s.N * (R == 1 ? s.OH : (s.OH + 1) / 2), s.C / V, 256, column_sectors(dt));
   t.reverse = knob(Knob::kColumnReverse, dt);
   const dim3 grid(t.groups * t.tiles_h);
   fwd_nhwc_column_kernel<TT, S, U, FLIP, R, kMinBlocks, false, NORM><<<grid, t.block, 0, stream>>>(
       static_cast<const uint32_t*>(x), static_cast<const Sx*>(w), static_cast<const Sx*>(bias),
       static_cast<uint32_t*>(y), s, t, nullptr, norm);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Which column walk runs a forward (or, FLIP, the stride-1 input gradient as one): output rows per lane
+// (FWD_COLUMN_ROWS) and steps in flight (FWD_COLUMN_DEEP).
+template <class TT, bool FLIP, bool NORM = false>
+void column_walk(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
+                 cudaStream_t stream, const InputNorm& norm = InputNorm{}) {
+  // Two output rows per lane load 4 input rows for 2 outputs instead of 3 for 1, at 2 steps in flight instead
+  // of 4 (16-bit registers). Auto (0) takes it where the rows are short: at stride 1 with OW <= 28 the per-row
+  // start (weights, first window) weighs most, and there it measured 5-17% faster per layer in the L2-warm
+  // benchmark (fp16: 512x14 0.048 -> 0.040 ms), while the 112- and 56-wide layers and every stride-2 layer
+  // were as fast or faster with one row (docs/kernel_notes.md, v9).
+  const int rows = knob(Knob::kFwdColumnRows, dt);
+  if constexpr (sizeof(typename TT::S) == 2) {
+    // FWD_COLUMN_DEEP (16-bit, stride 1): in the 2026-11-30 sweep (docs/kernel_notes.md, commit ede22fc) it was 7-9% faster on
+    // the 112-, 56- and 28-wide layers and as fast on the 14- and 7-wide ones; two rows then win up to 56 wide.
+    // Over MobileNetV1's 13 layers, fp16 NHWC forward, 0.904 ms against 0.929 without (docs/kernels.md).
+    static_assert(!FLIP || !NORM, "the input gradient's input (grad_out) is never normalized");
+    if (s.SH == 1 && knob(Knob::kFwdColumnDeep, dt) == 1) {
+      if (rows == 2 || (rows == 0 && s.OW <= 56)) {
+        launch_column<TT, 1, FLIP, 2, true, NORM>(s, dt, x, w, bias, y, stream, norm);
+      } else {
+        launch_column<TT, 1, FLIP, 1, true, NORM>(s, dt, x, w, bias, y, stream, norm);
+      }
+      return;
+    }
+  }
+  const bool two_rows = rows == 2 || (rows == 0 && s.SH == 1 && s.OW <= 28);
+  if constexpr (FLIP) {  // the input gradient runs as a stride-1 forward only
+    (two_rows ? launch_column<TT, 1, true, 2> : launch_column<TT, 1, true, 1>)(s, dt, x, w, bias, y, stream, norm);
+  } else if (two_rows) {
+    (s.SH == 1 ? launch_column<TT, 1, false, 2, false, NORM> : launch_column<TT, 2, false, 2, false, NORM>)(
+        s, dt, x, w, bias, y, stream, norm);
+  } else {
+    (s.SH == 1 ? launch_column<TT, 1, false, 1, false, NORM> : launch_column<TT, 2, false, 1, false, NORM>)(
+        s, dt, x, w, bias, y, stream, norm);
+  }
 }
 
 // The statistics walk (STATS): one row per lane or two as the plain forward's auto rule picks them (column_forward),
@@ -445,7 +498,7 @@ inline int column_stats_rows(const ConvShape& s, DType dt) {
 inline Tiling column_stats_tiling(const ConvShape& s, DType dt) {
   const int V = dt == DType::F32 ? 1 : 2;
   const int R = column_stats_rows(s, dt);
-  return column_tiling(s.N * (R == 1 ? s.OH : (s.OH + 1) / 2), s.C / V);
+  return column_tiling(s.N * (R == 1 ? s.OH : (s.OH + 1) / 2), s.C / V, 256, column_sectors(dt));
 }
 
 template <class TT, int S, int R>

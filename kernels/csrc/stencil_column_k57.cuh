@@ -172,7 +172,7 @@ void launch_column_k(const ConvShape& s, DType dt, const void* x, const void* w,
   using Sx = typename TT::S;
   using Shape = ColumnK57Shape<TT, K, S>;
   constexpr int V = 4 / sizeof(Sx);
-  Tiling t = column_tiling(s.N * s.OH, s.C / V, Shape::kThreads);
+  Tiling t = column_tiling(s.N * s.OH, s.C / V, Shape::kThreads, column_sectors(dt));
   t.reverse = knob(Knob::kColumnReverse, dt);
   const dim3 grid(t.groups * t.tiles_h);
   fwd_nhwc_column_k_kernel<TT, K, S, Shape::kUnroll, FLIP, Shape::kThreads, Shape::kMinBlocks>
