@@ -22,8 +22,10 @@ namespace {
 // rows they reach, TW outputs each (sum[j][jj]: row t + j, column ow0 + jj), with the plane's K * K fp32 weights in
 // registers: each input element is loaded by about (TW - 1 + K / S) / TW lanes instead of once per tap row. The
 // walk starts NO - 1 steps before the segment; those steps' sums for rows above it are dropped. Tiling: NCHW
-// (lane = sx + sx_n * (sy + sy_n * q)) over strips of TW columns and segments of `seg` rows.
-template <class TT, int K, int S, int TW>
+// (lane = sx + sx_n * (sy + sy_n * q)) over strips of TW columns and segments of `seg` rows. PREFETCH
+// (NCHW_COLUMN_K57_PREFETCH, stride 1): a step issues the next step's loads before its own FMAs, so that at 2 blocks
+// per SM (4 warps per scheduler) their latency hides behind K * K * TW FMAs instead of stalling every step.
+template <class TT, int K, int S, int TW, bool PREFETCH>
 __global__ void __launch_bounds__(256, 2)
     fwd_nchw_column_k_kernel(const typename TT::S* __restrict__ x, const typename TT::S* __restrict__ w,
                              const typename TT::S* __restrict__ bias, typename TT::S* __restrict__ y, ConvShape s,
@@ -55,8 +57,8 @@ __global__ void __launch_bounds__(256, 2)
   Sx* yp = y + plane * s.OH * s.OW + ow0;
   const int iw0 = ow0 * S - s.PW;
 
-  for (int step = oh_begin - (NO - 1); step < oh_end; ++step) {
-    Sx raw[S][L];
+  // The S new input rows of one step: zeros above and below the image.
+  auto load_step = [&](int step, Sx (&raw)[S][L]) {
 #pragma unroll
     for (int d = 0; d < S; ++d) {
       const int ih = step * S - s.PH + (K - S) + d;
@@ -66,6 +68,20 @@ __global__ void __launch_bounds__(256, 2)
 #pragma unroll
         for (int i = 0; i < L; ++i) raw[d][i] = Sx(0);
       }
+    }
+  };
+  Sx next[PREFETCH ? S : 1][PREFETCH ? L : 1];
+  if constexpr (PREFETCH) load_step(oh_begin - (NO - 1), next);
+  for (int step = oh_begin - (NO - 1); step < oh_end; ++step) {
+    Sx raw[S][L];
+    if constexpr (PREFETCH) {
+#pragma unroll
+      for (int d = 0; d < S; ++d)
+#pragma unroll
+        for (int i = 0; i < L; ++i) raw[d][i] = next[d][i];
+      if (step + 1 < oh_end) load_step(step + 1, next);
+    } else {
+      load_step(step, raw);
     }
 #pragma unroll
     for (int d = 0; d < S; ++d)
@@ -100,7 +116,7 @@ __global__ void __launch_bounds__(256, 2)
 // Segments: as few as give every SM about 16 warps of lanes (the plane count and the row width set how many lanes
 // there are), but at least 16 rows each, since each segment repeats the NO - 1 rows before it.
 template <class TT, int K, int S>
-void launch_nchw_column_k(const ConvShape& s, const void* x, const void* w, const void* bias, void* y,
+void launch_nchw_column_k(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                           cudaStream_t stream) {
   using Sx = typename TT::S;
   constexpr int TW = 4;
@@ -113,9 +129,13 @@ void launch_nchw_column_k(const ConvShape& s, const void* x, const void* w, cons
   const int seg = ceil_div(s.OH, segments);
   const Tiling t = make_tiling(false, ceil_div(s.OH, seg), 0, strips, s.N * s.C);
   const dim3 grid(t.groups * t.tiles_h * t.tiles_w);
-  fwd_nchw_column_k_kernel<TT, K, S, TW><<<grid, t.block, 0, stream>>>(
-      static_cast<const Sx*>(x), static_cast<const Sx*>(w), static_cast<const Sx*>(bias), static_cast<Sx*>(y), s, t,
-      seg);
+  // Stride 1 only: at stride 2 the prefetched rows (2 x 13 scalars at 7x7) spill 42-112 bytes at 128 registers.
+  auto kernel = fwd_nchw_column_k_kernel<TT, K, S, TW, false>;
+  if constexpr (S == 1) {
+    if (knob(Knob::kNchwColumnK57Prefetch, dt) == 1) kernel = fwd_nchw_column_k_kernel<TT, K, S, TW, true>;
+  }
+  kernel<<<grid, t.block, 0, stream>>>(static_cast<const Sx*>(x), static_cast<const Sx*>(w),
+                                       static_cast<const Sx*>(bias), static_cast<Sx*>(y), s, t, seg);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -453,7 +473,7 @@ void input_grad_nhwc_column_k57(const ConvShape& s, DType dt, const void* go, co
 void forward_nchw_column_k57(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                              cudaStream_t stream) {
   dispatch_k57(s, dt, [&](auto tt, auto k, auto st) {
-    launch_nchw_column_k<decltype(tt), decltype(k)::value, decltype(st)::value>(s, x, w, bias, y, stream);
+    launch_nchw_column_k<decltype(tt), decltype(k)::value, decltype(st)::value>(s, dt, x, w, bias, y, stream);
   });
 }
 

@@ -136,6 +136,8 @@ enum class Knob {
                     // groups (0) (column_tiling)
   kDgradColumnRows, // NHWC 3x3 stride-1 input gradient's walk: one row x 4 steps per lane (1) or the forward's choice
                     // of rows and steps (0: FWD_COLUMN_ROWS, FWD_COLUMN_DEEP; see input_grad_nhwc_column)
+  kNchwColumnK57Prefetch,  // NCHW 5x5/7x7 stride-1 forward walk: the next step's loads issued before this step's
+                           // FMAs (1) or after them (0) (depthwise_k57.cu)
   kCount
 };
 int knob(Knob k, DType dt);
