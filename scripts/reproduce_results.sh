@@ -15,9 +15,17 @@ if has depthwise; then
   python scripts/bench_depthwise.py --repeats 10 --out "$OUT/depthwise_h200"
   # The layers as the model runs them: each input written by a producer kernel just before (docs/kernel_notes.md, v9).
   python scripts/bench_depthwise.py --dtypes fp16,bf16 --layouts nhwc --backends cudnn,custom --modes fwd,fwdbwd --repeats 10 --l2 warm --out "$OUT/depthwise_h200_l2warm"
-  # The deeper 16-bit stride-1 forward (MDW_FWD_COLUMN_DEEP), an opt-in knob (docs/kernel_notes.md, FWD_COLUMN_DEEP).
+  # The deeper 16-bit stride-1 forward (MDW_FWD_COLUMN_DEEP, the default since 2026-12-02; docs/kernel_notes.md, FWD_COLUMN_DEEP).
   for l2 in warm cold; do
     MDW_FWD_COLUMN_DEEP=1 python scripts/bench_depthwise.py --dtypes fp16,bf16 --layouts nhwc --backends cudnn,custom --modes fwd --repeats 10 --l2 $l2 --out "$OUT/depthwise_h200_fwd_column_deep_${l2/warm/l2warm}"
+  done
+  # The column walks' defaults of 2026-12-02 against the settings before them (docs/kernels.md, "The column walks' defaults").
+  for suite in mobilenet_v1 efficientnet_b0 mobilenet_v3; do
+    name=$([ $suite = mobilenet_v1 ] && echo depthwise_h200 || echo depthwise_${suite}_h200)_nhwc_column_defaults
+    python scripts/bench_depthwise.py --suite $suite --backends cudnn,custom --layouts nhwc --dtypes fp32,fp16,bf16 --modes fwd,fwdbwd --repeats 5 --ab MDW_FWD_COLUMN_DEEP=0,MDW_DGRAD_COLUMN_ROWS=1,MDW_COLUMN_SECTORS=0 --out "$OUT/$name"
+  done
+  for suite in mobilenet_v1 efficientnet_b0 mobilenet_v3 convnext_t; do
+    python scripts/experiments/depthwise_precision.py --suite $suite --dtype fp16 --layout nhwc | tee "$OUT/depthwise_precision_${suite}_fp16.md"
   done
 fi
 has overhead && python scripts/check_engine_overhead.py --steps 300 --warmup 40 --rounds 3 --out "$OUT/engine_overhead_h200.md" || true

@@ -33,3 +33,22 @@ def test_stem_wgrad_patch_product_is_the_convolutions_weight_gradient():
     script._GemmWeightGradConv.apply(x, mine).backward(dy)
     assert torch.allclose(mine.grad, w.grad, rtol=1e-10, atol=1e-10)
     assert torch.allclose(script.patch_gemm_weight_grad(x, dy), w.grad, rtol=1e-10, atol=1e-10)
+
+
+def test_depthwise_precision_measures_the_rounding_floor():
+    """depthwise_precision.py's yardstick, which docs/results/depthwise_precision_fp16_h200.md records: the float64
+    result rounded to fp16 has a relative error of about 2^-12 (half an fp16 unit, averaged), and a sum accumulated
+    in fp16 has several times that, which is what the script tells apart."""
+    import torch
+
+    script = load_script("experiments/depthwise_precision")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 25, dtype=torch.float64, generator=gen).relu_()
+    w = torch.randn(25, dtype=torch.float64, generator=gen) / 5
+    ref = x @ w
+    rounded = script.relative_error(ref.half(), ref)
+    assert 1e-4 < rounded < 3e-4
+    acc16 = torch.zeros(4096, dtype=torch.float16)
+    for k in range(25):  # a 5x5 stencil's 25 taps, each product and sum rounded to fp16
+        acc16 = (acc16 + (x[:, k].half() * w[k].half())).half()
+    assert script.relative_error(acc16, ref) > 2 * rounded
