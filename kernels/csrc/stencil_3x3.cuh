@@ -393,7 +393,7 @@ __global__ void __launch_bounds__(256, MINB)
 // starts on a 32-byte sector; else groups of at most 32 words, balanced so the last group is not mostly idle lanes.
 // Balanced groups of 29 words (144 fp32 channels) start mid-sector, and that layer's forward took 0.517 ms against
 // 0.315 with 24-word groups; groups of 8 words, or a half-idle last group, measured slower than balanced ones
-// (docs/kernels.md, "Channel groups of whole sectors").
+// (docs/kernels.md, "The column walks' defaults").
 Tiling column_tiling(int rows, int words, int max_threads = 256, bool sectors = false) {
   Tiling t{};
   t.groups = ceil_div(words, 32);
