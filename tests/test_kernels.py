@@ -405,13 +405,14 @@ def test_large_kernel_walks_by_default_where_the_suites_measured_them_faster(dw,
                                    "MDW_FWD_COLUMN_K57=2 MDW_WGRAD_COLUMN_K57=0",
                                    "MDW_FWD_COLUMN_K57=0 MDW_WGRAD_K57_BLOCKS_PER_SM=1",
                                    "MDW_FWD_COLUMN_K57=1 MDW_WGRAD_COLUMN_K57=3",
-                                   "MDW_NCHW_COLUMN_K57=1 MDW_NCHW_COLUMN_K57_PREFETCH=0"])
+                                   "MDW_NCHW_COLUMN_K57=1 MDW_NCHW_COLUMN_K57_PREFETCH=0",
+                                   "MDW_FWD_COLUMN_K57=2 MDW_FWD_COLUMN_K57_PREFETCH=0"])
 def test_large_kernel_column_walks_keep_results(knobs):
     # FWD_COLUMN_K57 (by shape by default) routes every NHWC 5x5/7x7 case it fits to the column walk
     # (stencil_column_k57.cuh): the forward at 1, the stride-1 input gradient too at 2; NCHW_COLUMN_K57 = 1 the NCHW
     # forward to its walk down the columns. WGRAD_COLUMN_K57 = 0 sends the weight gradient of both layouts back to
     # the tiled kernel, = 3 sends NCHW cases of every size to its kernel; WGRAD_K57_BLOCKS_PER_SM = 1 gives the NHWC
-    # walk's blocks several bands of rows each; NCHW_COLUMN_K57_PREFETCH = 0 loads the NCHW walk's rows a step later.
+    # walk's blocks several bands of rows each; the *_PREFETCH = 0 settings load the walks' input a step later.
     # Knobs are read once per process, hence the subprocess; the shared-memory tile, which the dispatch tries first,
     # is off there so that every 5x5/7x7 case reaches the walks these knobs pick.
     env = dict(os.environ, MDW_FWD_SMEM="0", **dict(kv.split("=") for kv in knobs.split()))

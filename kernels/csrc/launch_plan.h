@@ -138,6 +138,8 @@ enum class Knob {
                     // of rows and steps (0: FWD_COLUMN_ROWS, FWD_COLUMN_DEEP; see input_grad_nhwc_column)
   kNchwColumnK57Prefetch,  // NCHW 5x5/7x7 stride-1 forward walk: the next step's loads issued before this step's
                            // FMAs (1) or after them (0) (depthwise_k57.cu)
+  kFwdColumnK57Prefetch,   // NHWC 5x5/7x7 column walk (forward and input gradient): the next steps' loads issued
+                           // before these steps' FMAs (1) or after them (0) (stencil_column_k57.cuh)
   kCount
 };
 int knob(Knob k, DType dt);

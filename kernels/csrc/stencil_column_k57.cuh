@@ -81,7 +81,9 @@ __device__ __forceinline__ void slide_sums(float (&sum)[NO][V], const float (&b)
 // the flattened (n, oh) rows, t.reverse: last image first). sum[j] is output t + j before step t; input column
 // step * S - PW + (K - S) + d feeds it through kernel column K - S + d - j * S. FLIP: the kernel rotated, no bias
 // and no activation. THREADS x MINB is set by the launcher so that the K * K * V fp32 weights fit without spills.
-template <class TT, int K, int S, int U, bool FLIP, int THREADS, int MINB>
+// PREFETCH (FWD_COLUMN_K57_PREFETCH): the next U steps' words are loaded before this U steps' FMAs, as the NCHW walk
+// of depthwise_k57.cu does, so that their latency hides behind K * K * V * U FMAs.
+template <class TT, int K, int S, int U, bool FLIP, int THREADS, int MINB, bool PREFETCH>
 __global__ void __launch_bounds__(THREADS, MINB)
     fwd_nhwc_column_k_kernel(const uint32_t* __restrict__ x, const typename TT::S* __restrict__ w,
                              const typename TT::S* __restrict__ bias, uint32_t* __restrict__ y, ConvShape s,
@@ -133,15 +135,31 @@ __global__ void __launch_bounds__(THREADS, MINB)
 #pragma unroll
     for (int v = 0; v < V; ++v) sum[j][v] = b[v];
 
-  // The walk starts NO - 1 steps early, so that output 0's first columns are in its sum; those steps store nothing.
-  for (int t0 = 1 - NO; t0 < s.OW; t0 += U) {
-    uint32_t raw[U][K][S];
+  // U steps' words from step t0 on: most groups lie inside the image and the row, where no bounds are tested.
+  auto load_steps = [&](int t0, uint32_t (&raw)[U][K][S]) {
     const bool inside = row.rows_in == (1 << K) - 1 && t0 * S - s.PW + (K - S) >= 0 &&
                         (t0 + U - 1) * S - s.PW + K - 1 < s.W && t0 + U <= s.OW;
     if (inside) {
       load_column_k_steps<false, K, S, U>(row, s.W, s.OW, s.PW, t0, raw);
     } else {
       load_column_k_steps<true, K, S, U>(row, s.W, s.OW, s.PW, t0, raw);
+    }
+  };
+  // The walk starts NO - 1 steps early, so that output 0's first columns are in its sum; those steps store nothing.
+  uint32_t next[PREFETCH ? U : 1][K][S];
+  if constexpr (PREFETCH) load_steps(1 - NO, next);
+  for (int t0 = 1 - NO; t0 < s.OW; t0 += U) {
+    uint32_t raw[U][K][S];
+    if constexpr (PREFETCH) {
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int kh = 0; kh < K; ++kh)
+#pragma unroll
+          for (int d = 0; d < S; ++d) raw[u][kh][d] = next[u][kh][d];
+      if (t0 + U < s.OW) load_steps(t0 + U, next);
+    } else {
+      load_steps(t0, raw);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -175,7 +193,9 @@ void launch_column_k(const ConvShape& s, DType dt, const void* x, const void* w,
   Tiling t = column_tiling(s.N * s.OH, s.C / V, Shape::kThreads, column_sectors(dt));
   t.reverse = knob(Knob::kColumnReverse, dt);
   const dim3 grid(t.groups * t.tiles_h);
-  fwd_nhwc_column_k_kernel<TT, K, S, Shape::kUnroll, FLIP, Shape::kThreads, Shape::kMinBlocks>
+  const bool prefetch = knob(Knob::kFwdColumnK57Prefetch, dt) == 1;
+  (prefetch ? fwd_nhwc_column_k_kernel<TT, K, S, Shape::kUnroll, FLIP, Shape::kThreads, Shape::kMinBlocks, true>
+            : fwd_nhwc_column_k_kernel<TT, K, S, Shape::kUnroll, FLIP, Shape::kThreads, Shape::kMinBlocks, false>)
       <<<grid, t.block, 0, stream>>>(static_cast<const uint32_t*>(x), static_cast<const Sx*>(w),
                                      static_cast<const Sx*>(bias), static_cast<uint32_t*>(y), s, t);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
