@@ -304,11 +304,11 @@ def test_input_gradient_walk_follows_its_knob(dw):
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("knobs", ["MDW_COLUMN_SECTORS=0", "MDW_DGRAD_COLUMN_ROWS=1",
-                                   "MDW_FWD_COLUMN_DEEP=0"])
+                                   "MDW_FWD_COLUMN_DEEP=0", "MDW_FWD_COLUMN_PREFETCH=1"])
 def test_column_walk_knobs_keep_results(knobs):
     # The column walks' settings other than the defaults: balanced channel groups instead of whole sectors (every
     # column walk, 3x3 and 5x5/7x7, forward and input gradient), the input gradient's one-row walk, the shallower
-    # 16-bit walks; knobs are read once per process.
+    # 16-bit walks, the 3x3 walks' prefetch (forward and input gradient); knobs are read once per process.
     env = dict(os.environ, **dict(kv.split("=") for kv in knobs.split()))
     tests = ["test_mobilenet_shapes", "test_large_kernel_shapes", "test_nhwc_channel_groups_and_wide_rows",
              "test_input_gradient_walk_follows_its_knob"]

@@ -41,7 +41,7 @@ int knob(Knob k, DType dt) {
                                       "FWD_COLUMN",    "FWD_COLUMN_ROWS", "COLUMN_REVERSE", "FWD_COLUMN_DEEP",
                                       "FWD_COLUMN_K57", "NCHW_COLUMN_K57", "WGRAD_COLUMN_K57",
                                       "WGRAD_K57_BLOCKS_PER_SM", "FWD_SMEM", "COLUMN_SECTORS", "DGRAD_COLUMN_ROWS",
-                                      "NCHW_COLUMN_K57_PREFETCH", "FWD_COLUMN_K57_PREFETCH"};
+                                      "NCHW_COLUMN_K57_PREFETCH", "FWD_COLUMN_K57_PREFETCH", "FWD_COLUMN_PREFETCH"};
   static const char* suffix[] = {"F32", "F16", "BF16", "F64"};
   static int cache[kKnobs][4];
   const int ki = static_cast<int>(k), di = static_cast<int>(dt);
@@ -67,6 +67,7 @@ int knob(Knob k, DType dt) {
         {0, 0, 0, 0},     // DGRAD_COLUMN_ROWS (stride-1 input gradient walk: 1 row x 4 steps; 0: as the forward)
         {1, 1, 1, 1},     // NCHW_COLUMN_K57_PREFETCH (NCHW 5x5/7x7 forward walk: the next step's loads first)
         {1, 1, 1, 1},     // FWD_COLUMN_K57_PREFETCH (NHWC 5x5/7x7 column walk: the next steps' loads first)
+        {0, 0, 0, 0},     // FWD_COLUMN_PREFETCH (NHWC 3x3 stride-1 walks: the next steps' loads first; not measured)
     };
     const std::string base = std::string("MDW_") + names[ki];
     int v = env_int(base.c_str(), defaults[ki][di]);

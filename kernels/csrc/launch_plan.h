@@ -140,6 +140,8 @@ enum class Knob {
                            // FMAs (1) or after them (0) (depthwise_k57.cu)
   kFwdColumnK57Prefetch,   // NHWC 5x5/7x7 column walk (forward and input gradient): the next steps' loads issued
                            // before these steps' FMAs (1) or after them (0) (stencil_column_k57.cuh)
+  kFwdColumnPrefetch,      // NHWC 3x3 stride-1 column walks: the next steps' loads issued first, at 3 blocks per SM,
+                           // in place of FWD_COLUMN_DEEP (1) or not (0) (column_walk, stencil_3x3.cuh)
   kCount
 };
 int knob(Knob k, DType dt);

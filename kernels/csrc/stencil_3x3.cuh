@@ -125,9 +125,11 @@ bool conv3x3_nchw_vec(const ConvShape& s, DType dt, const void* x, const void* w
 
 constexpr int kK = 3;
 
-// Steps whose loads are in flight together: 4 fits 64 registers without spills in every variant
-// (16-bit stride 2: 24 words in flight next to the 18 fp32 weights and the 6-float carried window,
-// with the output pointer kept opaque as the kernel does; otherwise it spills 36 bytes).
+// Steps whose loads are in flight together: 4 at 64 registers. The tightest variant is 16-bit stride 2 with one row
+// per lane (24 words in flight next to the 18 fp32 weights and the 6-float carried window, with the output pointer
+// kept opaque as the kernel does; without that it spilled 36 bytes). ptxas of nvcc 13.0 (sm_90) against torch 2.14's
+// headers reports 28 bytes of spill stores there, and 100 for fp32 stride 2 with one row per lane (not a default:
+// fp32 takes two rows); the other variants do not spill.
 constexpr int kColumnUnroll = 4;
 
 // A plain global store (STG) through a pointer the compiler cannot see into (see the asm in the kernel):
@@ -168,6 +170,17 @@ __device__ __forceinline__ void load_fwd_steps(const FwdColumnRow& row, int W, i
       }
     }
   }
+}
+
+// A prefetching walk's words of the next steps, handed to these steps (register moves once unrolled).
+template <int U, int KR, int S>
+__device__ __forceinline__ void take_words(const uint32_t (&from)[U][KR][S], uint32_t (&to)[U][KR][S]) {
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+#pragma unroll
+    for (int kh = 0; kh < KR; ++kh)
+#pragma unroll
+      for (int d = 0; d < S; ++d) to[u][kh][d] = from[u][kh][d];
 }
 
 // STATS: per-lane statistics of the outputs as stored (rounded to TT, so exactly the values a BatchNorm of y reads),
@@ -246,7 +259,10 @@ __device__ __forceinline__ void write_column_stats(const ColumnStats<TT, V>& st,
 // deeper unrolls of FWD_COLUMN_DEEP. STATS: also the statistics of the stored outputs per (band, channel) into
 // partial (write_column_stats); then no lane returns early (the block meets at a barrier): lanes without a row or
 // word of their own set up a real one, walk none of it and count nothing.
-template <class TT, int S, int U, bool FLIP, int R, int MINB, bool STATS = false, bool NORM = false>
+// PREFETCH (FWD_COLUMN_PREFETCH): the next U steps' words are loaded before these U steps' FMAs, as the 5x5/7x7 walks
+// do (stencil_column_k57.cuh); not with STATS.
+template <class TT, int S, int U, bool FLIP, int R, int MINB, bool STATS = false, bool NORM = false,
+          bool PREFETCH = false>
 __global__ void __launch_bounds__(256, MINB)
     fwd_nhwc_column_kernel(const uint32_t* __restrict__ x, const typename TT::S* __restrict__ w,
                            const typename TT::S* __restrict__ bias, uint32_t* __restrict__ y, ConvShape s, Tiling t,
@@ -323,16 +339,36 @@ __global__ void __launch_bounds__(256, MINB)
     for (int v = 0; v < V; ++v) st.pivot[v] = st.s1[v] = st.s2[v] = 0.f;
   }
   const int walk_end = STATS && !active ? 0 : s.OW;
+  static_assert(!(PREFETCH && STATS), "the statistics walk keeps the plain order");
+  // PREFETCH's words of the next U steps (unused without it).
+  uint32_t next[PREFETCH ? U : 1][KR][S];
+  if constexpr (PREFETCH) load_fwd_steps<true, S, U, KR>(row, s.W, s.OW, s.PW, 0, norm, next);
   for (int t0 = 0; t0 < walk_end; t0 += U) {
     // Most groups lie inside the image and the row: no bounds tests there. Columns outside load
     // zeros (the padding); steps past OW (a partial last group) neither load nor store.
     uint32_t raw[U][KR][S];
-    const bool inside = row.rows_in == (1 << KR) - 1 && t0 * S - s.PW + KH >= 0 &&
-                        (t0 + U - 1) * S - s.PW + K - 1 < s.W && t0 + U <= s.OW;
-    if (inside) {
-      load_fwd_steps<false, S, U, KR>(row, s.W, s.OW, s.PW, t0, norm, raw);
+    // The two branches spell out the same group test: a shared helper changed the register allocation of the
+    // default (non-prefetching) stride-2 walks, which are the measured ones.
+    if constexpr (PREFETCH) {
+      take_words(next, raw);
+      const int t1 = t0 + U;
+      if (t1 < s.OW) {
+        const bool inside = row.rows_in == (1 << KR) - 1 && t1 * S - s.PW + KH >= 0 &&
+                            (t1 + U - 1) * S - s.PW + K - 1 < s.W && t1 + U <= s.OW;
+        if (inside) {
+          load_fwd_steps<false, S, U, KR>(row, s.W, s.OW, s.PW, t1, norm, next);
+        } else {
+          load_fwd_steps<true, S, U, KR>(row, s.W, s.OW, s.PW, t1, norm, next);
+        }
+      }
     } else {
-      load_fwd_steps<true, S, U, KR>(row, s.W, s.OW, s.PW, t0, norm, raw);
+      const bool inside = row.rows_in == (1 << KR) - 1 && t0 * S - s.PW + KH >= 0 &&
+                          (t0 + U - 1) * S - s.PW + K - 1 < s.W && t0 + U <= s.OW;
+      if (inside) {
+        load_fwd_steps<false, S, U, KR>(row, s.W, s.OW, s.PW, t0, norm, raw);
+      } else {
+        load_fwd_steps<true, S, U, KR>(row, s.W, s.OW, s.PW, t0, norm, raw);
+      }
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -432,17 +468,18 @@ constexpr int column_unroll_r2() {
 // per SM instead of 4 (80 and 72 registers, no spills). On by default (FWD_COLUMN_DEEP, see column_walk).
 // NORM: the walk that applies `norm` to its input (norm.apply_in_depthwise); with 16-bit data its 6 per-channel
 // constants spill 12-56 bytes at the 64 registers of 4 blocks per SM, so it runs at 3 (up to 85 registers).
-template <class TT, int S, bool FLIP, int R, bool DEEP = false, bool NORM = false>
+// PREFETCH: the plain walk's steps, with the next ones' loads issued first, at 3 blocks per SM (FWD_COLUMN_PREFETCH).
+template <class TT, int S, bool FLIP, int R, bool DEEP = false, bool NORM = false, bool PREFETCH = false>
 void launch_column(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                    cudaStream_t stream, const InputNorm& norm = InputNorm{}) {
   using Sx = typename TT::S;
   constexpr int V = 4 / sizeof(Sx);
   constexpr int U = DEEP ? (R == 1 ? 2 * kColumnUnroll : 4) : (R == 1 ? kColumnUnroll : column_unroll_r2<TT, S>());
-  constexpr int kMinBlocks = DEEP || (NORM && V == 2) ? 3 : 4;
+  constexpr int kMinBlocks = DEEP || PREFETCH || (NORM && V == 2) ? 3 : 4;
   Tiling t = column_tiling(s.N * (R == 1 ? s.OH : (s.OH + 1) / 2), s.C / V, 256, column_sectors(dt));
   t.reverse = knob(Knob::kColumnReverse, dt);
   const dim3 grid(t.groups * t.tiles_h);
-  fwd_nhwc_column_kernel<TT, S, U, FLIP, R, kMinBlocks, false, NORM><<<grid, t.block, 0, stream>>>(
+  fwd_nhwc_column_kernel<TT, S, U, FLIP, R, kMinBlocks, false, NORM, PREFETCH><<<grid, t.block, 0, stream>>>(
       static_cast<const uint32_t*>(x), static_cast<const Sx*>(w), static_cast<const Sx*>(bias),
       static_cast<uint32_t*>(y), s, t, nullptr, norm);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -459,6 +496,14 @@ void column_walk(const ConvShape& s, DType dt, const void* x, const void* w, con
   // benchmark (fp16: 512x14 0.048 -> 0.040 ms), while the 112- and 56-wide layers and every stride-2 layer
   // were as fast or faster with one row (docs/kernel_notes.md, v9).
   const int rows = knob(Knob::kFwdColumnRows, dt);
+  // FWD_COLUMN_PREFETCH (stride 1, opt-in, not yet measured): the plain walk's rows and steps with the next steps'
+  // loads issued first, in place of FWD_COLUMN_DEEP's deeper unroll.
+  if (s.SH == 1 && knob(Knob::kFwdColumnPrefetch, dt) == 1) {
+    const bool two = rows == 2 || (rows == 0 && s.OW <= 28);
+    (two ? launch_column<TT, 1, FLIP, 2, false, NORM, true> : launch_column<TT, 1, FLIP, 1, false, NORM, true>)(
+        s, dt, x, w, bias, y, stream, norm);
+    return;
+  }
   if constexpr (sizeof(typename TT::S) == 2) {
     // FWD_COLUMN_DEEP (16-bit, stride 1): in the 2026-11-30 sweep (docs/kernel_notes.md, commit ede22fc) it was 7-9% faster on
     // the 112-, 56- and 28-wide layers and as fast on the 14- and 7-wide ones; two rows then win up to 56 wide.

@@ -151,12 +151,7 @@ __global__ void __launch_bounds__(THREADS, MINB)
   for (int t0 = 1 - NO; t0 < s.OW; t0 += U) {
     uint32_t raw[U][K][S];
     if constexpr (PREFETCH) {
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-#pragma unroll
-        for (int kh = 0; kh < K; ++kh)
-#pragma unroll
-          for (int d = 0; d < S; ++d) raw[u][kh][d] = next[u][kh][d];
+      take_words(next, raw);
       if (t0 + U < s.OW) load_steps(t0 + U, next);
     } else {
       load_steps(t0, raw);
