@@ -486,10 +486,11 @@ void launch_column(const ConvShape& s, DType dt, const void* x, const void* w, c
 }
 
 // Which column walk runs a forward (or, FLIP, the stride-1 input gradient as one): output rows per lane
-// (FWD_COLUMN_ROWS) and steps in flight (FWD_COLUMN_DEEP).
+// (FWD_COLUMN_ROWS) and steps in flight (FWD_COLUMN_DEEP, FWD_COLUMN_PREFETCH).
 template <class TT, bool FLIP, bool NORM = false>
 void column_walk(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                  cudaStream_t stream, const InputNorm& norm = InputNorm{}) {
+  static_assert(!FLIP || !NORM, "the input gradient's input (grad_out) is never normalized");
   // Two output rows per lane load 4 input rows for 2 outputs instead of 3 for 1, at 2 steps in flight instead
   // of 4 (16-bit registers). Auto (0) takes it where the rows are short: at stride 1 with OW <= 28 the per-row
   // start (weights, first window) weighs most, and there it measured 5-17% faster per layer in the L2-warm
@@ -508,7 +509,6 @@ void column_walk(const ConvShape& s, DType dt, const void* x, const void* w, con
     // FWD_COLUMN_DEEP (16-bit, stride 1): in the 2026-11-30 sweep (docs/kernel_notes.md, commit ede22fc) it was 7-9% faster on
     // the 112-, 56- and 28-wide layers and as fast on the 14- and 7-wide ones; two rows then win up to 56 wide.
     // Over MobileNetV1's 13 layers, fp16 NHWC forward, 0.904 ms against 0.929 without (docs/kernels.md).
-    static_assert(!FLIP || !NORM, "the input gradient's input (grad_out) is never normalized");
     if (s.SH == 1 && knob(Knob::kFwdColumnDeep, dt) == 1) {
       if (rows == 2 || (rows == 0 && s.OW <= 56)) {
         launch_column<TT, 1, FLIP, 2, true, NORM>(s, dt, x, w, bias, y, stream, norm);
