@@ -179,6 +179,17 @@ def test_mobilenet_shapes(dw, dtype, layout):
         _check_case(dw, dtype, layout, 3, stride, 1, 1, False, 4, c, h, h, gen)
 
 
+def _run_with_knobs(knobs: str, tests: list[str], expected: str, **env) -> None:
+    """Runs this file's `tests` (GPU) in a pytest process of their own with `env` and then the knobs ("MDW_A=1 MDW_B=0")
+    in its environment, since the kernels read their knobs once per process; asserts it passed with `expected`
+    ("6 passed") in its summary."""
+    env = {**os.environ, **env, **dict(kv.split("=") for kv in knobs.split())}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"]
+                          + [f"{__file__}::{t}" for t in tests], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{knobs}:\n{proc.stdout[-3000:]}{proc.stderr[-2000:]}"
+    assert expected in proc.stdout, proc.stdout[-1000:]
+
+
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("knobs", ["MDW_FWD_COLUMN_ROWS=1", "MDW_FWD_COLUMN_ROWS=2",
@@ -187,11 +198,7 @@ def test_mobilenet_shapes(dw, dtype, layout):
 def test_launch_knobs_keep_results(knobs):
     # The launch knobs (kernels/csrc/launch_plan.h) pick other kernels or launch shapes and are read once per
     # process, so each setting runs the MobileNet-shape checks in a process of its own.
-    env = dict(os.environ, **dict(kv.split("=") for kv in knobs.split()))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                           f"{__file__}::test_mobilenet_shapes"], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{knobs}:\n{proc.stdout[-3000:]}{proc.stderr[-2000:]}"
-    assert "6 passed" in proc.stdout, proc.stdout[-1000:]
+    _run_with_knobs(knobs, ["test_mobilenet_shapes"], "6 passed")
 
 
 @pytest.mark.gpu
@@ -278,13 +285,9 @@ def test_smem_tile_runs_where_the_knob_sends_it(dw):
 @pytest.mark.parametrize("knobs", ["MDW_FWD_SMEM=1", "MDW_FWD_SMEM=2"])
 def test_smem_tile_keeps_results(knobs):
     # The shared-memory tile on every case it takes (knobs are read once per process, hence the subprocess).
-    env = dict(os.environ, **dict(kv.split("=") for kv in knobs.split()))
-    tests = ["test_mobilenet_shapes", "test_large_kernel_shapes", "test_nhwc_channel_groups_and_wide_rows",
-             "test_smem_tile_runs_where_the_knob_sends_it", "test_coverage_grid_against_float64"]
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"]
-                          + [f"{__file__}::{t}" for t in tests], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{knobs}:\n{proc.stdout[-3000:]}{proc.stderr[-2000:]}"
-    assert "17 passed" in proc.stdout, proc.stdout[-1000:]
+    _run_with_knobs(knobs, ["test_mobilenet_shapes", "test_large_kernel_shapes",
+                            "test_nhwc_channel_groups_and_wide_rows", "test_smem_tile_runs_where_the_knob_sends_it",
+                            "test_coverage_grid_against_float64"], "17 passed")
 
 
 @pytest.mark.gpu
@@ -309,13 +312,9 @@ def test_column_walk_knobs_keep_results(knobs):
     # The column walks' settings other than the defaults: balanced channel groups instead of whole sectors (every
     # column walk, 3x3 and 5x5/7x7, forward and input gradient), the input gradient's one-row walk, the shallower
     # 16-bit walks, the 3x3 walks' prefetch (forward and input gradient); knobs are read once per process.
-    env = dict(os.environ, **dict(kv.split("=") for kv in knobs.split()))
-    tests = ["test_mobilenet_shapes", "test_large_kernel_shapes", "test_nhwc_channel_groups_and_wide_rows",
-             "test_input_gradient_walk_follows_its_knob"]
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"]
-                          + [f"{__file__}::{t}" for t in tests], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{knobs}:\n{proc.stdout[-3000:]}{proc.stderr[-2000:]}"
-    assert "16 passed" in proc.stdout, proc.stdout[-1000:]
+    _run_with_knobs(knobs, ["test_mobilenet_shapes", "test_large_kernel_shapes",
+                            "test_nhwc_channel_groups_and_wide_rows", "test_input_gradient_walk_follows_its_knob"],
+                    "16 passed")
 
 
 @pytest.mark.gpu
@@ -415,13 +414,9 @@ def test_large_kernel_column_walks_keep_results(knobs):
     # walk's blocks several bands of rows each; the *_PREFETCH = 0 settings load the walks' input a step later.
     # Knobs are read once per process, hence the subprocess; the shared-memory tile, which the dispatch tries first,
     # is off there so that every 5x5/7x7 case reaches the walks these knobs pick.
-    env = dict(os.environ, MDW_FWD_SMEM="0", **dict(kv.split("=") for kv in knobs.split()))
     tests = ["test_large_kernel_shapes", "test_large_kernel_passes_run_the_kernels_the_column_knobs_pick",
              "test_coverage_grid_against_float64"]
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"]
-                          + [f"{__file__}::{t}" for t in tests], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{knobs}:\n{proc.stdout[-3000:]}{proc.stderr[-2000:]}"
-    assert "8 passed" in proc.stdout, proc.stdout[-1000:]
+    _run_with_knobs(knobs, tests, "8 passed", MDW_FWD_SMEM="0")
 
 
 @pytest.mark.gpu
