@@ -98,6 +98,32 @@ class CudnnGraph:
         self._run_plan(self.plan)
 
 
+def time_alternating(variants: dict, iters: int, rounds: int) -> dict[str, float]:
+    """Median microseconds per call of each variant: its `iters` calls captured once in a CUDA graph (after 3 warm-up
+    calls on the capture stream), the replays alternating over the variants for `rounds` rounds (CUDA events)."""
+    from mobilenet.bench.timing import events_elapsed_s
+
+    captured = {}
+    stream = torch.cuda.Stream()
+    for key, fn in variants.items():
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(iters):
+                fn()
+        captured[key] = graph
+    times: dict[str, list[float]] = {k: [] for k in captured}
+    for _ in range(rounds):
+        for key, graph in captured.items():
+            times[key].append(events_elapsed_s(graph.replay) * 1e6 / iters)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def _sbr(cudnn, g, t: dict, y: torch.Tensor, scale_type):
     c = y.shape[1]
     t["Y"] = g.tensor(name="Y", dim=list(y.shape), stride=_nhwc_strides(y.shape), data_type=cudnn.data_type.HALF
@@ -243,28 +269,7 @@ def main() -> None:
             ref_dw = torch.ops.aten.convolution_backward(grad, x, w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1,
                                                          [False, True, False])[1]
             checks.append(("dw", ((dw_fused.float() - ref_dw.float()).norm() / ref_dw.float().norm()).item()))
-        # Timing: each variant's iters calls captured once, the replays alternating.
-        captured = {}
-        stream = torch.cuda.Stream()
-        for key, fn in variants.items():
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(3):
-                    fn()
-            torch.cuda.current_stream().wait_stream(stream)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                for _ in range(args.iters):
-                    fn()
-            captured[key] = graph
-        from mobilenet.bench.timing import events_elapsed_s
-
-        times: dict[str, list[float]] = {k: [] for k in captured}
-        for _ in range(args.rounds):
-            for key, graph in captured.items():
-                times[key].append(events_elapsed_s(graph.replay) * 1e6 / args.iters)
-        med = {k: statistics.median(v) for k, v in times.items()}
+        med = time_alternating(variants, args.iters, args.rounds)
         for k, v in med.items():
             totals[k] = totals.get(k, 0.0) + v
         label = f"{cin}->{cout} {size}x{size}"
@@ -274,7 +279,6 @@ def main() -> None:
               + ", ".join(f"{k} {v:.2e}" for k, v in checks), flush=True)
         for n in notes:
             print("  " + n, flush=True)
-        captured.clear()
         torch.cuda.empty_cache()
     keys = list(totals)
     print("\n| layer | " + " | ".join(keys) + " |")
