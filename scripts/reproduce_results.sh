@@ -24,6 +24,13 @@ if has depthwise; then
     name=$([ $suite = mobilenet_v1 ] && echo depthwise_h200 || echo depthwise_${suite}_h200)_nhwc_column_defaults
     python scripts/bench_depthwise.py --suite $suite --backends cudnn,custom --layouts nhwc --dtypes fp32,fp16,bf16 --modes fwd,fwdbwd --repeats 5 --ab MDW_FWD_COLUMN_DEEP=0,MDW_DGRAD_COLUMN_ROWS=1,MDW_COLUMN_SECTORS=0 --out "$OUT/$name"
   done
+  # The walks' prefetch switches against their other setting (docs/kernels.md): the 5x5/7x7 ones (on by default) ...
+  for suite in convnext_t efficientnet_b0 large_k7; do
+    python scripts/bench_depthwise.py --suite $suite --backends torch,cudnn,custom --layouts nchw --dtypes fp32,fp16,bf16 --modes fwd --repeats 5 --ab MDW_NCHW_COLUMN_K57_PREFETCH=0 --out "$OUT/depthwise_${suite}_h200_nchw_prefetch_ab"
+  done
+  python scripts/bench_depthwise.py --suite convnext_t --backends cudnn,custom --layouts nhwc --dtypes fp32,fp16,bf16 --modes fwd --repeats 3 --ab MDW_FWD_COLUMN_K57_PREFETCH=0 --out "$OUT/depthwise_convnext_t_h200_nhwc_prefetch_ab"
+  # ... and the 3x3 one (off by default: measured slower)
+  python scripts/bench_depthwise.py --suite mobilenet_v1 --backends cudnn,custom --layouts nhwc --dtypes fp32,fp16,bf16 --modes fwd,fwdbwd --repeats 5 --ab MDW_FWD_COLUMN_PREFETCH=1 --out "$OUT/depthwise_h200_nhwc_prefetch3_ab"
   for suite in mobilenet_v1 efficientnet_b0 mobilenet_v3 convnext_t; do
     python scripts/experiments/depthwise_precision.py --suite $suite --dtype fp16 --layout nhwc | tee "$OUT/depthwise_precision_${suite}_fp16.md"
   done

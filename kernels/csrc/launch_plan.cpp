@@ -67,7 +67,8 @@ int knob(Knob k, DType dt) {
         {0, 0, 0, 0},     // DGRAD_COLUMN_ROWS (stride-1 input gradient walk: 1 row x 4 steps; 0: as the forward)
         {1, 1, 1, 1},     // NCHW_COLUMN_K57_PREFETCH (NCHW 5x5/7x7 forward walk: the next step's loads first)
         {1, 1, 1, 1},     // FWD_COLUMN_K57_PREFETCH (NHWC 5x5/7x7 column walk: the next steps' loads first)
-        {0, 0, 0, 0},     // FWD_COLUMN_PREFETCH (NHWC 3x3 stride-1 walks: the next steps' loads first; not measured)
+        {0, 0, 0, 0},     // FWD_COLUMN_PREFETCH (NHWC 3x3 stride-1 walks: the next steps' loads first; measured
+                          // slower on MobileNetV1's layers, docs/kernels.md)
     };
     const std::string base = std::string("MDW_") + names[ki];
     int v = env_int(base.c_str(), defaults[ki][di]);

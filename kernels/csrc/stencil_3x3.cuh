@@ -497,8 +497,8 @@ void column_walk(const ConvShape& s, DType dt, const void* x, const void* w, con
   // benchmark (fp16: 512x14 0.048 -> 0.040 ms), while the 112- and 56-wide layers and every stride-2 layer
   // were as fast or faster with one row (docs/kernel_notes.md, v9).
   const int rows = knob(Knob::kFwdColumnRows, dt);
-  // FWD_COLUMN_PREFETCH (stride 1, opt-in, not yet measured): the plain walk's rows and steps with the next steps'
-  // loads issued first, in place of FWD_COLUMN_DEEP's deeper unroll.
+  // FWD_COLUMN_PREFETCH (stride 1, opt-in; slower on MobileNetV1's layers on an H200, docs/kernels.md): the plain
+  // walk's rows and steps with the next steps' loads issued first, in place of FWD_COLUMN_DEEP's deeper unroll.
   if (s.SH == 1 && knob(Knob::kFwdColumnPrefetch, dt) == 1) {
     const bool two = rows == 2 || (rows == 0 && s.OW <= 28);
     (two ? launch_column<TT, 1, FLIP, 2, false, NORM, true> : launch_column<TT, 1, FLIP, 1, false, NORM, true>)(
