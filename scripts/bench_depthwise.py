@@ -44,7 +44,6 @@ import csv
 import math
 import os
 import shlex
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -56,11 +55,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mobilenet.bench.depthwise_suites import DEFAULT_SUITE, SUITES, Layer, floor_bytes, weighted_sum  # noqa: E402
+from mobilenet.bench.dtypes import DTYPES  # noqa: E402
 from mobilenet.bench.timing import device_copy_bandwidth, time_case  # noqa: E402
 from mobilenet.depthwise import get_backend  # noqa: E402
 from mobilenet.reporting import environment, gpu_slug  # noqa: E402
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 LAYOUTS = {"nchw": torch.contiguous_format, "nhwc": torch.channels_last}
 # fwd_dgrad and fwd_wgrad run the forward and one gradient (the other operand does not require grad), so that the
 # backward's time splits into its two passes: (fwd_dgrad - fwd) and (fwd_wgrad - fwd).

@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as `python scripts/bench_inference.py`
 
+from mobilenet.bench.dtypes import DTYPES  # noqa: E402
 from mobilenet.bench.timing import events_elapsed_s  # noqa: E402
 from mobilenet.config import compose  # noqa: E402
 from mobilenet.engine import build_for_run  # noqa: E402
@@ -40,7 +41,6 @@ from mobilenet.inference import build_path  # noqa: E402
 from mobilenet.reporting import environment  # noqa: E402
 
 SUITES = ("ladder", "dtypes", "kernels", "peer")
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 LADDER = [  # (step, overrides)
     ("eager", ["fold_bn=false", "cuda_graph=false"]),
     ("folded", ["fused_epilogue=false", "cuda_graph=false"]),

@@ -23,6 +23,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from mobilenet.bench.dtypes import DTYPES  # noqa: E402
 from mobilenet.config import compose  # noqa: E402
 from mobilenet.data import LoaderSpec, build_loaders  # noqa: E402
 from mobilenet.reporting import environment, gpu_slug  # noqa: E402
@@ -32,7 +33,6 @@ LOADERS = {
     "dali-cpu": ["data=dali", "data.dali.decode=cpu"],
     "folder": ["data=folder"],
 }
-DTYPES = {"fp16": torch.float16, "fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def sync(device: torch.device) -> None:

@@ -29,12 +29,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from mobilenet.bench.dtypes import DTYPES  # noqa: E402
 from mobilenet.bench.timing import device_copy_bandwidth, time_case  # noqa: E402
 from mobilenet.model import MobileNetV1  # noqa: E402
 from mobilenet.norm import NormUnavailable, available_norms, get_norm  # noqa: E402
 from mobilenet.reporting import environment, gpu_slug, machine_line  # noqa: E402
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 LAYOUTS = {"nchw": torch.contiguous_format, "nhwc": torch.channels_last}
 ROTATION_BYTES = 512 << 20  # input sets per case total at least this: > 8x the H200's 60 MB L2
 MODES = ("fwd", "fwdbwd")

@@ -23,9 +23,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as `python scripts/experiments/...`
 
 from mobilenet.bench.depthwise_suites import SUITES  # noqa: E402
+from mobilenet.bench.dtypes import DTYPES  # noqa: E402
 from mobilenet.depthwise import get_backend  # noqa: E402
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:

@@ -22,9 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as `python scripts/experiments/ncu_depthwise_layer.py`
 
+from mobilenet.bench.dtypes import DTYPES  # noqa: E402
 from mobilenet.depthwise import get_backend  # noqa: E402
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def main(argv: list[str] | None = None) -> None:

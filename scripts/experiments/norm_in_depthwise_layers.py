@@ -20,9 +20,9 @@ import statistics
 
 import torch
 
+from mobilenet.bench.dtypes import DTYPES
 from mobilenet.bench.timing import events_elapsed_s
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # (channels, input size, stride) of the 13 depthwise layers at width 1.0, input 224 (Howard et al. 2017, Table 1)
 LAYERS = [(32, 112, 1), (64, 112, 2), (128, 56, 1), (128, 56, 2), (256, 28, 1), (256, 28, 2), (512, 14, 1),
           (512, 14, 1), (512, 14, 1), (512, 14, 1), (512, 14, 1), (512, 14, 2), (1024, 7, 1)]

@@ -32,8 +32,10 @@ import statistics
 import torch
 import torch.nn.functional as F
 
+from mobilenet.bench.dtypes import DTYPES as ALL_DTYPES
+
 CANDIDATES = 4
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {k: ALL_DTYPES[k] for k in ("fp16", "bf16")}  # cuDNN's fused convolutions are 16-bit
 # (input channels, output channels, size) of the 13 pointwise convs at width 1.0, input 224 (Howard et al. 2017,
 # Table 1): each reads its block's depthwise output.
 LAYERS = [(32, 64, 112), (64, 128, 56), (128, 128, 56), (128, 256, 28), (256, 256, 28), (256, 512, 14),

@@ -25,7 +25,8 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+from mobilenet.bench.dtypes import DTYPES
+
 CL = torch.channels_last
 
 
