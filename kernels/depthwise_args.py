@@ -116,7 +116,7 @@ def stats_unsupported(x, weight, bias, stride, padding, dilation) -> str | None:
     return None
 
 
-# FWD_COLUMN_ROWS' defaults per dtype (csrc/launch_plan.cpp): 0 picks by shape (column_stats_rows).
+# FWD_COLUMN_ROWS' defaults per dtype (csrc/launch_plan.cpp): 0 picks by shape (column_plain_rows).
 _COLUMN_ROWS_DEFAULT = {torch.float32: 2, torch.float16: 0, torch.bfloat16: 0}
 _KNOB_SUFFIX = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 

@@ -233,7 +233,7 @@ void forward_fast(const ConvShape& s, const void* x, const void* w, const void* 
 template <class TT>
 void column_forward_stats(const ConvShape& s, DType dt, const void* x, const void* w, void* y, double* partial,
                           cudaStream_t stream) {
-  if (column_stats_rows(s, dt) == 2) {
+  if (column_plain_rows(s, dt) == 2) {
     (s.SH == 1 ? launch_column_stats<TT, 1, 2> : launch_column_stats<TT, 2, 2>)(s, dt, x, w, y, partial, stream);
   } else {
     (s.SH == 1 ? launch_column_stats<TT, 1, 1> : launch_column_stats<TT, 2, 1>)(s, dt, x, w, y, partial, stream);

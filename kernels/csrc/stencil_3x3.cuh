@@ -485,23 +485,28 @@ void launch_column(const ConvShape& s, DType dt, const void* x, const void* w, c
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Output rows per lane of the walk at its plain unroll (not FWD_COLUMN_DEEP's): FWD_COLUMN_ROWS, or at 0 by shape.
+// Two output rows per lane load 4 input rows for 2 outputs instead of 3 for 1, at 2 steps in flight instead
+// of 4 (16-bit registers). Auto (0) takes it where the rows are short: at stride 1 with OW <= 28 the per-row
+// start (weights, first window) weighs most, and there it measured 5-17% faster per layer in the L2-warm
+// benchmark (fp16: 512x14 0.048 -> 0.040 ms), while the 112- and 56-wide layers and every stride-2 layer
+// were as fast or faster with one row (docs/kernel_notes.md, v9).
+inline int column_plain_rows(const ConvShape& s, DType dt) {
+  const int rows = knob(Knob::kFwdColumnRows, dt);
+  return rows == 2 || (rows == 0 && s.SH == 1 && s.OW <= 28) ? 2 : 1;
+}
+
 // Which column walk runs a forward (or, FLIP, the stride-1 input gradient as one): output rows per lane
 // (FWD_COLUMN_ROWS) and steps in flight (FWD_COLUMN_DEEP, FWD_COLUMN_PREFETCH).
 template <class TT, bool FLIP, bool NORM = false>
 void column_walk(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                  cudaStream_t stream, const InputNorm& norm = InputNorm{}) {
   static_assert(!FLIP || !NORM, "the input gradient's input (grad_out) is never normalized");
-  // Two output rows per lane load 4 input rows for 2 outputs instead of 3 for 1, at 2 steps in flight instead
-  // of 4 (16-bit registers). Auto (0) takes it where the rows are short: at stride 1 with OW <= 28 the per-row
-  // start (weights, first window) weighs most, and there it measured 5-17% faster per layer in the L2-warm
-  // benchmark (fp16: 512x14 0.048 -> 0.040 ms), while the 112- and 56-wide layers and every stride-2 layer
-  // were as fast or faster with one row (docs/kernel_notes.md, v9).
-  const int rows = knob(Knob::kFwdColumnRows, dt);
+  const bool two_rows = column_plain_rows(s, dt) == 2;
   // FWD_COLUMN_PREFETCH (stride 1, opt-in; slower on MobileNetV1's layers on an H200, docs/kernels.md): the plain
   // walk's rows and steps with the next steps' loads issued first, in place of FWD_COLUMN_DEEP's deeper unroll.
   if (s.SH == 1 && knob(Knob::kFwdColumnPrefetch, dt) == 1) {
-    const bool two = rows == 2 || (rows == 0 && s.OW <= 28);
-    (two ? launch_column<TT, 1, FLIP, 2, false, NORM, true> : launch_column<TT, 1, FLIP, 1, false, NORM, true>)(
+    (two_rows ? launch_column<TT, 1, FLIP, 2, false, NORM, true> : launch_column<TT, 1, FLIP, 1, false, NORM, true>)(
         s, dt, x, w, bias, y, stream, norm);
     return;
   }
@@ -510,6 +515,7 @@ void column_walk(const ConvShape& s, DType dt, const void* x, const void* w, con
     // the 112-, 56- and 28-wide layers and as fast on the 14- and 7-wide ones; two rows then win up to 56 wide.
     // Over MobileNetV1's 13 layers, fp16 NHWC forward, 0.904 ms against 0.929 without (docs/kernels.md).
     if (s.SH == 1 && knob(Knob::kFwdColumnDeep, dt) == 1) {
+      const int rows = knob(Knob::kFwdColumnRows, dt);
       if (rows == 2 || (rows == 0 && s.OW <= 56)) {
         launch_column<TT, 1, FLIP, 2, true, NORM>(s, dt, x, w, bias, y, stream, norm);
       } else {
@@ -518,7 +524,6 @@ void column_walk(const ConvShape& s, DType dt, const void* x, const void* w, con
       return;
     }
   }
-  const bool two_rows = rows == 2 || (rows == 0 && s.SH == 1 && s.OW <= 28);
   if constexpr (FLIP) {  // the input gradient runs as a stride-1 forward only
     (two_rows ? launch_column<TT, 1, true, 2> : launch_column<TT, 1, true, 1>)(s, dt, x, w, bias, y, stream, norm);
   } else if (two_rows) {
@@ -530,19 +535,14 @@ void column_walk(const ConvShape& s, DType dt, const void* x, const void* w, con
   }
 }
 
-// The statistics walk (STATS): one row per lane or two as the plain forward's auto rule picks them (column_forward),
-// the plain walk's unroll; no bias, no activation. 16-bit at 3 blocks per SM (up to 85 registers): its 6 more
+// The statistics walk (STATS): one row per lane or two as the plain walk picks them (column_plain_rows), the plain
+// walk's unroll; no bias, no activation. 16-bit at 3 blocks per SM (up to 85 registers): its 6 more
 // floats per lane (pivot and sums of 2 channels) spilled 36-96 bytes at 4 (64 registers); fp32 fits 4. The same
 // FMAs in the same order as the plain forward, so y is bitwise its y. partial: [bands][3][C] fp64, bands =
 // column_stats_tiling(s, dt).tiles_h.
-inline int column_stats_rows(const ConvShape& s, DType dt) {
-  const int rows = knob(Knob::kFwdColumnRows, dt);
-  return rows == 2 || (rows == 0 && s.SH == 1 && s.OW <= 28) ? 2 : 1;
-}
-
 inline Tiling column_stats_tiling(const ConvShape& s, DType dt) {
   const int V = dt == DType::F32 ? 1 : 2;
-  const int R = column_stats_rows(s, dt);
+  const int R = column_plain_rows(s, dt);
   return column_tiling(s.N * (R == 1 ? s.OH : (s.OH + 1) / 2), s.C / V, 256, column_sectors(dt));
 }
 
