@@ -23,11 +23,10 @@ fused sums from float64 sums; then the sums over the layers.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
-from pointwise_norm_fusion import LAYERS, CudnnGraph, _nhwc_strides, time_alternating
+from pointwise_norm_fusion import (LAYERS, CudnnGraph, _nhwc_strides, open_cudnn, picked_layers,
+                                   probe_arguments, time_alternating)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -36,23 +35,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--layers", default="", help="comma-separated layer indices (0-12); all by default")
-    args = ap.parse_args()
-    import cudnn
-
-    import kernels.norm_depthwise  # noqa: F401  (loads the kernels, registers the ops)
-
-    torch.backends.cudnn.benchmark = True
+    args = probe_arguments(__doc__)
+    cudnn, handle = open_cudnn(args.batch, "fp16")
     bn = torch.ops.mobilenet_bn
     half, f32 = cudnn.data_type.HALF, cudnn.data_type.FLOAT
-    handle = cudnn.create_handle()
-    print(f"cuDNN {cudnn.backend_version_string()}, cudnn-frontend {cudnn.__version__}, torch {torch.__version__}, "
-          f"{torch.cuda.get_device_name()}, batch {args.batch}, fp16", flush=True)
-    picked = [int(i) for i in args.layers.split(",")] if args.layers else range(len(LAYERS))
+    picked = picked_layers(args)
     totals: dict[str, float] = {}
     rows = []
     for index in picked:

@@ -140,25 +140,43 @@ def _dtype(cudnn, dtype):
     return cudnn.data_type.HALF if dtype == torch.float16 else cudnn.data_type.BFLOAT16
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def probe_arguments(doc: str, dtypes: dict | None = None) -> argparse.Namespace:
+    """The cuDNN probes' command line: --batch, --rounds, --iters and --layers, and --dtype (of `dtypes`) if given."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
+    if dtypes:
+        ap.add_argument("--dtype", choices=sorted(dtypes), default="fp16")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--layers", default="", help="comma-separated layer indices (0-12); all by default")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def open_cudnn(batch: int, dtype_name: str):
+    """(the cudnn module, a handle): cudnn-frontend and the project's kernels loaded, cudnn.benchmark on for the torch
+    side, and the versions printed."""
     import cudnn
 
     import kernels.norm_depthwise  # noqa: F401  (loads the kernels, registers the ops)
 
     torch.backends.cudnn.benchmark = True
-    bn = torch.ops.mobilenet_bn
-    dtype = DTYPES[args.dtype]
     handle = cudnn.create_handle()
     print(f"cuDNN {cudnn.backend_version_string()}, cudnn-frontend {cudnn.__version__}, torch {torch.__version__}, "
-          f"{torch.cuda.get_device_name()}, batch {args.batch}, {args.dtype}", flush=True)
-    picked = [int(i) for i in args.layers.split(",")] if args.layers else range(len(LAYERS))
+          f"{torch.cuda.get_device_name()}, batch {batch}, {dtype_name}", flush=True)
+    return cudnn, handle
+
+
+def picked_layers(args: argparse.Namespace):
+    """The indices into LAYERS that --layers names (all by default)."""
+    return [int(i) for i in args.layers.split(",")] if args.layers else range(len(LAYERS))
+
+
+def main() -> None:
+    args = probe_arguments(__doc__, DTYPES)
+    cudnn, handle = open_cudnn(args.batch, args.dtype)
+    bn = torch.ops.mobilenet_bn
+    dtype = DTYPES[args.dtype]
+    picked = picked_layers(args)
     totals: dict[str, float] = {}
     rows = []
     for index in picked:
