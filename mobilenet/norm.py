@@ -36,7 +36,8 @@ __all__ = [
     "TorchBatchNormReLU", "CustomBatchNormReLU", "ApexBatchNormReLU", "SyncBatchNormReLU", "SyncCustomBatchNormReLU",
     "combine_rank_statistics", "convert_sync_batchnorm", "sync_bn_state", "check_stats_from_depthwise",
     "running_update_label",
-    "depthwise_norm_relu", "check_apply_in_depthwise", "norm_relu_depthwise", "custom_pair_needs",
+    "depthwise_norm_relu", "check_apply_in_depthwise", "norm_relu_depthwise", "depthwise_backward_mode",
+    "custom_pair_needs",
     "check_apply_in_pointwise", "norm_relu_pointwise",
 ]
 
@@ -98,6 +99,21 @@ def _running_update_mode() -> str:
     if mode not in ("fused", "separate"):
         raise ConfigError(f"MBN_RUNNING_UPDATE must be fused or separate, got {mode!r}; unset it for the default "
                           "(fused)")
+    return mode
+
+
+DEPTHWISE_BACKWARD_MODES = ("walk", "separate")
+
+
+@functools.cache
+def depthwise_backward_mode() -> str:
+    """The backward of norm.apply_in_depthwise's pairs, read once per process at the first training forward, for A/B
+    runs (docs/kernels.md): "walk" (the default), one kernel gives both gradients of a stride-1 depthwise conv;
+    "separate", its input and weight gradients as two kernels, each reading the output gradient."""
+    mode = os.environ.get("MBN_DEPTHWISE_BACKWARD", "walk")
+    if mode not in DEPTHWISE_BACKWARD_MODES:
+        raise ConfigError(f"MBN_DEPTHWISE_BACKWARD must be one of {', '.join(DEPTHWISE_BACKWARD_MODES)}, got "
+                          f"{mode!r}; unset it for the default (walk)")
     return mode
 
 
@@ -306,7 +322,8 @@ def norm_relu_depthwise(bn: "CustomBatchNormReLU", conv: nn.Module, y: Tensor, s
                               f"it ({why}); set norm.apply_in_depthwise=false")
     running, momentum = _running_update("norm.apply_in_depthwise", bn)
     return batch_norm_relu_depthwise_conv2d(y, bn.weight, bn.bias, conv.weight, conv.stride, conv.padding, bn.eps,
-                                            *running, momentum=momentum, sums=sums)
+                                            *running, momentum=momentum, sums=sums,
+                                            one_walk=depthwise_backward_mode() == "walk")
 
 
 # --- norm.apply_in_pointwise: the BatchNorm + ReLU before a pointwise conv, applied by cuDNN's fused convolutions ---

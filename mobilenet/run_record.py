@@ -13,7 +13,7 @@ from .config import enum_value
 from .distributed import DistInfo
 from .meter import Throughput
 from .model import apply_in_depthwise_state, apply_in_pointwise_state
-from .norm import running_update_label
+from .norm import depthwise_backward_mode, running_update_label
 
 
 def precision_label(cfg) -> str:
@@ -31,6 +31,8 @@ def norm_label(cfg, training: bool = True) -> str:
     if cfg.norm.name == "custom":
         applied, why = apply_in_depthwise_state(cfg)
         label += f" (applied by the depthwise kernel after it, in training; {why})" if applied else f" ({why})"
+        if applied and depthwise_backward_mode() != "walk":
+            label += f" (backward: MBN_DEPTHWISE_BACKWARD={depthwise_backward_mode()})"
         applied, why = apply_in_pointwise_state(cfg)
         label += (f" (applied by cuDNN's fused pointwise conv after it, in training; {why})" if applied
                   else f" ({why})")

@@ -388,20 +388,28 @@ def _batch():
 
 
 @gpu
+@pytest.mark.parametrize("backward", ["walk", "separate"])  # MBN_DEPTHWISE_BACKWARD (the default, the A/B mode)
 @pytest.mark.parametrize("dtype", _DTYPES, ids=lambda d: str(d).split(".")[-1])
-def test_model_step_is_bitwise_the_same_with_the_switch_on(dtype):
-    off, on = _models(dtype)
-    x, target = _batch()
-    depthwise_grad = _is_depthwise_weight_grad(on)
-    for _ in range(2):  # the second step starts from the running statistics the first updated
-        a, b = _step(off.train(), x, target, dtype), _step(on.train(), x, target, dtype)
-        for i, (u, v) in enumerate(zip(a, b)):
-            if depthwise_grad[i]:  # the same products, grouped by the normalizing walk's own grid
-                assert _rel(v, u) < _WGRAD_ORDER_TOL[dtype], i
-            else:
-                assert torch.equal(u, v), i
-    with torch.no_grad():
-        assert torch.equal(off.eval()(x), on.eval()(x))
+def test_model_step_is_bitwise_the_same_with_the_switch_on(dtype, backward, monkeypatch):
+    from mobilenet.norm import depthwise_backward_mode
+
+    monkeypatch.setenv("MBN_DEPTHWISE_BACKWARD", backward)
+    depthwise_backward_mode.cache_clear()  # read once per process; cleared again after the test
+    try:
+        off, on = _models(dtype)
+        x, target = _batch()
+        depthwise_grad = _is_depthwise_weight_grad(on)
+        for _ in range(2):  # the second step starts from the running statistics the first updated
+            a, b = _step(off.train(), x, target, dtype), _step(on.train(), x, target, dtype)
+            for i, (u, v) in enumerate(zip(a, b)):
+                if depthwise_grad[i]:  # the same products, grouped by the normalizing walk's own grid
+                    assert _rel(v, u) < _WGRAD_ORDER_TOL[dtype], i
+                else:
+                    assert torch.equal(u, v), i
+        with torch.no_grad():
+            assert torch.equal(off.eval()(x), on.eval()(x))
+    finally:
+        depthwise_backward_mode.cache_clear()
 
 
 @gpu

@@ -74,6 +74,16 @@ size_t wgrad_normed_workspace_elems(const DepthwiseShape& s, DType dt);
 void launch_wgrad_normed(const DepthwiseShape& s, DType dt, const void* grad_out, const void* y, const InputNorm& norm,
                          void* workspace, void* grad_weight, cudaStream_t stream);
 
+// The backward of norm.apply_in_depthwise's convolution: grad_input (the gradient of relu(batch_norm(y)), which the
+// BatchNorm's own backward then takes) and grad_weight, in one walk over y and grad_out at stride 1 and padding 1
+// (bwd_normed_one_walk), else the input gradient's and weight gradient's kernels one after the other. `workspace`:
+// bwd_normed_workspace_elems floats.
+bool bwd_normed_one_walk(const DepthwiseShape& s);
+size_t bwd_normed_workspace_elems(const DepthwiseShape& s, DType dt);
+void launch_bwd_normed(const DepthwiseShape& s, DType dt, const void* grad_out, const void* y, const void* w,
+                       const InputNorm& norm, void* grad_input, void* workspace, void* grad_weight,
+                       cudaStream_t stream);
+
 // grad_input from grad_out (gather over the taps that touch each input pixel).
 void launch_dgrad(const DepthwiseShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,
                   cudaStream_t stream);

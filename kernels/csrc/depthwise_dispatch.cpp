@@ -223,6 +223,31 @@ void launch_wgrad_normed(const DepthwiseShape& g, DType dt, const void* go, cons
   weight_grad_finalize(s, dt, ws, chunks, gw, nullptr, stream);
 }
 
+// The backward of norm.apply_in_depthwise's convolution. Stride 1 and padding 1 (H == OH, W == OW): the input-row walk
+// gives both gradients from one read of grad_out; otherwise the input gradient's kernels, then the weight gradient's.
+bool bwd_normed_one_walk(const DepthwiseShape& g) {
+  return g.SH == 1 && g.SW == 1 && g.PH == 1 && g.PW == 1 && g.OH == g.H && g.OW == g.W;
+}
+
+size_t bwd_normed_workspace_elems(const DepthwiseShape& g, DType dt) {
+  ConvShape s;
+  if (!narrow_shape(g, &s)) return 0;
+  if (!bwd_normed_one_walk(g)) return wgrad_normed_workspace_elems(g, dt);
+  return static_cast<size_t>(backward_input_row_normed_chunks(s, dt)) * g.C * (g.KH * g.KW + 1);
+}
+
+void launch_bwd_normed(const DepthwiseShape& g, DType dt, const void* go, const void* y, const void* w,
+                       const InputNorm& norm, void* gx, void* ws, void* gw, cudaStream_t stream) {
+  ConvShape s;
+  if (!narrow_shape(g, &s)) return;
+  if (!bwd_normed_one_walk(g)) {
+    launch_dgrad(g, dt, go, w, gx, stream);
+    return launch_wgrad_normed(g, dt, go, y, norm, ws, gw, stream);
+  }
+  const int chunks = backward_input_row_normed(s, dt, go, y, w, norm, gx, ws, stream);
+  weight_grad_finalize(s, dt, ws, chunks, gw, nullptr, stream);
+}
+
 // Input gradient (depthwise_input_grad.cu):
 //   outside narrow_shape's domain                                       generic
 //   NHWC 3x3/5x5/7x7 s1, whole 32-bit words of channels, FWD_SMEM >= 2  shared-memory tile, kernel rotated

@@ -146,6 +146,15 @@ InputNorm input_norm_of(const char* op, const at::Tensor& y, const at::Tensor& m
   return n;
 }
 
+// A tensor shaped as the convolution's output (N, C * M, OH, OW) in y's dtype, on y's device; `op` and `name` name it.
+void check_like_output(const char* op, const char* name, const at::Tensor& t, const DepthwiseShape& s,
+                       const at::Tensor& y) {
+  TORCH_CHECK(t.dim() == 4 && t.size(0) == s.N && t.size(1) == s.C * s.M && t.size(2) == s.OH && t.size(3) == s.OW &&
+                  t.device() == y.device() && t.scalar_type() == y.scalar_type(),
+              op, ": ", name, " must be a (", s.N, ", ", s.C * s.M, ", ", s.OH, ", ", s.OW, ") ", y.scalar_type(),
+              " tensor on ", y.device(), ", got ", t.scalar_type(), " ", t.sizes());
+}
+
 constexpr const char* kNormedCases =
     "only channels_last 3x3 depthwise convolutions (one filter per channel) with stride 1 or 2, dilation 1 and whole "
     "32-bit words of channels (float32, or an even number of 16-bit channels) are supported";
@@ -180,12 +189,7 @@ at::Tensor depthwise_wgrad_normed(const at::Tensor& grad_out, const at::Tensor& 
   const c10::MemoryFormat fmt = layout_of(y_in);
   const int64_t dilation[2] = {1, 1};
   const DepthwiseShape s = check_and_shape(y_in, w_in, stride, padding, dilation, fmt);
-  TORCH_CHECK(grad_out.dim() == 4 && grad_out.size(0) == s.N && grad_out.size(1) == s.C * s.M &&
-                  grad_out.size(2) == s.OH && grad_out.size(3) == s.OW && grad_out.device() == y_in.device() &&
-                  grad_out.scalar_type() == y_in.scalar_type(),
-              "depthwise_wgrad_normed: grad_out must be a (", s.N, ", ", s.C * s.M, ", ", s.OH, ", ", s.OW, ") ",
-              y_in.scalar_type(), " tensor on ", y_in.device(), ", got ", grad_out.scalar_type(), " ",
-              grad_out.sizes());
+  check_like_output("depthwise_wgrad_normed", "grad_out", grad_out, s, y_in);
   c10::cuda::CUDAGuard guard(y_in.device());
   const at::Tensor y = in_layout(y_in, fmt);
   const at::Tensor go = in_layout(grad_out, fmt);
@@ -200,6 +204,36 @@ at::Tensor depthwise_wgrad_normed(const at::Tensor& grad_out, const at::Tensor& 
   launch_wgrad_normed(s, dt, go.const_data_ptr(), y.const_data_ptr(), norm, workspace.mutable_data_ptr(),
                       grad_weight.mutable_data_ptr(), c10::cuda::getCurrentCUDAStream().stream());
   return grad_weight;
+}
+
+// Both gradients of depthwise_fwd_normed: (grad_input, grad_weight), grad_input that of relu(batch_norm(y)) (the
+// BatchNorm's own backward takes it from there). At stride 1 and padding 1 one walk reads grad_out once for both
+// (launch_bwd_normed).
+std::tuple<at::Tensor, at::Tensor> depthwise_bwd_normed(const at::Tensor& grad_out, const at::Tensor& y_in,
+                                                        const at::Tensor& w_in, const at::Tensor& mean,
+                                                        const at::Tensor& invstd, const at::Tensor& norm_weight,
+                                                        const at::Tensor& norm_bias, at::IntArrayRef stride,
+                                                        at::IntArrayRef padding) {
+  const char* op = "depthwise_bwd_normed";
+  const c10::MemoryFormat fmt = layout_of(y_in);
+  const int64_t dilation[2] = {1, 1};
+  const DepthwiseShape s = check_and_shape(y_in, w_in, stride, padding, dilation, fmt);
+  check_like_output(op, "grad_out", grad_out, s, y_in);
+  c10::cuda::CUDAGuard guard(y_in.device());
+  const at::Tensor y = in_layout(y_in, fmt);
+  const at::Tensor go = in_layout(grad_out, fmt);
+  const at::Tensor w = w_in.contiguous();
+  const InputNorm norm = input_norm_of(op, y, mean, invstd, norm_weight, norm_bias);
+  const DType dt = to_dtype(y.scalar_type());
+  TORCH_CHECK(go.numel() > 0 && normed_fits(s, dt, go.const_data_ptr(), y.const_data_ptr()), op, ": ", kNormedCases);
+  at::Tensor grad_input = at::empty(y.sizes(), y.options().memory_format(fmt));
+  at::Tensor grad_weight = at::empty(w.sizes(), w.options());
+  const at::Tensor workspace =
+      at::empty({static_cast<int64_t>(bwd_normed_workspace_elems(s, dt))}, y.options().dtype(at::kFloat));
+  launch_bwd_normed(s, dt, go.const_data_ptr(), y.const_data_ptr(), w.const_data_ptr(), norm,
+                    grad_input.mutable_data_ptr(), workspace.mutable_data_ptr(), grad_weight.mutable_data_ptr(),
+                    c10::cuda::getCurrentCUDAStream().stream());
+  return {grad_input, grad_weight};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_bwd(const at::Tensor& grad_out, const at::Tensor& x_in,
@@ -269,6 +303,10 @@ TORCH_LIBRARY(mobilenet_dw, m) {
   m.def(
       "depthwise_wgrad_normed(Tensor grad_out, Tensor y, Tensor w, Tensor mean, Tensor invstd, Tensor norm_weight, "
       "Tensor norm_bias, int[2] stride, int[2] padding) -> Tensor");
+  // Both gradients of the normalizing forward (grad_input that of relu(batch_norm(y))), at stride 1 in one walk.
+  m.def(
+      "depthwise_bwd_normed(Tensor grad_out, Tensor y, Tensor w, Tensor mean, Tensor invstd, Tensor norm_weight, "
+      "Tensor norm_bias, int[2] stride, int[2] padding) -> (Tensor, Tensor)");
   // The launch knobs (MDW_* environment, launch_plan.h) are read once and kept; this re-reads them.
   m.def("reload_knobs() -> ()", &mdw::reload_knobs);
 }
@@ -279,4 +317,5 @@ TORCH_LIBRARY_IMPL(mobilenet_dw, CUDA, m) {
   m.impl("depthwise_fwd_stats", &mdw::depthwise_fwd_stats);
   m.impl("depthwise_fwd_normed", &mdw::depthwise_fwd_normed);
   m.impl("depthwise_wgrad_normed", &mdw::depthwise_wgrad_normed);
+  m.impl("depthwise_bwd_normed", &mdw::depthwise_bwd_normed);
 }

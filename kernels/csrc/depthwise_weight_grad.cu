@@ -464,10 +464,18 @@ __global__ void __launch_bounds__(256, MINB)
 // (ih + 1 - kh, iw + 1 - kw): step iw loads the new grad_out column iw + 1 of the <= 3 output rows ih + 1 - kh and
 // holds the two before it, widened. No bias slot (the normalizing op has no bias gradient): it is written as 0.
 // Lanes and blocks as the column walk's (rows of the flattened (n, ih) index; H == OH here).
-template <class TT, int U, int V>
-__global__ void __launch_bounds__(256, kWgradColumnMinBlocks<true, V>)
+// DGRAD: those 3 x 3 grad_out words are exactly the taps of the input gradient at (ih, iw), so the lane also writes
+// grad_input there, summed in the order of the rotated-kernel column walk (stencil_3x3.cuh, FLIP), hence the same
+// bits as depthwise_bwd's input gradient, and grad_out is read once for both gradients instead of twice.
+// DGRAD holds the lane's 9 x V fp32 weights more: 2 blocks per SM (128 registers).
+template <bool DGRAD, int V>
+constexpr int kInputRowMinBlocks = DGRAD ? 2 : kWgradColumnMinBlocks<true, V>;
+
+template <class TT, int U, int V, bool DGRAD = false>
+__global__ void __launch_bounds__(256, kInputRowMinBlocks<DGRAD, V>)
     wgrad_nhwc_input_row_kernel(const uint32_t* __restrict__ go, const uint32_t* __restrict__ x,
-                                float* __restrict__ ws, ConvShape s, Tiling t, InputNorm input_norm) {
+                                float* __restrict__ ws, ConvShape s, Tiling t, InputNorm input_norm,
+                                const typename TT::S* __restrict__ w, uint32_t* __restrict__ gx) {
   constexpr int K = 3, KK = K * K;
   extern __shared__ float red[];  // [warps][lanes_c][(KK + 1) * V]
 
@@ -481,7 +489,16 @@ __global__ void __launch_bounds__(256, kWgradColumnMinBlocks<true, V>)
   float acc[KK + 1][V];
   fill(acc, 0.f);
   WordNorm<TT, V, true> norm;
-  if (active) norm.setup(input_norm, cw * V);
+  float wr[DGRAD ? KK : 1][V];  // DGRAD: the lane's weights, fp32
+  if (active) {
+    norm.setup(input_norm, cw * V);
+    if constexpr (DGRAD) {
+#pragma unroll
+      for (int v = 0; v < V; ++v)
+#pragma unroll
+        for (int k = 0; k < KK; ++k) wr[k][v] = TT::to_acc(__ldg(w + (cw * V + v) * KK + k));
+    }
+  }
 
   if (active) {
     for (int tile = blk.chunk; tile < t.tiles_h; tile += blk.chunks) {
@@ -490,8 +507,10 @@ __global__ void __launch_bounds__(256, kWgradColumnMinBlocks<true, V>)
       const int n = r / s.H, ih = r - n * s.H;
       const uint32_t* xp = x + static_cast<size_t>(r) * s.W * words + cw;
       const uint32_t* gn = go + static_cast<size_t>(n) * s.OH * s.OW * words + cw;
+      uint32_t* gxp = DGRAD ? gx + static_cast<size_t>(r) * s.W * words + cw : nullptr;
       asm("" : "+l"(xp));
       asm("" : "+l"(gn));
+      if constexpr (DGRAD) asm("" : "+l"(gxp));
       // Output row ih + 1 - kh of kernel row kh: its first word from gn, or -1 outside the output.
       int g_off[K];
       bool rows_inside = true;
@@ -527,19 +546,39 @@ __global__ void __launch_bounds__(256, kWgradColumnMinBlocks<true, V>)
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-          float xv[V];
+          float xv[V], fresh[K][V];
           widen_word<TT, V>(xraw[u], xv);
 #pragma unroll
+          for (int kh = 0; kh < K; ++kh) widen_word<TT, V>(graw[u][kh], fresh[kh]);
+          if constexpr (DGRAD) {
+            // grad_input(ih, iw): rotated-kernel taps (kr, kc) in row-major order, that is grad_out row ih + 1 - kh
+            // for kh = 2, 1, 0, and in each row the columns iw - 1, iw, iw + 1 (held[1], held[0], fresh).
+            float d[V];
+#pragma unroll
+            for (int v = 0; v < V; ++v) d[v] = 0.f;
+#pragma unroll
+            for (int kr = 0; kr < K; ++kr) {
+              const int kh = K - 1 - kr;
+#pragma unroll
+              for (int v = 0; v < V; ++v) {
+                d[v] = fmaf(wr[kh * K + 2][v], held[kh][1][v], d[v]);
+                d[v] = fmaf(wr[kh * K + 1][v], held[kh][0][v], d[v]);
+                d[v] = fmaf(wr[kh * K + 0][v], fresh[kh][v], d[v]);
+              }
+            }
+            const int iw = t0 + u;
+            if (inside || iw < s.W) asm volatile("st.global.b32 [%0], %1;" ::"l"(gxp + iw * words),
+                                                 "r"(narrow_word<TT, V>(d)));
+          }
+#pragma unroll
           for (int kh = 0; kh < K; ++kh) {
-            float fresh[V];
-            widen_word<TT, V>(graw[u][kh], fresh);
 #pragma unroll
             for (int v = 0; v < V; ++v) {
-              acc[kh * K + 0][v] = fmaf(fresh[v], xv[v], acc[kh * K + 0][v]);
+              acc[kh * K + 0][v] = fmaf(fresh[kh][v], xv[v], acc[kh * K + 0][v]);
               acc[kh * K + 1][v] = fmaf(held[kh][0][v], xv[v], acc[kh * K + 1][v]);
               acc[kh * K + 2][v] = fmaf(held[kh][1][v], xv[v], acc[kh * K + 2][v]);
               held[kh][1][v] = held[kh][0][v];
-              held[kh][0][v] = fresh[v];
+              held[kh][0][v] = fresh[kh][v];
             }
           }
         }
@@ -549,16 +588,17 @@ __global__ void __launch_bounds__(256, kWgradColumnMinBlocks<true, V>)
   reduce_nhwc_partials<KK, V>(acc, red, ws, s, t, blk.group, blk.chunk);
 }
 
-template <class TT>
+template <class TT, bool DGRAD = false>
 void run_wgrad_input_row(const ConvShape& s, const WgradPlan& p, const void* go, const void* y, float* ws,
-                         cudaStream_t stream, const InputNorm& norm) {
+                         cudaStream_t stream, const InputNorm& norm, const void* w = nullptr, void* gx = nullptr) {
   constexpr int K = 3;
   constexpr int VW = 4 / sizeof(typename TT::S);
   const Tiling& t = p.tiling;
   const size_t smem = sizeof(float) * (t.block / 32) * t.lanes_c * (K * K + 1) * VW;
   const dim3 grid(t.groups * p.chunks);
-  wgrad_nhwc_input_row_kernel<TT, 4, VW><<<grid, t.block, smem, stream>>>(
-      static_cast<const uint32_t*>(go), static_cast<const uint32_t*>(y), ws, s, t, norm);
+  wgrad_nhwc_input_row_kernel<TT, 4, VW, DGRAD><<<grid, t.block, smem, stream>>>(
+      static_cast<const uint32_t*>(go), static_cast<const uint32_t*>(y), ws, s, t, norm,
+      static_cast<const typename TT::S*>(w), static_cast<uint32_t*>(gx));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -821,6 +861,27 @@ int weight_grad_column_normed(const ConvShape& s, DType dt, const void* go, cons
     case DType::F32: wgrad_column_normed_t<F32T>(s, p, go, y, wsf, stream, norm); break;
     case DType::F16: wgrad_column_normed_t<F16T>(s, p, go, y, wsf, stream, norm); break;
     case DType::BF16: wgrad_column_normed_t<BF16T>(s, p, go, y, wsf, stream, norm); break;
+    default: break;  // normed_fits excludes fp64
+  }
+  return p.chunks;
+}
+
+// The one-walk backward's plan: the weight gradient's, with the 2 resident blocks its registers allow (the same cut
+// of the grid on the layers of 28 columns or more).
+static WgradPlan plan_input_row_backward(const ConvShape& s, DType dt) {
+  return plan_column(s, dt, s.OW >= 28 ? kInputRowMinBlocks<true, 2> : 4);
+}
+
+int backward_input_row_normed_chunks(const ConvShape& s, DType dt) { return plan_input_row_backward(s, dt).chunks; }
+
+int backward_input_row_normed(const ConvShape& s, DType dt, const void* go, const void* y, const void* w,
+                              const InputNorm& norm, void* gx, void* ws, cudaStream_t stream) {
+  const WgradPlan p = plan_input_row_backward(s, dt);
+  float* wsf = static_cast<float*>(ws);
+  switch (dt) {
+    case DType::F32: run_wgrad_input_row<F32T, true>(s, p, go, y, wsf, stream, norm, w, gx); break;
+    case DType::F16: run_wgrad_input_row<F16T, true>(s, p, go, y, wsf, stream, norm, w, gx); break;
+    case DType::BF16: run_wgrad_input_row<BF16T, true>(s, p, go, y, wsf, stream, norm, w, gx); break;
     default: break;  // normed_fits excludes fp64
   }
   return p.chunks;

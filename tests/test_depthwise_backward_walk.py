@@ -1,0 +1,130 @@
+"""Tests of norm.apply_in_depthwise's backward walk: mobilenet_dw::depthwise_bwd_normed, both gradients of the
+normalizing depthwise conv in one walk at stride 1 (MBN_DEPTHWISE_BACKWARD=walk, the default; =separate runs the two
+kernels it replaces, for A/B runs).
+
+CPU (CI): a bad MBN_DEPTHWISE_BACKWARD stops the run naming the choices, and the summary names a mode that is not the
+default. GPU (`pytest -m gpu`): both gradients against float64 with outputs poisoned, the input gradient bitwise the
+separate kernel's where that runs the column walk, and opcheck; tests/test_norm_in_depthwise.py runs a MobileNetV1
+step in each mode against the model with norm.apply_in_depthwise off.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mobilenet.config import compose
+from mobilenet.errors import ConfigError
+from mobilenet.norm import depthwise_backward_mode
+from test_norm_in_depthwise import _DTYPES, _TOL, _WGRAD_ORDER_TOL, _column_everywhere, _ids, _inputs, _poison, _rel
+
+gpu = pytest.mark.gpu
+
+
+@pytest.fixture
+def backward_mode(monkeypatch):
+    """Sets MBN_DEPTHWISE_BACKWARD for one test (the mode is read once per process and cached)."""
+
+    def set_mode(mode: str | None):
+        if mode is None:
+            monkeypatch.delenv("MBN_DEPTHWISE_BACKWARD", raising=False)
+        else:
+            monkeypatch.setenv("MBN_DEPTHWISE_BACKWARD", mode)
+        depthwise_backward_mode.cache_clear()
+
+    yield set_mode
+    monkeypatch.delenv("MBN_DEPTHWISE_BACKWARD", raising=False)
+    depthwise_backward_mode.cache_clear()
+
+
+# ---------------------------------------------------------------------------------------------- CPU tests
+
+
+def test_an_unknown_mode_stops_naming_the_choices(backward_mode):
+    backward_mode("both")
+    with pytest.raises(ConfigError, match="MBN_DEPTHWISE_BACKWARD must be one of walk, separate, got 'both'"):
+        depthwise_backward_mode()
+    backward_mode(None)
+    assert depthwise_backward_mode() == "walk"
+
+
+def test_the_summary_names_a_mode_other_than_the_default(backward_mode):
+    from mobilenet.run_record import norm_label
+
+    cfg = compose(["backend=custom", "norm=custom", "channels_last=true", "data=synthetic"])
+    backward_mode(None)
+    assert "MBN_DEPTHWISE_BACKWARD" not in norm_label(cfg)
+    backward_mode("separate")
+    assert "(backward: MBN_DEPTHWISE_BACKWARD=separate)" in norm_label(cfg)
+    off = compose(["backend=custom", "norm=custom", "channels_last=true", "data=synthetic",
+                   "norm.apply_in_depthwise=false"])
+    assert "MBN_DEPTHWISE_BACKWARD" not in norm_label(off)  # nothing of the pair runs
+
+
+# ---------------------------------------------------------------------------------------------- GPU tests
+
+_STRIDE1 = [  # (N, C, H, W, 1): MobileNet's stride-1 shapes at small N, odd sizes, one row and one pixel
+    (4, 32, 112, 112, 1), (5, 128, 28, 28, 1), (16, 512, 14, 14, 1), (8, 1024, 7, 7, 1), (7, 6, 9, 11, 1),
+    (3, 10, 1, 13, 1), (2, 4, 2, 3, 1), (33, 66, 5, 5, 1),
+]
+_STRIDE2 = [(3, 64, 56, 56, 2), (3, 10, 13, 7, 2)]
+
+
+def _stats(y, bn_w, bn_b):
+    mean, invstd, _ = torch.ops.mobilenet_bn.bn_stats.default(y, bn_w, bn_b, 1e-5)
+    return mean, invstd
+
+
+def _grad(shape, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(shape, device="cuda", generator=g).to(dtype).contiguous(memory_format=torch.channels_last)
+
+
+def _conv_reference(y, bn_w, bn_b, conv_w, stride, grad):
+    """float64 gradients of conv(x) for x = relu(batch_norm(y)) as stored in y's dtype: (grad_x, grad_w)."""
+    from kernels.norm_ops import batch_norm_relu_train
+
+    x = batch_norm_relu_train(y, bn_w, bn_b)[0].double().requires_grad_()
+    w = conv_w.double().requires_grad_()
+    out = F.conv2d(x, w, None, stride, 1, groups=y.shape[1])
+    out.backward(grad.double())
+    return x.grad, w.grad
+
+
+@gpu
+@pytest.mark.parametrize("dtype", _DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("case", _STRIDE1 + _STRIDE2, ids=_ids)
+def test_both_gradients_against_float64_and_the_separate_kernels(case, dtype):
+    import kernels.norm_depthwise  # noqa: F401  (registers the ops' Python side)
+
+    y, bn_w, bn_b, conv_w, stride = _inputs(case, dtype, seed=11)
+    n, c, h, w = y.shape
+    grad = _grad((n, c, (h - 1) // stride[0] + 1, (w - 1) // stride[1] + 1), dtype, 12)
+    mean, invstd = _stats(y, bn_w, bn_b)
+    _poison()
+    grad_x, grad_w = torch.ops.mobilenet_dw.depthwise_bwd_normed.default(grad, y, conv_w, mean, invstd, bn_w, bn_b,
+                                                                          list(stride), [1, 1])
+    assert torch.isfinite(grad_x).all() and torch.isfinite(grad_w).all(), "an output element was not written"
+    assert grad_x.is_contiguous(memory_format=torch.channels_last)
+    sep_x = torch.ops.mobilenet_dw.depthwise_bwd.default(grad, y, conv_w, list(stride), [1, 1], [1, 1],
+                                                         [True, False, False])[0]
+    sep_w = torch.ops.mobilenet_dw.depthwise_wgrad_normed.default(grad, y, conv_w, mean, invstd, bn_w, bn_b,
+                                                                  list(stride), [1, 1])
+    if _column_everywhere(c, dtype):
+        assert torch.equal(grad_x, sep_x), "the input gradient must be the rotated-kernel column walk's, bit for bit"
+    assert _rel(grad_w, sep_w) < _WGRAD_ORDER_TOL[dtype]
+    ref_x, ref_w = _conv_reference(y, bn_w, bn_b, conv_w, stride, grad)
+    assert _rel(grad_x, ref_x) < _TOL[dtype]
+    assert _rel(grad_w, ref_w) < _TOL[dtype]
+
+
+@gpu
+def test_op_opcheck():
+    import kernels.norm_depthwise  # noqa: F401
+
+    walk = torch.ops.mobilenet_dw.depthwise_bwd_normed.default
+    for stride, out in ((1, 9), (2, 5)):
+        y, bn_w, bn_b, conv_w, _ = _inputs((4, 16, 9, 9, stride), torch.float16, seed=21)
+        grad = _grad((4, 16, out, out), torch.float16, 22)
+        torch.library.opcheck(walk, (grad, y, conv_w, *_stats(y, bn_w, bn_b), bn_w, bn_b, [stride] * 2, [1, 1]))
