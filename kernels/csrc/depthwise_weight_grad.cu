@@ -467,9 +467,10 @@ __global__ void __launch_bounds__(256, MINB)
 // DGRAD: those 3 x 3 grad_out words are exactly the taps of the input gradient at (ih, iw), so the lane also writes
 // grad_input there, summed in the order of the rotated-kernel column walk (stencil_3x3.cuh, FLIP), hence the same
 // bits as depthwise_bwd's input gradient, and grad_out is read once for both gradients instead of twice.
-// DGRAD holds the lane's 9 x V fp32 weights more: 2 blocks per SM (128 registers).
+// DGRAD holds the lane's 9 x V fp32 weights more: 16-bit at 2 blocks per SM (128 registers; ptxas of nvcc 13.0 for
+// sm_90 reports 110), fp32 at 3 (85; 80 used).
 template <bool DGRAD, int V>
-constexpr int kInputRowMinBlocks = DGRAD ? 2 : kWgradColumnMinBlocks<true, V>;
+constexpr int kInputRowMinBlocks = DGRAD ? (V == 1 ? 3 : 2) : kWgradColumnMinBlocks<true, V>;
 
 template <class TT, int U, int V, bool DGRAD = false>
 __global__ void __launch_bounds__(256, kInputRowMinBlocks<DGRAD, V>)
@@ -866,10 +867,11 @@ int weight_grad_column_normed(const ConvShape& s, DType dt, const void* go, cons
   return p.chunks;
 }
 
-// The one-walk backward's plan: the weight gradient's, with the 2 resident blocks its registers allow (the same cut
-// of the grid on the layers of 28 columns or more).
+// The one-walk backward's plan: the weight gradient's, with the grid cut to the blocks its registers allow on the
+// layers of 28 columns or more, as plan_column_normed does.
 static WgradPlan plan_input_row_backward(const ConvShape& s, DType dt) {
-  return plan_column(s, dt, s.OW >= 28 ? kInputRowMinBlocks<true, 2> : 4);
+  const int resident = dt == DType::F32 ? kInputRowMinBlocks<true, 1> : kInputRowMinBlocks<true, 2>;
+  return plan_column(s, dt, s.OW >= 28 ? resident : 4);
 }
 
 int backward_input_row_normed_chunks(const ConvShape& s, DType dt) { return plan_input_row_backward(s, dt).chunks; }
