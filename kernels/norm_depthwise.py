@@ -15,16 +15,21 @@ gradient apply it to every word of y they load. Importing this module builds/loa
       its weight gradient, likewise from y (at stride 1 a walk with a lane per input row, which normalizes each word
       of y once; at stride 2 the column walk).
 
-  mobilenet_dw::depthwise_bwd_normed(grad_out, y, w, mean, invstd, norm_weight, norm_bias, stride, padding)
-      -> (grad_x, grad_w)
+  mobilenet_dw::depthwise_bwd_normed(grad_out, y, w, mean, invstd, norm_weight, norm_bias, stride, padding,
+                                     grad_sums=False) -> (grad_x, grad_w, sums)
       both gradients of the convolution (grad_x that of relu(batch_norm(y))): at stride 1 and padding 1 one walk
       (a lane per input row) reads grad_out once for both and writes grad_x in the rotated-kernel column walk's order,
       so grad_x has depthwise_bwd's bits; elsewhere depthwise_bwd's input gradient, then the weight gradient above.
+      With grad_sums the walk also sums, as it writes grad_x beside the word of y it holds, the BatchNorm backward's
+      sum(g) and sum(g * (y - mean)) (g = grad_x where the ReLU passed): sums [chunks, 2, C] fp32 partials
+      (bwd_normed_sums_rows(n, c, h, w, dtype) of them); else, and off the one walk, sums is empty.
+  mobilenet_bn::bn_relu_bwd_from_sums(grad_y, x, weight, bias, mean, invstd, sums) -> (grad_x, grad_weight, grad_bias)
+      bn_relu_bwd with those sums instead of its reduce pass over grad_y and x.
 
 The backward of the pair: depthwise_bwd_normed (or, for A/B runs, depthwise_bwd's input gradient, which does not read
-the input, and depthwise_wgrad_normed), then bn_relu_bwd, which takes y and recomputes the ReLU's mask from it. Only
-these NHWC 3x3 walks apply a BatchNorm to their input: other cases are refused (normed_unsupported says why), never
-run another way.
+the input, and depthwise_wgrad_normed), then bn_relu_bwd, which takes y and recomputes the ReLU's mask from it, or
+bn_relu_bwd_from_sums where the walk gave the sums. Only these NHWC 3x3 walks apply a BatchNorm to their input: other
+cases are refused (normed_unsupported says why), never run another way.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ _fwd_normed = torch.ops.mobilenet_dw.depthwise_fwd_normed.default
 _wgrad_normed = torch.ops.mobilenet_dw.depthwise_wgrad_normed.default
 _dw_bwd = torch.ops.mobilenet_dw.depthwise_bwd.default
 _bwd_normed = torch.ops.mobilenet_dw.depthwise_bwd_normed.default
+_bn_bwd_from_sums = torch.ops.mobilenet_bn.bn_relu_bwd_from_sums.default
 
 
 def _stats_outputs(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -75,9 +81,20 @@ def _wgrad_normed_fake(grad_out, y, w, mean, invstd, norm_weight, norm_bias, str
 
 
 @torch.library.register_fake("mobilenet_dw::depthwise_bwd_normed")
-def _bwd_normed_fake(grad_out, y, w, mean, invstd, norm_weight, norm_bias, stride, padding):
+def _bwd_normed_fake(grad_out, y, w, mean, invstd, norm_weight, norm_bias, stride, padding, grad_sums=False):
+    n, c, h, width = y.shape
+    rows = 0
+    if grad_sums and tuple(stride) == (1, 1) and tuple(padding) == (1, 1):
+        rows = torch.ops.mobilenet_dw.bwd_normed_sums_rows(n, c, h, width, y.dtype)
+    sums = y.new_empty((rows, 2, c) if rows else (0, 0, 0), dtype=torch.float32)
     return (torch.empty(y.shape, dtype=y.dtype, device=y.device, memory_format=kernel_layout(y)),
-            w.new_empty(w.shape))
+            w.new_empty(w.shape), sums)
+
+
+@torch.library.register_fake("mobilenet_bn::bn_relu_bwd_from_sums")
+def _bn_bwd_from_sums_fake(grad_y, x, weight, bias, mean, invstd, sums):
+    return (torch.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=kernel_layout(x)),
+            x.new_empty(x.shape[1], dtype=torch.float32), x.new_empty(x.shape[1], dtype=torch.float32))
 
 
 def normed_unsupported(y: Tensor, weight: Tensor, bias: Tensor | None, stride, padding) -> str | None:
@@ -93,7 +110,7 @@ class _BatchNormReluDepthwise(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, norm_weight, norm_bias, conv_weight, running_mean, running_var, num_batches_tracked, eps,
-                momentum, stride, padding, sums, one_walk):
+                momentum, stride, padding, sums, one_walk, walk_sums):
         if sums is not None:  # y's statistics from the sums the convolution that wrote it returned
             mean, invstd, _var = torch.ops.mobilenet_bn.bn_stats_from_sums(
                 sums, y.numel() // y.shape[1], running_mean, running_var, num_batches_tracked, eps, momentum)
@@ -104,19 +121,20 @@ class _BatchNormReluDepthwise(torch.autograd.Function):
             mean, invstd, _var = _stats(y, norm_weight, norm_bias, eps)
         out = _fwd_normed(y, conv_weight, mean, invstd, norm_weight, norm_bias, stride, padding)
         ctx.save_for_backward(y, norm_weight, norm_bias, conv_weight, mean, invstd)
-        ctx.conv_args = (stride, padding, one_walk)
+        ctx.conv_args = (stride, padding, one_walk, walk_sums)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         y, norm_weight, norm_bias, conv_weight, mean, invstd = ctx.saved_tensors
-        stride, padding, one_walk = ctx.conv_args
+        stride, padding, one_walk, walk_sums = ctx.conv_args
         needs = ctx.needs_input_grad
         grad_out = grad_out.to(y.dtype)
         grad_conv_weight = grad_x = None
+        bn_sums = None  # the BatchNorm backward's gradient sums, where the walk gave them
         if any(needs[:3]) and one_walk:
-            grad_x, grad_conv_weight = _bwd_normed(grad_out, y, conv_weight, mean, invstd, norm_weight, norm_bias,
-                                                   stride, padding)
+            grad_x, grad_conv_weight, bn_sums = _bwd_normed(grad_out, y, conv_weight, mean, invstd, norm_weight,
+                                                            norm_bias, stride, padding, walk_sums)
         elif any(needs[:3]):
             # The convolution's input gradient (y stands in for its input: the kernels read only its shape).
             grad_x = _dw_bwd(grad_out, y, conv_weight, stride, padding, [1, 1], [True, False, False])[0]
@@ -124,11 +142,14 @@ class _BatchNormReluDepthwise(torch.autograd.Function):
             grad_conv_weight = _wgrad_normed(grad_out, y, conv_weight, mean, invstd, norm_weight, norm_bias, stride,
                                              padding)
         grad_y = grad_norm_weight = grad_norm_bias = None
-        if grad_x is not None:  # the BatchNorm + ReLU backward from y
+        if grad_x is not None and bn_sums is not None and bn_sums.numel():  # the BatchNorm + ReLU backward from y
+            grad_y, grad_norm_weight, grad_norm_bias = _bn_bwd_from_sums(grad_x, y, norm_weight, norm_bias, mean,
+                                                                         invstd, bn_sums)
+        elif grad_x is not None:
             grad_y, grad_norm_weight, grad_norm_bias = _bn_bwd(grad_x, y, norm_weight, norm_bias, mean, invstd)
         return (grad_y if needs[0] else None, grad_norm_weight if needs[1] else None,
                 grad_norm_bias if needs[2] else None, grad_conv_weight if needs[3] else None, None, None, None, None,
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def batch_norm_relu_depthwise_conv2d(y: Tensor, norm_weight: Tensor, norm_bias: Tensor, conv_weight: Tensor,
@@ -136,7 +157,7 @@ def batch_norm_relu_depthwise_conv2d(y: Tensor, norm_weight: Tensor, norm_bias: 
                                      running_mean: Tensor | None = None, running_var: Tensor | None = None,
                                      num_batches_tracked: Tensor | None = None,
                                      momentum: float | None = None, sums: Tensor | None = None,
-                                     one_walk: bool = True) -> Tensor:
+                                     one_walk: bool = True, walk_sums: bool = False) -> Tensor:
     """F.conv2d(relu(batch_norm(y, training=True)), conv_weight, None, stride, padding, groups=C) for a 3x3 depthwise
     conv_weight (C, 1, 3, 3) on channels_last y, without relu(batch_norm(y)) being stored. With running_mean,
     running_var and num_batches_tracked (and momentum in [0, 1]) the running statistics are updated as
@@ -145,7 +166,8 @@ def batch_norm_relu_depthwise_conv2d(y: Tensor, norm_weight: Tensor, norm_bias: 
     fp32. Cases the walk does not take raise ValueError (normed_unsupported says why). `sums` [2, C] fp32, the sum
     and sum of squares of y per channel as the convolution that wrote y returned them (kernels/norm_pointwise.py),
     replace the BatchNorm's statistics pass over y. one_walk=False runs the backward's input and weight gradients as
-    two kernels (the same input gradient, bit for bit), for A/B runs."""
+    two kernels (the same input gradient, bit for bit), for A/B runs; walk_sums (with one_walk) has the stride-1 walk
+    sum the BatchNorm backward's gradient sums too (the same gradients to those sums' summation order)."""
     _check_supported(y, norm_weight, norm_bias)
     if not isinstance(conv_weight, Tensor) or conv_weight.dim() != 4:
         raise ValueError(f"batch_norm_relu_depthwise_conv2d: conv_weight must have shape (C, 1, 3, 3), got "
@@ -161,4 +183,5 @@ def batch_norm_relu_depthwise_conv2d(y: Tensor, norm_weight: Tensor, norm_bias: 
                          f"{sums.dtype} {tuple(sums.shape)}")
     return _BatchNormReluDepthwise.apply(y, _f32(norm_weight), _f32(norm_bias), conv_weight, running_mean,
                                          running_var, num_batches_tracked, float(eps),
-                                         float(momentum) if update else 0.0, stride, padding, sums, bool(one_walk))
+                                         float(momentum) if update else 0.0, stride, padding, sums, bool(one_walk),
+                                         bool(one_walk and walk_sums))

@@ -102,14 +102,16 @@ def _running_update_mode() -> str:
     return mode
 
 
-DEPTHWISE_BACKWARD_MODES = ("walk", "separate")
+DEPTHWISE_BACKWARD_MODES = ("walk", "sums", "separate")
 
 
 @functools.cache
 def depthwise_backward_mode() -> str:
     """The backward of norm.apply_in_depthwise's pairs, read once per process at the first training forward, for A/B
     runs (docs/kernels.md): "walk" (the default), one kernel gives both gradients of a stride-1 depthwise conv;
-    "separate", its input and weight gradients as two kernels, each reading the output gradient."""
+    "sums", that walk also sums the gradient sums of the BatchNorm before the conv (whose backward then skips its
+    reduce pass); "separate", the conv's input and weight gradients as two kernels, each reading the output
+    gradient."""
     mode = os.environ.get("MBN_DEPTHWISE_BACKWARD", "walk")
     if mode not in DEPTHWISE_BACKWARD_MODES:
         raise ConfigError(f"MBN_DEPTHWISE_BACKWARD must be one of {', '.join(DEPTHWISE_BACKWARD_MODES)}, got "
@@ -323,7 +325,8 @@ def norm_relu_depthwise(bn: "CustomBatchNormReLU", conv: nn.Module, y: Tensor, s
     running, momentum = _running_update("norm.apply_in_depthwise", bn)
     return batch_norm_relu_depthwise_conv2d(y, bn.weight, bn.bias, conv.weight, conv.stride, conv.padding, bn.eps,
                                             *running, momentum=momentum, sums=sums,
-                                            one_walk=depthwise_backward_mode() == "walk")
+                                            one_walk=depthwise_backward_mode() != "separate",
+                                            walk_sums=depthwise_backward_mode() == "sums")
 
 
 # --- norm.apply_in_pointwise: the BatchNorm + ReLU before a pointwise conv, applied by cuDNN's fused convolutions ---

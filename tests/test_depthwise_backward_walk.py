@@ -1,11 +1,13 @@
 """Tests of norm.apply_in_depthwise's backward walk: mobilenet_dw::depthwise_bwd_normed, both gradients of the
 normalizing depthwise conv in one walk at stride 1 (MBN_DEPTHWISE_BACKWARD=walk, the default; =separate runs the two
-kernels it replaces, for A/B runs).
+kernels it replaces, for A/B runs), and with grad_sums (=sums) also the BatchNorm backward's gradient sums, which
+mobilenet_bn::bn_relu_bwd_from_sums takes instead of its reduce pass.
 
 CPU (CI): a bad MBN_DEPTHWISE_BACKWARD stops the run naming the choices, and the summary names a mode that is not the
 default. GPU (`pytest -m gpu`): both gradients against float64 with outputs poisoned, the input gradient bitwise the
-separate kernel's where that runs the column walk, and opcheck; tests/test_norm_in_depthwise.py runs a MobileNetV1
-step in each mode against the model with norm.apply_in_depthwise off.
+separate kernel's where that runs the column walk, the sums against float64 and the BatchNorm backward from them
+against its own, and opcheck; tests/test_norm_in_depthwise.py runs a MobileNetV1 step in each mode against the model
+with norm.apply_in_depthwise off.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def backward_mode(monkeypatch):
 
 def test_an_unknown_mode_stops_naming_the_choices(backward_mode):
     backward_mode("both")
-    with pytest.raises(ConfigError, match="MBN_DEPTHWISE_BACKWARD must be one of walk, separate, got 'both'"):
+    with pytest.raises(ConfigError, match="MBN_DEPTHWISE_BACKWARD must be one of walk, sums, separate, got 'both'"):
         depthwise_backward_mode()
     backward_mode(None)
     assert depthwise_backward_mode() == "walk"
@@ -120,6 +122,41 @@ def test_both_gradients_against_float64_and_the_separate_kernels(case, dtype):
 
 
 @gpu
+@pytest.mark.parametrize("dtype", _DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("case", _STRIDE1, ids=_ids)
+def test_walk_sums_against_float64_and_the_reduce_pass(case, dtype):
+    """grad_sums: the same gradients of the conv, bit for bit, and the BatchNorm backward's sums of the grad_x it
+    wrote against float64; bn_relu_bwd_from_sums with them against bn_relu_bwd (which sums in another order)."""
+    import kernels.norm_depthwise  # noqa: F401
+    from kernels.norm_ops import batch_norm_relu_train
+
+    y, bn_w, bn_b, conv_w, stride = _inputs(case, dtype, seed=31)
+    grad = _grad(y.shape, dtype, 32)
+    mean, invstd = _stats(y, bn_w, bn_b)
+    walk = torch.ops.mobilenet_dw.depthwise_bwd_normed.default
+    _poison()
+    grad_x, grad_w, sums = walk(grad, y, conv_w, mean, invstd, bn_w, bn_b, [1, 1], [1, 1], True)
+    n, c, h, w = y.shape
+    assert sums.shape == (torch.ops.mobilenet_dw.bwd_normed_sums_rows(n, c, h, w, dtype), 2, c)
+    assert torch.isfinite(sums).all(), "a partial sum was not written"
+    plain_x, plain_w, none = walk(grad, y, conv_w, mean, invstd, bn_w, bn_b, [1, 1], [1, 1])
+    assert none.numel() == 0
+    assert torch.equal(grad_x, plain_x) and torch.equal(grad_w, plain_w)
+    g = grad_x.double() * (batch_norm_relu_train(y, bn_w, bn_b)[0] > 0)
+    want = torch.stack([g.sum((0, 2, 3)), (g * (y.double() - mean.double()[None, :, None, None])).sum((0, 2, 3))])
+    got = sums.double().sum(0)
+    scale = (g.abs().sum((0, 2, 3)) * (1 + (y.double() - mean.double()[None, :, None, None]).abs().amax((0, 2, 3))))
+    assert ((got - want).abs() <= 1e-5 * scale.clamp_min(1e-30)).all()  # fp32 sums of at most this magnitude
+    _poison()
+    got_bn = torch.ops.mobilenet_bn.bn_relu_bwd_from_sums.default(grad_x, y, bn_w, bn_b, mean, invstd, sums)
+    for t in got_bn:
+        assert torch.isfinite(t).all(), "an output element was not written"
+    want_bn = torch.ops.mobilenet_bn.bn_relu_bwd.default(grad_x, y, bn_w, bn_b, mean, invstd)
+    for i, (a, b) in enumerate(zip(got_bn, want_bn)):
+        assert _rel(a, b) < _WGRAD_ORDER_TOL[dtype], i
+
+
+@gpu
 def test_op_opcheck():
     import kernels.norm_depthwise  # noqa: F401
 
@@ -127,4 +164,11 @@ def test_op_opcheck():
     for stride, out in ((1, 9), (2, 5)):
         y, bn_w, bn_b, conv_w, _ = _inputs((4, 16, 9, 9, stride), torch.float16, seed=21)
         grad = _grad((4, 16, out, out), torch.float16, 22)
-        torch.library.opcheck(walk, (grad, y, conv_w, *_stats(y, bn_w, bn_b), bn_w, bn_b, [stride] * 2, [1, 1]))
+        for grad_sums in (False, True):  # at stride 2 the sums are empty
+            torch.library.opcheck(walk, (grad, y, conv_w, *_stats(y, bn_w, bn_b), bn_w, bn_b, [stride] * 2, [1, 1],
+                                         grad_sums))
+    mean, invstd = _stats(y, bn_w, bn_b)
+    grad_x = _grad(y.shape, torch.float16, 23)
+    sums = torch.randn(3, 2, 16, device="cuda")
+    torch.library.opcheck(torch.ops.mobilenet_bn.bn_relu_bwd_from_sums.default,
+                          (grad_x, y, bn_w, bn_b, mean, invstd, sums))

@@ -152,9 +152,11 @@ void check_backward_inputs(const at::Tensor& grad_y, const at::Tensor& x, const 
   check_channel_vectors(x, weight, bias, mean, invstd);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_relu_bwd(const at::Tensor& grad_y_in, const at::Tensor& x_in,
-                                                           const at::Tensor& weight, const at::Tensor& bias,
-                                                           const at::Tensor& mean, const at::Tensor& invstd) {
+// bn_relu_bwd, with its gradient sums given as partials (sums, may be null) or from its own reduce pass.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_with(const at::Tensor& grad_y_in, const at::Tensor& x_in,
+                                                             const at::Tensor& weight, const at::Tensor& bias,
+                                                             const at::Tensor& mean, const at::Tensor& invstd,
+                                                             const at::Tensor* sums) {
   check_backward_inputs(grad_y_in, x_in, weight, bias, mean, invstd);
   c10::cuda::CUDAGuard guard(x_in.device());
   const c10::MemoryFormat fmt = layout_of(x_in);
@@ -167,14 +169,42 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_relu_bwd(const at::Tensor& gra
   at::Tensor grad_weight = at::empty({s.C}, stat), grad_bias = at::empty({s.C}, stat);
   const BnPlan p = make_plan(s, dt, address(x) | address(grad_y) | address(grad_x), num_sms(), BnPass::kBackward);
   at::Tensor workspace = at::empty({static_cast<int64_t>(workspace_floats(s, p))}, stat);
-  launch_backward(s, p, dt, grad_y.const_data_ptr(), x.const_data_ptr(), w.const_data_ptr<float>(),
-                  b.const_data_ptr<float>(), m.const_data_ptr<float>(), is.const_data_ptr<float>(),
-                  grad_x.mutable_data_ptr(), grad_weight.mutable_data_ptr<float>(),
-                  grad_bias.mutable_data_ptr<float>(), workspace.mutable_data_ptr<float>(),
-                  c10::cuda::getCurrentCUDAStream());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (sums == nullptr) {
+    launch_backward(s, p, dt, grad_y.const_data_ptr(), x.const_data_ptr(), w.const_data_ptr<float>(),
+                    b.const_data_ptr<float>(), m.const_data_ptr<float>(), is.const_data_ptr<float>(),
+                    grad_x.mutable_data_ptr(), grad_weight.mutable_data_ptr<float>(),
+                    grad_bias.mutable_data_ptr<float>(), workspace.mutable_data_ptr<float>(), stream);
+  } else {
+    const at::Tensor part = sums->contiguous();
+    launch_backward_from_sums(s, p, dt, grad_y.const_data_ptr(), x.const_data_ptr(), w.const_data_ptr<float>(),
+                              b.const_data_ptr<float>(), m.const_data_ptr<float>(), is.const_data_ptr<float>(),
+                              part.const_data_ptr<float>(), static_cast<int>(part.size(0)), grad_x.mutable_data_ptr(),
+                              grad_weight.mutable_data_ptr<float>(), grad_bias.mutable_data_ptr<float>(),
+                              workspace.mutable_data_ptr<float>(), stream);
+  }
   return {grad_x, grad_weight, grad_bias};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_relu_bwd(const at::Tensor& grad_y, const at::Tensor& x,
+                                                           const at::Tensor& weight, const at::Tensor& bias,
+                                                           const at::Tensor& mean, const at::Tensor& invstd) {
+  return backward_with(grad_y, x, weight, bias, mean, invstd, nullptr);
+}
+
+// bn_relu_bwd with its gradient sums given as partials [chunks, 2, C] fp32 (mobilenet_dw::depthwise_bwd_normed's
+// sums for this very grad_y and x): the same outputs to the sums' summation order, without the reduce pass.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_relu_bwd_from_sums(const at::Tensor& grad_y, const at::Tensor& x,
+                                                                     const at::Tensor& weight, const at::Tensor& bias,
+                                                                     const at::Tensor& mean, const at::Tensor& invstd,
+                                                                     const at::Tensor& sums) {
+  TORCH_CHECK(sums.dim() == 3 && sums.size(0) >= 1 && sums.size(0) < (1 << 30) && sums.size(1) == 2 &&
+                  x.dim() == 4 && sums.size(2) == x.size(1) && sums.scalar_type() == at::kFloat &&
+                  sums.device() == x.device(),
+              "batch_norm_relu backward: sums must be a float32 (chunks, 2, C) tensor on the input's device, got ",
+              sums.scalar_type(), " ", sums.sizes());
+  return backward_with(grad_y, x, weight, bias, mean, invstd, &sums);
+}
 
 // running_mean, running_var and the batch's mean and var: contiguous fp32 (C,) vectors on one device.
 void check_running_stats(const at::Tensor& running_mean, const at::Tensor& running_var,
@@ -422,6 +452,10 @@ TORCH_LIBRARY(mobilenet_bn, m) {
   // The sync_bn building blocks (SyncCustomBatchNormReLU in mobilenet/norm.py): the fused forward split at its
   // batch statistics and the fused backward at its gradient sums, so that the ranks can combine them in between.
   // Statistics and sums are fp64 (inputs of the cross-rank combine); the per-channel inputs are fp32 as above.
+  // bn_relu_bwd with its gradient sums given as partials (mobilenet_dw::depthwise_bwd_normed's sums).
+  m.def(
+      "bn_relu_bwd_from_sums(Tensor grad_y, Tensor x, Tensor weight, Tensor bias, Tensor mean, Tensor invstd, "
+      "Tensor sums) -> (Tensor, Tensor, Tensor)");
   m.def("bn_local_stats(Tensor x) -> (Tensor, Tensor)");
   m.def("bn_relu_normalize(Tensor x, Tensor weight, Tensor bias, Tensor mean, Tensor invstd) -> Tensor");
   m.def("bn_relu_grad_sums(Tensor grad_y, Tensor x, Tensor weight, Tensor bias, Tensor mean, Tensor invstd) -> Tensor");
@@ -463,6 +497,7 @@ TORCH_LIBRARY_IMPL(mobilenet_bn, CUDA, m) {
   m.impl("bn_stats_update", &mbn::bn_stats_update);
   m.impl("bn_relu_fwd_from_partials", &mbn::bn_relu_fwd_from_partials);
   m.impl("bn_relu_bwd", &mbn::bn_relu_bwd);
+  m.impl("bn_relu_bwd_from_sums", &mbn::bn_relu_bwd_from_sums);
   m.impl("bn_update_running_stats", &mbn::bn_update_running_stats);
   m.impl("bn_local_stats", &mbn::bn_local_stats);
   m.impl("bn_relu_normalize", &mbn::bn_relu_normalize);

@@ -595,14 +595,19 @@ void forward_typed(const BnShape& s, const BnPlan& p, const void* x_, const floa
 template <class TT, int V>
 void backward_typed(const BnShape& s, const BnPlan& p, const void* grad_y_, const void* x_, const float* weight,
                     const float* bias, const float* mean, const float* invstd, void* grad_x, float* grad_weight,
-                    float* grad_bias, float* workspace, cudaStream_t stream) {
+                    float* grad_bias, float* workspace, const float* sums, int sums_chunks, cudaStream_t stream) {
   using S = typename TT::S;
   const S* grad_y = static_cast<const S*>(grad_y_);
   const S* x = static_cast<const S*>(x_);
   const Workspace ws = split_workspace(workspace, s, p);
-  launch_reduce<V>(s, p, GradSumsOp<TT>{grad_y, x, mean, weight, bias, invstd}, ws.partial, stream);
+  // The gradient sums: the reduce pass, or given (sums_chunks partials in the reduce's layout).
+  if (sums == nullptr) {
+    launch_reduce<V>(s, p, GradSumsOp<TT>{grad_y, x, mean, weight, bias, invstd}, ws.partial, stream);
+    sums = ws.partial;
+    sums_chunks = p.reduce.chunks;
+  }
   finalize_backward<<<finalize_blocks(s.C), kFinalizeBlock, 0, stream>>>(
-      ws.partial, p.reduce.chunks, s.C, static_cast<double>(s.N) * s.HW, weight, invstd, grad_weight, grad_bias, ws.k[0],
+      sums, sums_chunks, s.C, static_cast<double>(s.N) * s.HW, weight, invstd, grad_weight, grad_bias, ws.k[0],
       ws.k[1], ws.k[2], ws.k[3]);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const InputGradOp<TT> op{grad_y, x, static_cast<S*>(grad_x), {mean, ws.k[0], ws.k[1], ws.k[2], ws.k[3], bias}};
@@ -711,7 +716,15 @@ void launch_backward(const BnShape& s, const BnPlan& p, DType dt, const void* gr
                      const float* bias, const float* mean, const float* invstd, void* grad_x, float* grad_weight,
                      float* grad_bias, float* workspace, cudaStream_t stream) {
   dispatch<BackwardLaunch>(dt, p.vec, s, p, grad_y, x, weight, bias, mean, invstd, grad_x, grad_weight, grad_bias,
-                           workspace, stream);
+                           workspace, static_cast<const float*>(nullptr), 0, stream);
+}
+
+void launch_backward_from_sums(const BnShape& s, const BnPlan& p, DType dt, const void* grad_y, const void* x,
+                               const float* weight, const float* bias, const float* mean, const float* invstd,
+                               const float* sums, int chunks, void* grad_x, float* grad_weight, float* grad_bias,
+                               float* workspace, cudaStream_t stream) {
+  dispatch<BackwardLaunch>(dt, p.vec, s, p, grad_y, x, weight, bias, mean, invstd, grad_x, grad_weight, grad_bias,
+                           workspace, sums, chunks, stream);
 }
 
 void launch_update_running_stats(int C, const float* mean, const float* var, int64_t count, double momentum,

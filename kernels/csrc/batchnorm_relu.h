@@ -81,6 +81,14 @@ void launch_backward(const BnShape& s, const BnPlan& p, DType dt, const void* gr
                      const float* bias, const float* mean, const float* invstd, void* grad_x, float* grad_weight,
                      float* grad_bias, float* workspace, cudaStream_t stream);
 
+// launch_backward with the gradient sums given instead of its reduce pass: sums [chunks][2][C] fp32 partials of
+// sum(g) and sum(g * (x - mean)) (g = grad_y where the ReLU passed), as the depthwise backward walk that wrote grad_y
+// returns them (mdw::launch_bwd_normed); finalized in fp64 in a fixed order, as the reduce's own partials are.
+void launch_backward_from_sums(const BnShape& s, const BnPlan& p, DType dt, const void* grad_y, const void* x,
+                               const float* weight, const float* bias, const float* mean, const float* invstd,
+                               const float* sums, int chunks, void* grad_x, float* grad_weight, float* grad_bias,
+                               float* workspace, cudaStream_t stream);
+
 // nn.BatchNorm2d's running-statistics update from this batch's mean and biased variance over `count` values per
 // channel: num_batches_tracked += 1, then running = (1 - f) * running + f * batch (var made unbiased), where
 // f = momentum, or 1 / num_batches_tracked when momentum < 0 (nn.BatchNorm2d's momentum=None).

@@ -236,15 +236,20 @@ size_t bwd_normed_workspace_elems(const DepthwiseShape& g, DType dt) {
   return static_cast<size_t>(backward_input_row_normed_chunks(s, dt)) * g.C * (g.KH * g.KW + 1);
 }
 
+int bwd_normed_sums_chunks(const DepthwiseShape& g, DType dt) {
+  ConvShape s;
+  return bwd_normed_one_walk(g) && narrow_shape(g, &s) ? backward_input_row_normed_chunks(s, dt) : 0;
+}
+
 void launch_bwd_normed(const DepthwiseShape& g, DType dt, const void* go, const void* y, const void* w,
-                       const InputNorm& norm, void* gx, void* ws, void* gw, cudaStream_t stream) {
+                       const InputNorm& norm, void* gx, void* ws, void* gw, float* sums, cudaStream_t stream) {
   ConvShape s;
   if (!narrow_shape(g, &s)) return;
   if (!bwd_normed_one_walk(g)) {
     launch_dgrad(g, dt, go, w, gx, stream);
     return launch_wgrad_normed(g, dt, go, y, norm, ws, gw, stream);
   }
-  const int chunks = backward_input_row_normed(s, dt, go, y, w, norm, gx, ws, stream);
+  const int chunks = backward_input_row_normed(s, dt, go, y, w, norm, gx, ws, sums, stream);
   weight_grad_finalize(s, dt, ws, chunks, gw, nullptr, stream);
 }
 

@@ -76,10 +76,11 @@ int weight_grad_column_normed_chunks(const ConvShape& s, DType dt);
 int weight_grad_column_normed(const ConvShape& s, DType dt, const void* grad_out, const void* y, const InputNorm& norm,
                               void* ws, cudaStream_t stream);
 // Stride 1, padding 1: the normalizing input-row walk that also writes the input gradient (of relu(batch_norm(y)))
-// from the grad_out words it holds; stage 1 of the weight gradient as above.
+// from the grad_out words it holds; stage 1 of the weight gradient as above. sums (may be null): the BatchNorm +
+// ReLU backward's per-channel sums of that gradient, [chunks][2][C] fp32.
 int backward_input_row_normed_chunks(const ConvShape& s, DType dt);
 int backward_input_row_normed(const ConvShape& s, DType dt, const void* grad_out, const void* y, const void* w,
-                              const InputNorm& norm, void* grad_input, void* ws, cudaStream_t stream);
+                              const InputNorm& norm, void* grad_input, void* ws, float* sums, cudaStream_t stream);
 // 5x5 or 7x7, stride 1 or 2, 16/32-bit, one kernel row per lane. NHWC (whole 32-bit words of channels): a lane walks
 // one output row; NCHW (16-bit: W and OW even): a lane takes 4 columns of one output row.
 int weight_grad_column_k57_chunks(const ConvShape& s, DType dt);

@@ -206,14 +206,14 @@ at::Tensor depthwise_wgrad_normed(const at::Tensor& grad_out, const at::Tensor& 
   return grad_weight;
 }
 
-// Both gradients of depthwise_fwd_normed: (grad_input, grad_weight), grad_input that of relu(batch_norm(y)) (the
+// Both gradients of depthwise_fwd_normed: (grad_input, grad_weight, sums), grad_input that of relu(batch_norm(y)) (the
 // BatchNorm's own backward takes it from there). At stride 1 and padding 1 one walk reads grad_out once for both
-// (launch_bwd_normed).
-std::tuple<at::Tensor, at::Tensor> depthwise_bwd_normed(const at::Tensor& grad_out, const at::Tensor& y_in,
-                                                        const at::Tensor& w_in, const at::Tensor& mean,
-                                                        const at::Tensor& invstd, const at::Tensor& norm_weight,
-                                                        const at::Tensor& norm_bias, at::IntArrayRef stride,
-                                                        at::IntArrayRef padding) {
+// (launch_bwd_normed), and with grad_sums also gives that BatchNorm backward's sums as partials [chunks, 2, C] fp32
+// (for mobilenet_bn::bn_relu_bwd_from_sums); elsewhere, or without grad_sums, sums is empty.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_bwd_normed(
+    const at::Tensor& grad_out, const at::Tensor& y_in, const at::Tensor& w_in, const at::Tensor& mean,
+    const at::Tensor& invstd, const at::Tensor& norm_weight, const at::Tensor& norm_bias, at::IntArrayRef stride,
+    at::IntArrayRef padding, bool grad_sums) {
   const char* op = "depthwise_bwd_normed";
   const c10::MemoryFormat fmt = layout_of(y_in);
   const int64_t dilation[2] = {1, 1};
@@ -230,10 +230,22 @@ std::tuple<at::Tensor, at::Tensor> depthwise_bwd_normed(const at::Tensor& grad_o
   at::Tensor grad_weight = at::empty(w.sizes(), w.options());
   const at::Tensor workspace =
       at::empty({static_cast<int64_t>(bwd_normed_workspace_elems(s, dt))}, y.options().dtype(at::kFloat));
+  const int chunks = grad_sums ? bwd_normed_sums_chunks(s, dt) : 0;
+  at::Tensor sums = at::empty({chunks, chunks > 0 ? 2 : 0, chunks > 0 ? s.C : 0}, y.options().dtype(at::kFloat));
   launch_bwd_normed(s, dt, go.const_data_ptr(), y.const_data_ptr(), w.const_data_ptr(), norm,
                     grad_input.mutable_data_ptr(), workspace.mutable_data_ptr(), grad_weight.mutable_data_ptr(),
-                    c10::cuda::getCurrentCUDAStream().stream());
-  return {grad_input, grad_weight};
+                    chunks > 0 ? sums.mutable_data_ptr<float>() : nullptr, c10::cuda::getCurrentCUDAStream().stream());
+  return {grad_input, grad_weight, sums};
+}
+
+// The first dimension of depthwise_bwd_normed's sums for a 3x3 stride-1 convolution of an (n, c, h, w) input on the
+// current device: a function of the shape, dtype and GPU only, so that the op's fake kernel can size it.
+int64_t bwd_normed_sums_rows(int64_t n, int64_t c, int64_t h, int64_t w, c10::ScalarType dtype) {
+  DepthwiseShape s{};
+  s.N = n, s.C = c, s.M = 1, s.H = h, s.W = w, s.OH = h, s.OW = w;
+  s.KH = s.KW = 3, s.SH = s.SW = 1, s.PH = s.PW = 1, s.DH = s.DW = 1;
+  s.channels_last = true;
+  return bwd_normed_sums_chunks(s, to_dtype(dtype));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_bwd(const at::Tensor& grad_out, const at::Tensor& x_in,
@@ -303,10 +315,12 @@ TORCH_LIBRARY(mobilenet_dw, m) {
   m.def(
       "depthwise_wgrad_normed(Tensor grad_out, Tensor y, Tensor w, Tensor mean, Tensor invstd, Tensor norm_weight, "
       "Tensor norm_bias, int[2] stride, int[2] padding) -> Tensor");
-  // Both gradients of the normalizing forward (grad_input that of relu(batch_norm(y))), at stride 1 in one walk.
+  // Both gradients of the normalizing forward (grad_input that of relu(batch_norm(y))), at stride 1 in one walk, which
+  // with grad_sums also returns the BatchNorm backward's sums of grad_input (else an empty tensor).
   m.def(
       "depthwise_bwd_normed(Tensor grad_out, Tensor y, Tensor w, Tensor mean, Tensor invstd, Tensor norm_weight, "
-      "Tensor norm_bias, int[2] stride, int[2] padding) -> (Tensor, Tensor)");
+      "Tensor norm_bias, int[2] stride, int[2] padding, bool grad_sums=False) -> (Tensor, Tensor, Tensor)");
+  m.def("bwd_normed_sums_rows(int n, int c, int h, int w, ScalarType dtype) -> int", &mdw::bwd_normed_sums_rows);
   // The launch knobs (MDW_* environment, launch_plan.h) are read once and kept; this re-reads them.
   m.def("reload_knobs() -> ()", &mdw::reload_knobs);
 }

@@ -30,7 +30,8 @@ constexpr int kWgradStrip = 2;
 // Sum the lanes' accumulators of one channel vector in a fixed order (butterfly inside each warp,
 // then warps in index order) and write the block's partials ws[chunk][c][tap].
 // Lanes with the same cv sit lanes_c apart in a warp (lanes_c is a power of two <= 16).
-template <int KK, int V>
+// kSlotMajor: ws[chunk][tap][c] instead (the BatchNorm backward's partial layout, batchnorm_relu.cu).
+template <int KK, int V, bool kSlotMajor = false>
 __device__ __forceinline__ void reduce_nhwc_partials(float (&acc)[KK + 1][V], float* red, float* __restrict__ ws,
                                                      const ConvShape& s, const Tiling& t, int group, int chunk) {
   constexpr int E = (KK + 1) * V;
@@ -56,7 +57,13 @@ __device__ __forceinline__ void reduce_nhwc_partials(float (&acc)[KK + 1][V], fl
     for (int wi = 0; wi < warps; ++wi) sum += red[(wi * t.lanes_c + cl) * E + e];
     const int c = (group * t.lanes_c + cl) * V + e % V;
     const int k = e / V;
-    if (c < s.C) ws[(static_cast<size_t>(chunk) * s.C + c) * (KK + 1) + k] = sum;
+    if (c < s.C) {
+      if constexpr (kSlotMajor) {
+        ws[(static_cast<size_t>(chunk) * (KK + 1) + k) * s.C + c] = sum;
+      } else {
+        ws[(static_cast<size_t>(chunk) * s.C + c) * (KK + 1) + k] = sum;
+      }
+    }
   }
 }
 
@@ -469,14 +476,20 @@ __global__ void __launch_bounds__(256, MINB)
 // bits as depthwise_bwd's input gradient, and grad_out is read once for both gradients instead of twice.
 // DGRAD holds the lane's 9 x V fp32 weights more: 16-bit at 2 blocks per SM (128 registers; ptxas of nvcc 13.0 for
 // sm_90 reports 110), fp32 at 3 (85; 80 used).
+// SUMS (with DGRAD): the lane also has y's word at (ih, iw), so it sums the BatchNorm + ReLU backward's per-channel
+// sums there, sum(g) and sum(g * (y - mean)) with g = grad_input as stored where the ReLU passed (the normalized
+// word > 0 is the mask bn_relu_bwd recomputes), into sums[chunk][2][C] (batchnorm_relu.cu's partial layout), so that
+// the BatchNorm's backward skips its reduce pass over grad_input and y.
 template <bool DGRAD, int V>
 constexpr int kInputRowMinBlocks = DGRAD ? (V == 1 ? 3 : 2) : kWgradColumnMinBlocks<true, V>;
 
-template <class TT, int U, int V, bool DGRAD = false>
+template <class TT, int U, int V, bool DGRAD = false, bool SUMS = false>
 __global__ void __launch_bounds__(256, kInputRowMinBlocks<DGRAD, V>)
     wgrad_nhwc_input_row_kernel(const uint32_t* __restrict__ go, const uint32_t* __restrict__ x,
                                 float* __restrict__ ws, ConvShape s, Tiling t, InputNorm input_norm,
-                                const typename TT::S* __restrict__ w, uint32_t* __restrict__ gx) {
+                                const typename TT::S* __restrict__ w, uint32_t* __restrict__ gx,
+                                float* __restrict__ sums) {
+  static_assert(DGRAD || !SUMS, "the sums are of the input gradient the walk writes");
   constexpr int K = 3, KK = K * K;
   extern __shared__ float red[];  // [warps][lanes_c][(KK + 1) * V]
 
@@ -489,6 +502,8 @@ __global__ void __launch_bounds__(256, kInputRowMinBlocks<DGRAD, V>)
   const int rows = s.N * s.H;
   float acc[KK + 1][V];
   fill(acc, 0.f);
+  float bn_sums[2][V];  // SUMS: sum(g), sum(g * (y - mean))
+  fill(bn_sums, 0.f);
   WordNorm<TT, V, true> norm;
   float wr[DGRAD ? KK : 1][V];  // DGRAD: the lane's weights, fp32
   if (active) {
@@ -539,7 +554,11 @@ __global__ void __launch_bounds__(256, kInputRowMinBlocks<DGRAD, V>)
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           const int iw = t0 + u;
-          xraw[u] = (inside || iw < s.W) ? norm(__ldg(xp + iw * words)) : 0u;
+          if constexpr (SUMS) {  // y's word itself, normalized below (the sums need both)
+            xraw[u] = (inside || iw < s.W) ? __ldg(xp + iw * words) : 0u;
+          } else {
+            xraw[u] = (inside || iw < s.W) ? norm(__ldg(xp + iw * words)) : 0u;
+          }
 #pragma unroll
           for (int kh = 0; kh < K; ++kh)
             graw[u][kh] = (inside || (g_off[kh] >= 0 && iw + 1 < s.OW)) ? __ldg(gn + (g_off[kh] + (iw + 1) * words))
@@ -548,7 +567,11 @@ __global__ void __launch_bounds__(256, kInputRowMinBlocks<DGRAD, V>)
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           float xv[V], fresh[K][V];
-          widen_word<TT, V>(xraw[u], xv);
+          if constexpr (SUMS) {
+            widen_word<TT, V>((inside || t0 + u < s.W) ? norm(xraw[u]) : 0u, xv);
+          } else {
+            widen_word<TT, V>(xraw[u], xv);
+          }
 #pragma unroll
           for (int kh = 0; kh < K; ++kh) widen_word<TT, V>(graw[u][kh], fresh[kh]);
           if constexpr (DGRAD) {
@@ -568,8 +591,20 @@ __global__ void __launch_bounds__(256, kInputRowMinBlocks<DGRAD, V>)
               }
             }
             const int iw = t0 + u;
-            if (inside || iw < s.W) asm volatile("st.global.b32 [%0], %1;" ::"l"(gxp + iw * words),
-                                                 "r"(narrow_word<TT, V>(d)));
+            const bool in_row = inside || iw < s.W;
+            const uint32_t stored = narrow_word<TT, V>(d);
+            if (in_row) asm volatile("st.global.b32 [%0], %1;" ::"l"(gxp + iw * words), "r"(stored));
+            if constexpr (SUMS) {
+              float g[V], yv[V];
+              widen_word<TT, V>(stored, g);
+              widen_word<TT, V>(xraw[u], yv);
+#pragma unroll
+              for (int v = 0; v < V; ++v) {
+                const float gm = in_row && xv[v] > 0.f ? g[v] : 0.f;
+                bn_sums[0][v] += gm;
+                bn_sums[1][v] = fmaf(gm, yv[v] - norm.mean[v], bn_sums[1][v]);
+              }
+            }
           }
 #pragma unroll
           for (int kh = 0; kh < K; ++kh) {
@@ -587,19 +622,24 @@ __global__ void __launch_bounds__(256, kInputRowMinBlocks<DGRAD, V>)
     }
   }
   reduce_nhwc_partials<KK, V>(acc, red, ws, s, t, blk.group, blk.chunk);
+  if constexpr (SUMS) {
+    __syncthreads();  // red is reused
+    reduce_nhwc_partials<1, V, true>(bn_sums, red, sums, s, t, blk.group, blk.chunk);
+  }
 }
 
-template <class TT, bool DGRAD = false>
+template <class TT, bool DGRAD = false, bool SUMS = false>
 void run_wgrad_input_row(const ConvShape& s, const WgradPlan& p, const void* go, const void* y, float* ws,
-                         cudaStream_t stream, const InputNorm& norm, const void* w = nullptr, void* gx = nullptr) {
+                         cudaStream_t stream, const InputNorm& norm, const void* w = nullptr, void* gx = nullptr,
+                         float* sums = nullptr) {
   constexpr int K = 3;
   constexpr int VW = 4 / sizeof(typename TT::S);
   const Tiling& t = p.tiling;
   const size_t smem = sizeof(float) * (t.block / 32) * t.lanes_c * (K * K + 1) * VW;
   const dim3 grid(t.groups * p.chunks);
-  wgrad_nhwc_input_row_kernel<TT, 4, VW, DGRAD><<<grid, t.block, smem, stream>>>(
+  wgrad_nhwc_input_row_kernel<TT, 4, VW, DGRAD, SUMS><<<grid, t.block, smem, stream>>>(
       static_cast<const uint32_t*>(go), static_cast<const uint32_t*>(y), ws, s, t, norm,
-      static_cast<const typename TT::S*>(w), static_cast<uint32_t*>(gx));
+      static_cast<const typename TT::S*>(w), static_cast<uint32_t*>(gx), sums);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -876,14 +916,24 @@ static WgradPlan plan_input_row_backward(const ConvShape& s, DType dt) {
 
 int backward_input_row_normed_chunks(const ConvShape& s, DType dt) { return plan_input_row_backward(s, dt).chunks; }
 
+template <class TT>
+void backward_input_row_t(const ConvShape& s, const WgradPlan& p, const void* go, const void* y, const void* w,
+                          const InputNorm& norm, void* gx, float* ws, float* sums, cudaStream_t st) {
+  if (sums != nullptr) {
+    run_wgrad_input_row<TT, true, true>(s, p, go, y, ws, st, norm, w, gx, sums);
+  } else {
+    run_wgrad_input_row<TT, true>(s, p, go, y, ws, st, norm, w, gx);
+  }
+}
+
 int backward_input_row_normed(const ConvShape& s, DType dt, const void* go, const void* y, const void* w,
-                              const InputNorm& norm, void* gx, void* ws, cudaStream_t stream) {
+                              const InputNorm& norm, void* gx, void* ws, float* sums, cudaStream_t stream) {
   const WgradPlan p = plan_input_row_backward(s, dt);
   float* wsf = static_cast<float*>(ws);
   switch (dt) {
-    case DType::F32: run_wgrad_input_row<F32T, true>(s, p, go, y, wsf, stream, norm, w, gx); break;
-    case DType::F16: run_wgrad_input_row<F16T, true>(s, p, go, y, wsf, stream, norm, w, gx); break;
-    case DType::BF16: run_wgrad_input_row<BF16T, true>(s, p, go, y, wsf, stream, norm, w, gx); break;
+    case DType::F32: backward_input_row_t<F32T>(s, p, go, y, w, norm, gx, wsf, sums, stream); break;
+    case DType::F16: backward_input_row_t<F16T>(s, p, go, y, w, norm, gx, wsf, sums, stream); break;
+    case DType::BF16: backward_input_row_t<BF16T>(s, p, go, y, w, norm, gx, wsf, sums, stream); break;
     default: break;  // normed_fits excludes fp64
   }
   return p.chunks;
