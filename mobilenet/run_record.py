@@ -31,7 +31,7 @@ def norm_label(cfg, training: bool = True) -> str:
     if cfg.norm.name == "custom":
         applied, why = apply_in_depthwise_state(cfg)
         label += f" (applied by the depthwise kernel after it, in training; {why})" if applied else f" ({why})"
-        if applied and depthwise_backward_mode() != "walk":
+        if applied and depthwise_backward_mode() != "sums":
             label += f" (backward: MBN_DEPTHWISE_BACKWARD={depthwise_backward_mode()})"
         applied, why = apply_in_pointwise_state(cfg)
         label += (f" (applied by cuDNN's fused pointwise conv after it, in training; {why})" if applied

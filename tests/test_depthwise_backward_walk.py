@@ -1,7 +1,7 @@
 """Tests of norm.apply_in_depthwise's backward walk: mobilenet_dw::depthwise_bwd_normed, both gradients of the
-normalizing depthwise conv in one walk at stride 1 (MBN_DEPTHWISE_BACKWARD=walk, the default; =separate runs the two
-kernels it replaces, for A/B runs), and with grad_sums (=sums) also the BatchNorm backward's gradient sums, which
-mobilenet_bn::bn_relu_bwd_from_sums takes instead of its reduce pass.
+normalizing depthwise conv in one walk at stride 1, with grad_sums also the BatchNorm backward's gradient sums, which
+mobilenet_bn::bn_relu_bwd_from_sums takes instead of its reduce pass (MBN_DEPTHWISE_BACKWARD=sums, the default;
+=walk without the sums and =separate with the two kernels the walk replaces, for A/B runs).
 
 CPU (CI): a bad MBN_DEPTHWISE_BACKWARD stops the run naming the choices, and the summary names a mode that is not the
 default. GPU (`pytest -m gpu`): both gradients against float64 with outputs poisoned, the input gradient bitwise the
@@ -45,10 +45,10 @@ def backward_mode(monkeypatch):
 
 def test_an_unknown_mode_stops_naming_the_choices(backward_mode):
     backward_mode("both")
-    with pytest.raises(ConfigError, match="MBN_DEPTHWISE_BACKWARD must be one of walk, sums, separate, got 'both'"):
+    with pytest.raises(ConfigError, match="MBN_DEPTHWISE_BACKWARD must be one of sums, walk, separate, got 'both'"):
         depthwise_backward_mode()
     backward_mode(None)
-    assert depthwise_backward_mode() == "walk"
+    assert depthwise_backward_mode() == "sums"
 
 
 def test_the_summary_names_a_mode_other_than_the_default(backward_mode):
@@ -105,7 +105,7 @@ def test_both_gradients_against_float64_and_the_separate_kernels(case, dtype):
     grad = _grad((n, c, (h - 1) // stride[0] + 1, (w - 1) // stride[1] + 1), dtype, 12)
     mean, invstd = _stats(y, bn_w, bn_b)
     _poison()
-    grad_x, grad_w = torch.ops.mobilenet_dw.depthwise_bwd_normed.default(grad, y, conv_w, mean, invstd, bn_w, bn_b,
+    grad_x, grad_w, _ = torch.ops.mobilenet_dw.depthwise_bwd_normed.default(grad, y, conv_w, mean, invstd, bn_w, bn_b,
                                                                           list(stride), [1, 1])
     assert torch.isfinite(grad_x).all() and torch.isfinite(grad_w).all(), "an output element was not written"
     assert grad_x.is_contiguous(memory_format=torch.channels_last)
