@@ -191,8 +191,10 @@ _TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}
 # fp32 sums of the same products in two groupings, rounded to the weight's dtype: about one rounding of it apart.
 _WGRAD_ORDER_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 # A model's gradients with the BatchNorm backward's sums in another order (MBN_DEPTHWISE_BACKWARD=sums): a few
-# roundings of each layer's input gradient, through every layer before it.
-_SUMS_ORDER_TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+# roundings of each layer's input gradient, through every layer before it. fp32: the stem's weight gradient, the
+# farthest upstream, moved by 6.2e-4 on an H200 (cf7ee82), where each layer's BatchNorm backward agrees to 1e-5
+# (tests/test_depthwise_backward_walk.py).
+_SUMS_ORDER_TOL = {torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 
 
 def _ids(case):
