@@ -28,7 +28,7 @@ from .errors import ConfigError, checking_user_input
 from .evaluation import evaluate
 from .meter import StepMeter, Throughput
 from .model import apply_in_depthwise_state, apply_in_pointwise_state, build_model
-from .norm import convert_sync_batchnorm, custom_pair_needs, get_norm, sync_bn_state
+from .norm import check_ab_environment, convert_sync_batchnorm, custom_pair_needs, get_norm, sync_bn_state
 from .optim import build_optimizer, build_scheduler, scheduled_lrs
 from .reporting import TensorBoardLog, environment, print_summary
 from .run_record import RunResult, TrainingRun, run_meta
@@ -67,6 +67,7 @@ def run_dtype(cfg) -> torch.dtype:
 
 def validate(cfg, device: torch.device) -> None:
     """Reject combinations that cannot run as asked, before any work is done. Nothing is substituted."""
+    check_ab_environment(cfg)
     with checking_user_input(ValueError):  # an unknown backend name
         backend = get_backend(cfg.backend.name)
     backend.check(device)  # first: a GPU-only backend on a CPU is the root cause to report

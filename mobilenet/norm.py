@@ -35,7 +35,7 @@ __all__ = [
     "NormUnavailable", "NormImpl", "register_norm", "available_norms", "get_norm", "applies_relu",
     "TorchBatchNormReLU", "CustomBatchNormReLU", "ApexBatchNormReLU", "SyncBatchNormReLU", "SyncCustomBatchNormReLU",
     "combine_rank_statistics", "convert_sync_batchnorm", "sync_bn_state", "check_stats_from_depthwise",
-    "running_update_label",
+    "running_update_label", "check_ab_environment",
     "depthwise_norm_relu", "check_apply_in_depthwise", "norm_relu_depthwise", "depthwise_backward_mode",
     "custom_pair_needs",
     "check_apply_in_pointwise", "norm_relu_pointwise",
@@ -116,6 +116,14 @@ def depthwise_backward_mode() -> str:
         raise ConfigError(f"MBN_DEPTHWISE_BACKWARD must be one of {', '.join(DEPTHWISE_BACKWARD_MODES)}, got "
                           f"{mode!r}; unset it for the default (sums)")
     return mode
+
+
+def check_ab_environment(cfg) -> None:
+    """The A/B variables norm=custom reads (MBN_RUNNING_UPDATE, MBN_DEPTHWISE_BACKWARD): a ConfigError naming the
+    choices for a value that is none of them, before any work, rather than at the first training step."""
+    if cfg.norm.name == "custom":
+        _running_update_mode()
+        depthwise_backward_mode()
 
 
 def register_norm(impl: NormImpl) -> NormImpl:

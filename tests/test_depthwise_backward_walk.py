@@ -51,6 +51,15 @@ def test_an_unknown_mode_stops_naming_the_choices(backward_mode):
     assert depthwise_backward_mode() == "sums"
 
 
+def test_validate_refuses_an_unknown_mode_before_any_work(backward_mode):
+    from mobilenet.engine import validate
+
+    backward_mode("fused")
+    with pytest.raises(ConfigError, match="MBN_DEPTHWISE_BACKWARD must be one of sums, walk, separate, got 'fused'"):
+        validate(compose(["backend=custom", "norm=custom", "channels_last=true"]), torch.device("cpu"))
+    validate(compose([]), torch.device("cpu"))  # norm=torch reads no such variable
+
+
 def test_the_summary_names_a_mode_other_than_the_default(backward_mode):
     from mobilenet.run_record import norm_label
 
