@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-docs/results}
-STEPS=${STEPS:-"tests depthwise overhead loss profile inference-ab graph matrix loader dali-train scaling"}
+STEPS=${STEPS:-"tests depthwise overhead loss profile inference-ab graph norm-backward matrix loader dali-train scaling"}
 FAKE=${FAKE:-/tmp/fake-imagenet}
 mkdir -p "$OUT"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -63,6 +63,17 @@ if has graph; then
   for round in 1 2; do for be in cudnn custom; do for graph in true false; do
     python train.py backend=$be cuda_graph=$graph $common 2>&1 | grep -E "train img/s \(total\)|CUDA graph" | tee "$OUT/graph_${be}_${graph}_r$round.txt"
   done; done; done
+fi
+if has norm-backward; then
+  # norm.apply_in_depthwise's backward: the walk with the BatchNorm's sums (the default), the walk alone and the
+  # separate passes, alternating, with cudnn + torch in the same rounds (docs/results/train_norm_h200.md).
+  common="data=synthetic amp=true channels_last=true epochs=1 data.steps_per_epoch=150 evaluate=false save_checkpoints=false progress=false"
+  for round in 1 2; do
+    for mode in sums walk separate; do
+      MBN_DEPTHWISE_BACKWARD=$mode python train.py backend=custom norm=custom $common 2>&1 | grep -E "train img/s \(total\)" | tee "$OUT/norm_backward_${mode}_r$round.txt"
+    done
+    python train.py backend=cudnn norm=torch $common 2>&1 | grep -E "train img/s \(total\)" | tee "$OUT/norm_backward_cudnn_torch_r$round.txt"
+  done
 fi
 if has matrix; then
   # The full synthetic matrix (both compile settings, eager and captured steps, the timm peer); rerun the same line to continue after a stop.
