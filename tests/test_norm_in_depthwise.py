@@ -9,7 +9,9 @@ backends and the two fusions together, the state_dict is the same with the switc
 naming CUDA, and the summary names the switch. GPU (`pytest -m gpu`): the pair against float64 (forward and all four
 gradients, poisoned outputs, odd shapes, a large mean), bitwise the two separate ops where both run the column walks
 the running statistics bitwise those of the separate ops, opcheck, clear errors for cases the walk does not take, and
-a whole MobileNetV1 step bitwise equal with the switch on and off, eager and captured in a CUDA graph.
+a whole MobileNetV1 step with the switch on equal to the step with it off (bitwise but the depthwise weights'
+gradients with MBN_DEPTHWISE_BACKWARD=walk|separate, to the BatchNorm sums' order with the default, sums), and the
+captured step bitwise the eager one.
 """
 
 from __future__ import annotations
