@@ -475,7 +475,7 @@ __global__ void __launch_bounds__(256, MINB)
 // grad_input there, summed in the order of the rotated-kernel column walk (stencil_3x3.cuh, FLIP), hence the same
 // bits as depthwise_bwd's input gradient, and grad_out is read once for both gradients instead of twice.
 // DGRAD holds the lane's 9 x V fp32 weights more: 16-bit at 2 blocks per SM (128 registers; ptxas of nvcc 13.0 for
-// sm_90 reports 110), fp32 at 3 (85; 80 used).
+// sm_90 reports 114-115, 119-120 with SUMS), fp32 at 3 (85; 80 used).
 // SUMS (with DGRAD): the lane also has y's word at (ih, iw), so it sums the BatchNorm + ReLU backward's per-channel
 // sums there, sum(g) and sum(g * (y - mean)) with g = grad_input as stored where the ReLU passed (the normalized
 // word > 0 is the mask bn_relu_bwd recomputes), into sums[chunk][2][C] (batchnorm_relu.cu's partial layout), so that
