@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from pointwise_norm_fusion import (LAYERS, CudnnGraph, _nhwc_strides, open_cudnn, picked_layers,
+from pointwise_norm_fusion import (LAYERS, CudnnGraph, _nhwc_strides, layer_inputs, open_cudnn, picked_layers,
                                    probe_arguments, time_alternating)
 
 
@@ -44,12 +44,9 @@ def main() -> None:
     rows = []
     for index in picked:
         cin, cout, size = LAYERS[index]
-        cl = torch.channels_last
         n = args.batch
-        y = torch.randn(n, cin, size, size, device="cuda").add_(0.3).half().contiguous(memory_format=cl)
-        w = (torch.randn(cout, cin, 1, 1, device="cuda") / cin ** 0.5).half().contiguous(memory_format=cl)
-        grad_out = torch.randn(n, cout, size, size, device="cuda").half().contiguous(memory_format=cl)
-        bw, bb = torch.rand(cin, device="cuda") + 0.5, torch.randn(cin, device="cuda") * 0.5
+        y, w, bw, bb = layer_inputs(n, cin, cout, size, torch.float16)
+        grad_out = torch.randn(n, cout, size, size, device="cuda").half().contiguous(memory_format=torch.channels_last)
         mean, invstd, _ = bn.bn_stats(y, bw, bb, 1e-5)
         scale32 = bw * invstd
         shift32 = bb - mean * scale32

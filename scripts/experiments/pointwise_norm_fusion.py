@@ -171,6 +171,16 @@ def picked_layers(args: argparse.Namespace):
     return [int(i) for i in args.layers.split(",")] if args.layers else range(len(LAYERS))
 
 
+def layer_inputs(batch: int, cin: int, cout: int, size: int, dtype: torch.dtype):
+    """A layer's random operands, channels_last in dtype: the BatchNorm's input y (mean 0.3), the 1x1 weight w, and
+    the BatchNorm's fp32 weight and bias."""
+    cl = torch.channels_last
+    y = torch.randn(batch, cin, size, size, device="cuda").add_(0.3).to(dtype).contiguous(memory_format=cl)
+    w = (torch.randn(cout, cin, 1, 1, device="cuda") / cin ** 0.5).to(dtype).contiguous(memory_format=cl)
+    bw, bb = torch.rand(cin, device="cuda") + 0.5, torch.randn(cin, device="cuda") * 0.5
+    return y, w, bw, bb
+
+
 def main() -> None:
     args = probe_arguments(__doc__, DTYPES)
     cudnn, handle = open_cudnn(args.batch, args.dtype)
@@ -181,10 +191,7 @@ def main() -> None:
     rows = []
     for index in picked:
         cin, cout, size = LAYERS[index]
-        cl = torch.channels_last
-        y = torch.randn(args.batch, cin, size, size, device="cuda").add_(0.3).to(dtype).contiguous(memory_format=cl)
-        w = (torch.randn(cout, cin, 1, 1, device="cuda") / cin ** 0.5).to(dtype).contiguous(memory_format=cl)
-        bw, bb = torch.rand(cin, device="cuda") + 0.5, torch.randn(cin, device="cuda") * 0.5
+        y, w, bw, bb = layer_inputs(args.batch, cin, cout, size, dtype)
         x, mean, invstd, _ = bn.bn_relu_fwd(y, bw, bb, 1e-5)
         out = F.conv2d(x, w)
         grad = torch.randn_like(out)
