@@ -22,7 +22,9 @@ gradient apply it to every word of y they load. Importing this module builds/loa
       so grad_x has depthwise_bwd's bits; elsewhere depthwise_bwd's input gradient, then the weight gradient above.
       With grad_sums the walk also sums, as it writes grad_x beside the word of y it holds, the BatchNorm backward's
       sum(g) and sum(g * (y - mean)) (g = grad_x where the ReLU passed): sums [chunks, 2, C] fp32 partials
-      (bwd_normed_sums_rows(n, c, h, w, dtype) of them); else, and off the one walk, sums is empty.
+      (bwd_normed_sums_rows(n, c, h, w, stride, dtype) of them). At stride 2 and padding 1 grad_sums runs a walk
+      with a lane per input row that gives grad_x, grad_w and the sums from one read of grad_out and of y (grad_x
+      to depthwise_bwd's within a rounding: its own summation order). Elsewhere sums is empty.
   mobilenet_bn::bn_relu_bwd_from_sums(grad_y, x, weight, bias, mean, invstd, sums) -> (grad_x, grad_weight, grad_bias)
       bn_relu_bwd with those sums instead of its reduce pass over grad_y and x.
 
@@ -84,8 +86,8 @@ def _wgrad_normed_fake(grad_out, y, w, mean, invstd, norm_weight, norm_bias, str
 def _bwd_normed_fake(grad_out, y, w, mean, invstd, norm_weight, norm_bias, stride, padding, grad_sums=False):
     n, c, h, width = y.shape
     rows = 0
-    if grad_sums and tuple(stride) == (1, 1) and tuple(padding) == (1, 1):
-        rows = torch.ops.mobilenet_dw.bwd_normed_sums_rows(n, c, h, width, y.dtype)
+    if grad_sums and tuple(stride) in ((1, 1), (2, 2)) and tuple(padding) == (1, 1):
+        rows = torch.ops.mobilenet_dw.bwd_normed_sums_rows(n, c, h, width, stride[0], y.dtype)
     sums = y.new_empty((rows, 2, c) if rows else (0, 0, 0), dtype=torch.float32)
     return (torch.empty(y.shape, dtype=y.dtype, device=y.device, memory_format=kernel_layout(y)),
             w.new_empty(w.shape), sums)
@@ -166,8 +168,9 @@ def batch_norm_relu_depthwise_conv2d(y: Tensor, norm_weight: Tensor, norm_bias: 
     fp32. Cases the walk does not take raise ValueError (normed_unsupported says why). `sums` [2, C] fp32, the sum
     and sum of squares of y per channel as the convolution that wrote y returned them (kernels/norm_pointwise.py),
     replace the BatchNorm's statistics pass over y. one_walk=False runs the backward's input and weight gradients as
-    two kernels (the same input gradient, bit for bit), for A/B runs; walk_sums (with one_walk) has the stride-1 walk
-    sum the BatchNorm backward's gradient sums too (the same gradients to those sums' summation order)."""
+    two kernels (the same input gradient, bit for bit), for A/B runs; walk_sums (with one_walk) has the walk sum the
+    BatchNorm backward's gradient sums too (the same gradients to those sums' summation order at stride 1; at stride
+    2 the stride-2 walk, whose input gradient also sums in its own order)."""
     _check_supported(y, norm_weight, norm_bias)
     if not isinstance(conv_weight, Tensor) or conv_weight.dim() != 4:
         raise ValueError(f"batch_norm_relu_depthwise_conv2d: conv_weight must have shape (C, 1, 3, 3), got "

@@ -108,9 +108,10 @@ DEPTHWISE_BACKWARD_MODES = ("sums", "walk", "separate")
 @functools.cache
 def depthwise_backward_mode() -> str:
     """The backward of norm.apply_in_depthwise's pairs, read once per process at the first training forward, for A/B
-    runs (docs/kernels.md): "sums" (the default), one kernel gives both gradients of a stride-1 depthwise conv and the
-    gradient sums of the BatchNorm before it, whose backward then skips its reduce pass; "walk", that kernel without
-    the sums; "separate", the conv's input and weight gradients as two kernels, each reading the output gradient."""
+    runs (docs/kernels.md): "sums" (the default), one kernel gives both gradients of a depthwise conv (stride 1 or 2)
+    and the gradient sums of the BatchNorm before it, whose backward then skips its reduce pass; "walk", the stride-1
+    kernel without the sums (stride 2 as "separate"); "separate", the conv's input and weight gradients as two
+    kernels, each reading the output gradient."""
     mode = os.environ.get("MBN_DEPTHWISE_BACKWARD", "sums")
     if mode not in DEPTHWISE_BACKWARD_MODES:
         raise ConfigError(f"MBN_DEPTHWISE_BACKWARD must be one of {', '.join(DEPTHWISE_BACKWARD_MODES)}, got "

@@ -1,7 +1,8 @@
-"""Tests of norm.apply_in_depthwise's backward walk: mobilenet_dw::depthwise_bwd_normed, both gradients of the
+"""Tests of norm.apply_in_depthwise's backward walks: mobilenet_dw::depthwise_bwd_normed, both gradients of the
 normalizing depthwise conv in one walk at stride 1, with grad_sums also the BatchNorm backward's gradient sums, which
-mobilenet_bn::bn_relu_bwd_from_sums takes instead of its reduce pass (MBN_DEPTHWISE_BACKWARD=sums, the default;
-=walk without the sums and =separate with the two kernels the walk replaces, for A/B runs).
+mobilenet_bn::bn_relu_bwd_from_sums takes instead of its reduce pass, and at stride 2 with grad_sums the stride-2 walk
+that gives all three (MBN_DEPTHWISE_BACKWARD=sums, the default; =walk without the sums and =separate with the two
+kernels the walk replaces, for A/B runs).
 
 CPU (CI): a bad MBN_DEPTHWISE_BACKWARD stops the run naming the choices, and the summary names a mode that is not the
 default. GPU (`pytest -m gpu`): both gradients against float64 with outputs poisoned, the input gradient bitwise the
@@ -79,7 +80,10 @@ _STRIDE1 = [  # (N, C, H, W, 1): MobileNet's stride-1 shapes at small N, odd siz
     (4, 32, 112, 112, 1), (5, 128, 28, 28, 1), (16, 512, 14, 14, 1), (8, 1024, 7, 7, 1), (7, 6, 9, 11, 1),
     (3, 10, 1, 13, 1), (2, 4, 2, 3, 1), (33, 66, 5, 5, 1),
 ]
-_STRIDE2 = [(3, 64, 56, 56, 2), (3, 10, 13, 7, 2)]
+_STRIDE2 = [  # MobileNet's stride-2 shapes at small N; odd and even sizes, one row, one column, one pixel
+    (2, 64, 112, 112, 2), (3, 64, 56, 56, 2), (4, 256, 28, 28, 2), (16, 512, 14, 14, 2), (3, 10, 13, 7, 2),
+    (5, 6, 2, 9, 2), (2, 4, 1, 3, 2), (3, 8, 7, 1, 2), (33, 66, 5, 5, 2),
+]
 
 
 def _stats(y, bn_w, bn_b):
@@ -132,25 +136,41 @@ def test_both_gradients_against_float64_and_the_separate_kernels(case, dtype):
 
 @gpu
 @pytest.mark.parametrize("dtype", _DTYPES, ids=lambda d: str(d).split(".")[-1])
-@pytest.mark.parametrize("case", _STRIDE1, ids=_ids)
+@pytest.mark.parametrize("case", _STRIDE1 + _STRIDE2, ids=_ids)
 def test_walk_sums_against_float64_and_the_reduce_pass(case, dtype):
-    """grad_sums: the same gradients of the conv, bit for bit, and the BatchNorm backward's sums of the grad_x it
-    wrote against float64; bn_relu_bwd_from_sums with them against bn_relu_bwd (which sums in another order)."""
+    """grad_sums: the BatchNorm backward's sums of the grad_x the walk wrote against float64, and
+    bn_relu_bwd_from_sums with them against bn_relu_bwd (which sums in another order). The conv's gradients: at
+    stride 1 those of the walk without the sums, bit for bit; at stride 2 (the stride-2 walk, in its own summation
+    order) those of the two kernels it replaces to a rounding, and both gradients against float64."""
     import kernels.norm_depthwise  # noqa: F401
     from kernels.norm_ops import batch_norm_relu_train
 
     y, bn_w, bn_b, conv_w, stride = _inputs(case, dtype, seed=31)
-    grad = _grad(y.shape, dtype, 32)
+    n, c, h, w = y.shape
+    s = stride[0]
+    grad = _grad((n, c, (h - 1) // s + 1, (w - 1) // s + 1), dtype, 32)
     mean, invstd = _stats(y, bn_w, bn_b)
     walk = torch.ops.mobilenet_dw.depthwise_bwd_normed.default
     _poison()
-    grad_x, grad_w, sums = walk(grad, y, conv_w, mean, invstd, bn_w, bn_b, [1, 1], [1, 1], True)
-    n, c, h, w = y.shape
-    assert sums.shape == (torch.ops.mobilenet_dw.bwd_normed_sums_rows(n, c, h, w, dtype), 2, c)
+    grad_x, grad_w, sums = walk(grad, y, conv_w, mean, invstd, bn_w, bn_b, list(stride), [1, 1], True)
+    assert sums.shape == (torch.ops.mobilenet_dw.bwd_normed_sums_rows(n, c, h, w, s, dtype), 2, c)
+    assert sums.shape[0] > 0
     assert torch.isfinite(sums).all(), "a partial sum was not written"
-    plain_x, plain_w, none = walk(grad, y, conv_w, mean, invstd, bn_w, bn_b, [1, 1], [1, 1])
+    assert torch.isfinite(grad_x).all() and torch.isfinite(grad_w).all(), "an output element was not written"
+    assert grad_x.is_contiguous(memory_format=torch.channels_last)
+    plain_x, plain_w, none = walk(grad, y, conv_w, mean, invstd, bn_w, bn_b, list(stride), [1, 1])
     assert none.numel() == 0
-    assert torch.equal(grad_x, plain_x) and torch.equal(grad_w, plain_w)
+    if s == 1:
+        assert torch.equal(grad_x, plain_x) and torch.equal(grad_w, plain_w)
+    else:
+        assert _rel(grad_x, plain_x) < _WGRAD_ORDER_TOL[dtype]
+        assert _rel(grad_w, plain_w) < _WGRAD_ORDER_TOL[dtype]
+        ref_x, ref_w = _conv_reference(y, bn_w, bn_b, conv_w, stride, grad)
+        assert _rel(grad_x, ref_x) < _TOL[dtype]
+        assert _rel(grad_w, ref_w) < _TOL[dtype]
+        again = walk(grad, y, conv_w, mean, invstd, bn_w, bn_b, list(stride), [1, 1], True)
+        for a, b in zip((grad_x, grad_w, sums), again):
+            assert torch.equal(a, b), "the stride-2 walk must be bitwise repeatable"
     g = grad_x.double() * (batch_norm_relu_train(y, bn_w, bn_b)[0] > 0)
     want = torch.stack([g.sum((0, 2, 3)), (g * (y.double() - mean.double()[None, :, None, None])).sum((0, 2, 3))])
     got = sums.double().sum(0)
@@ -173,7 +193,7 @@ def test_op_opcheck():
     for stride, out in ((1, 9), (2, 5)):
         y, bn_w, bn_b, conv_w, _ = _inputs((4, 16, 9, 9, stride), torch.float16, seed=21)
         grad = _grad((4, 16, out, out), torch.float16, 22)
-        for grad_sums in (False, True):  # at stride 2 the sums are empty
+        for grad_sums in (False, True):  # with the sums, stride 2 runs its own walk
             torch.library.opcheck(walk, (grad, y, conv_w, *_stats(y, bn_w, bn_b), bn_w, bn_b, [stride] * 2, [1, 1],
                                          grad_sums))
     mean, invstd = _stats(y, bn_w, bn_b)

@@ -410,12 +410,13 @@ def test_model_step_is_bitwise_the_same_with_the_switch_on(dtype, backward, monk
         for _ in range(2):  # the second step starts from the running statistics the first updated
             a, b = _step(off.train(), x, target, dtype), _step(on.train(), x, target, dtype)
             for i, (u, v) in enumerate(zip(a, b)):
-                if depthwise_grad[i]:  # the same products, grouped by the normalizing walk's own grid
-                    assert _rel(v, u) < _WGRAD_ORDER_TOL[dtype], i
-                elif backward == "sums" and i in grads:
-                    # The BatchNorm backward's sums summed by the walk's grid: every gradient upstream moves by
-                    # about a rounding of its dtype.
+                if backward == "sums" and i in grads:
+                    # The BatchNorm backward's sums summed by the walk's grid: every gradient upstream, the
+                    # depthwise weights' too, moves by about a rounding of its dtype, amplified where a
+                    # BatchNorm's backward cancels (2x2 maps of 16 images at this model's end).
                     assert _rel(v, u) < _SUMS_ORDER_TOL[dtype], i
+                elif depthwise_grad[i]:  # the same products, grouped by the normalizing walk's own grid
+                    assert _rel(v, u) < _WGRAD_ORDER_TOL[dtype], i
                 else:
                     assert torch.equal(u, v), i
         with torch.no_grad():

@@ -76,12 +76,14 @@ void launch_wgrad_normed(const DepthwiseShape& s, DType dt, const void* grad_out
 
 // The backward of norm.apply_in_depthwise's convolution: grad_input (the gradient of relu(batch_norm(y)), which the
 // BatchNorm's own backward then takes) and grad_weight, in one walk over y and grad_out at stride 1 and padding 1
-// (bwd_normed_one_walk), else the input gradient's and weight gradient's kernels one after the other. `workspace`:
-// bwd_normed_workspace_elems floats. sums (one walk only; may be null): that BatchNorm backward's per-channel sums of
+// (bwd_normed_one_walk), and at stride 2 and padding 1 where the sums are asked for; else the input gradient's and
+// weight gradient's kernels one after the other. `workspace`: bwd_normed_workspace_elems floats (`sums`: whether the
+// launch will ask for them). sums (the walks only; may be null): that BatchNorm backward's per-channel sums of
 // grad_input where the ReLU passed, sum(g) and sum(g * (y - mean)), as partials [bwd_normed_sums_chunks][2][C] fp32
-// (mobilenet_bn::bn_relu_bwd_from_sums takes them instead of its reduce pass).
+// (mobilenet_bn::bn_relu_bwd_from_sums takes them instead of its reduce pass); bwd_normed_sums_chunks is 0 where no
+// walk gives them.
 bool bwd_normed_one_walk(const DepthwiseShape& s);
-size_t bwd_normed_workspace_elems(const DepthwiseShape& s, DType dt);
+size_t bwd_normed_workspace_elems(const DepthwiseShape& s, DType dt, bool sums);
 int bwd_normed_sums_chunks(const DepthwiseShape& s, DType dt);
 void launch_bwd_normed(const DepthwiseShape& s, DType dt, const void* grad_out, const void* y, const void* w,
                        const InputNorm& norm, void* grad_input, void* workspace, void* grad_weight, float* sums,

@@ -224,33 +224,40 @@ void launch_wgrad_normed(const DepthwiseShape& g, DType dt, const void* go, cons
 }
 
 // The backward of norm.apply_in_depthwise's convolution. Stride 1 and padding 1 (H == OH, W == OW): the input-row walk
-// gives both gradients from one read of grad_out; otherwise the input gradient's kernels, then the weight gradient's.
+// gives both gradients from one read of grad_out, and the sums where asked; stride 2 and padding 1 with the sums: the
+// stride-2 input-row walk (without the sums that layer keeps the two kernels, whose input gradient the walk does not
+// reproduce bit for bit); otherwise the input gradient's kernels, then the weight gradient's.
 bool bwd_normed_one_walk(const DepthwiseShape& g) {
   return g.SH == 1 && g.SW == 1 && g.PH == 1 && g.PW == 1 && g.OH == g.H && g.OW == g.W;
 }
 
-size_t bwd_normed_workspace_elems(const DepthwiseShape& g, DType dt) {
+static bool bwd_normed_s2_walk(const DepthwiseShape& g) {
+  return g.SH == 2 && g.SW == 2 && g.PH == 1 && g.PW == 1 && g.KH == 3 && g.KW == 3;
+}
+
+size_t bwd_normed_workspace_elems(const DepthwiseShape& g, DType dt, bool sums) {
   ConvShape s;
   if (!narrow_shape(g, &s)) return 0;
-  if (!bwd_normed_one_walk(g)) return wgrad_normed_workspace_elems(g, dt);
+  if (!bwd_normed_one_walk(g) && !(sums && bwd_normed_s2_walk(g))) return wgrad_normed_workspace_elems(g, dt);
   return static_cast<size_t>(backward_input_row_normed_chunks(s, dt)) * g.C * (g.KH * g.KW + 1);
 }
 
 int bwd_normed_sums_chunks(const DepthwiseShape& g, DType dt) {
   ConvShape s;
-  return bwd_normed_one_walk(g) && narrow_shape(g, &s) ? backward_input_row_normed_chunks(s, dt) : 0;
+  const bool walk = bwd_normed_one_walk(g) || bwd_normed_s2_walk(g);
+  return walk && narrow_shape(g, &s) ? backward_input_row_normed_chunks(s, dt) : 0;
 }
 
 void launch_bwd_normed(const DepthwiseShape& g, DType dt, const void* go, const void* y, const void* w,
                        const InputNorm& norm, void* gx, void* ws, void* gw, float* sums, cudaStream_t stream) {
   ConvShape s;
   if (!narrow_shape(g, &s)) return;
-  if (!bwd_normed_one_walk(g)) {
-    launch_dgrad(g, dt, go, w, gx, stream);
-    return launch_wgrad_normed(g, dt, go, y, norm, ws, gw, stream);
+  if (bwd_normed_one_walk(g) || (sums != nullptr && bwd_normed_s2_walk(g))) {
+    const int chunks = backward_input_row_normed(s, dt, go, y, w, norm, gx, ws, sums, stream);
+    return weight_grad_finalize(s, dt, ws, chunks, gw, nullptr, stream);
   }
-  const int chunks = backward_input_row_normed(s, dt, go, y, w, norm, gx, ws, sums, stream);
-  weight_grad_finalize(s, dt, ws, chunks, gw, nullptr, stream);
+  launch_dgrad(g, dt, go, w, gx, stream);
+  launch_wgrad_normed(g, dt, go, y, norm, ws, gw, stream);
 }
 
 // Input gradient (depthwise_input_grad.cu):

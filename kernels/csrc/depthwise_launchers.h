@@ -77,7 +77,8 @@ int weight_grad_column_normed(const ConvShape& s, DType dt, const void* grad_out
                               void* ws, cudaStream_t stream);
 // Stride 1, padding 1: the normalizing input-row walk that also writes the input gradient (of relu(batch_norm(y)))
 // from the grad_out words it holds; stage 1 of the weight gradient as above. sums (may be null): the BatchNorm +
-// ReLU backward's per-channel sums of that gradient, [chunks][2][C] fp32.
+// ReLU backward's per-channel sums of that gradient, [chunks][2][C] fp32. Stride 2, padding 1: the stride-2 walk
+// (a lane per input row), which always gives the sums (not null).
 int backward_input_row_normed_chunks(const ConvShape& s, DType dt);
 int backward_input_row_normed(const ConvShape& s, DType dt, const void* grad_out, const void* y, const void* w,
                               const InputNorm& norm, void* grad_input, void* ws, float* sums, cudaStream_t stream);

@@ -209,7 +209,8 @@ at::Tensor depthwise_wgrad_normed(const at::Tensor& grad_out, const at::Tensor& 
 // Both gradients of depthwise_fwd_normed: (grad_input, grad_weight, sums), grad_input that of relu(batch_norm(y)) (the
 // BatchNorm's own backward takes it from there). At stride 1 and padding 1 one walk reads grad_out once for both
 // (launch_bwd_normed), and with grad_sums also gives that BatchNorm backward's sums as partials [chunks, 2, C] fp32
-// (for mobilenet_bn::bn_relu_bwd_from_sums); elsewhere, or without grad_sums, sums is empty.
+// (for mobilenet_bn::bn_relu_bwd_from_sums); at stride 2 and padding 1 grad_sums asks for the stride-2 walk, which
+// gives all three; elsewhere, or without grad_sums, sums is empty.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_bwd_normed(
     const at::Tensor& grad_out, const at::Tensor& y_in, const at::Tensor& w_in, const at::Tensor& mean,
     const at::Tensor& invstd, const at::Tensor& norm_weight, const at::Tensor& norm_bias, at::IntArrayRef stride,
@@ -229,7 +230,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_bwd_normed(
   at::Tensor grad_input = at::empty(y.sizes(), y.options().memory_format(fmt));
   at::Tensor grad_weight = at::empty(w.sizes(), w.options());
   const at::Tensor workspace =
-      at::empty({static_cast<int64_t>(bwd_normed_workspace_elems(s, dt))}, y.options().dtype(at::kFloat));
+      at::empty({static_cast<int64_t>(bwd_normed_workspace_elems(s, dt, grad_sums))}, y.options().dtype(at::kFloat));
   const int chunks = grad_sums ? bwd_normed_sums_chunks(s, dt) : 0;
   at::Tensor sums = at::empty({chunks, chunks > 0 ? 2 : 0, chunks > 0 ? s.C : 0}, y.options().dtype(at::kFloat));
   launch_bwd_normed(s, dt, go.const_data_ptr(), y.const_data_ptr(), w.const_data_ptr(), norm,
@@ -238,12 +239,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_bwd_normed(
   return {grad_input, grad_weight, sums};
 }
 
-// The first dimension of depthwise_bwd_normed's sums for a 3x3 stride-1 convolution of an (n, c, h, w) input on the
-// current device: a function of the shape, dtype and GPU only, so that the op's fake kernel can size it.
-int64_t bwd_normed_sums_rows(int64_t n, int64_t c, int64_t h, int64_t w, c10::ScalarType dtype) {
+// The first dimension of depthwise_bwd_normed's sums for a 3x3 convolution with padding 1 and this stride of an
+// (n, c, h, w) input on the current device (0 where no walk gives them): a function of the shape, dtype and GPU only,
+// so that the op's fake kernel can size it.
+int64_t bwd_normed_sums_rows(int64_t n, int64_t c, int64_t h, int64_t w, int64_t stride, c10::ScalarType dtype) {
   DepthwiseShape s{};
-  s.N = n, s.C = c, s.M = 1, s.H = h, s.W = w, s.OH = h, s.OW = w;
-  s.KH = s.KW = 3, s.SH = s.SW = 1, s.PH = s.PW = 1, s.DH = s.DW = 1;
+  s.N = n, s.C = c, s.M = 1, s.H = h, s.W = w, s.OH = (h - 1) / stride + 1, s.OW = (w - 1) / stride + 1;
+  s.KH = s.KW = 3, s.SH = s.SW = stride, s.PH = s.PW = 1, s.DH = s.DW = 1;
   s.channels_last = true;
   return bwd_normed_sums_chunks(s, to_dtype(dtype));
 }
@@ -316,11 +318,13 @@ TORCH_LIBRARY(mobilenet_dw, m) {
       "depthwise_wgrad_normed(Tensor grad_out, Tensor y, Tensor w, Tensor mean, Tensor invstd, Tensor norm_weight, "
       "Tensor norm_bias, int[2] stride, int[2] padding) -> Tensor");
   // Both gradients of the normalizing forward (grad_input that of relu(batch_norm(y))), at stride 1 in one walk, which
-  // with grad_sums also returns the BatchNorm backward's sums of grad_input (else an empty tensor).
+  // with grad_sums also returns the BatchNorm backward's sums of grad_input, as the stride-2 walk does (else an empty
+  // tensor).
   m.def(
       "depthwise_bwd_normed(Tensor grad_out, Tensor y, Tensor w, Tensor mean, Tensor invstd, Tensor norm_weight, "
       "Tensor norm_bias, int[2] stride, int[2] padding, bool grad_sums=False) -> (Tensor, Tensor, Tensor)");
-  m.def("bwd_normed_sums_rows(int n, int c, int h, int w, ScalarType dtype) -> int", &mdw::bwd_normed_sums_rows);
+  m.def("bwd_normed_sums_rows(int n, int c, int h, int w, int stride, ScalarType dtype) -> int",
+        &mdw::bwd_normed_sums_rows);
   // The launch knobs (MDW_* environment, launch_plan.h) are read once and kept; this re-reads them.
   m.def("reload_knobs() -> ()", &mdw::reload_knobs);
 }

@@ -465,6 +465,21 @@ __global__ void __launch_bounds__(256, MINB)
   reduce_nhwc_partials<KK, V>(acc, red, ws, s, t, blk.group, blk.chunk);
 }
 
+// An input-row walk's lane: its block, its place in the block, and the 32-bit word of channels it owns (cw, of
+// words); active when it owns one.
+template <int V>
+struct InputRowLane {
+  WgradNhwcBlock blk;
+  NhwcLane ln;
+  int words, cw;
+  bool active;
+  __device__ __forceinline__ InputRowLane(const ConvShape& s, const Tiling& t)
+      : blk(wgrad_nhwc_block(t)), ln(nhwc_lane(threadIdx.x, t)), words(s.C / V) {
+    cw = blk.group * t.lanes_c + ln.cv;
+    active = static_cast<int>(threadIdx.x) < t.threads && cw < words;
+  }
+};
+
 // The NORM weight gradient at stride 1, padding 1, walked per input row: a lane owns one input row (n, ih) and walks
 // iw = 0..W-1 along it, so each input word is loaded and normalized by one lane (the column walk above, a lane per
 // output row, normalizes each by the 3 lanes whose rows read it). Input column iw is tap (kh, kw) of grad_out
@@ -493,13 +508,11 @@ __global__ void __launch_bounds__(256, kInputRowMinBlocks<DGRAD, V>)
   constexpr int K = 3, KK = K * K;
   extern __shared__ float red[];  // [warps][lanes_c][(KK + 1) * V]
 
-  const int lane = threadIdx.x;
-  const NhwcLane ln = nhwc_lane(lane, t);
-  const WgradNhwcBlock blk = wgrad_nhwc_block(t);
-  const int words = s.C / V;
-  const int cw = blk.group * t.lanes_c + ln.cv;
-  const bool active = lane < t.threads && cw < words;
-  const int rows = s.N * s.H;
+  const InputRowLane<V> lr(s, t);
+  const NhwcLane& ln = lr.ln;
+  const WgradNhwcBlock& blk = lr.blk;
+  const int words = lr.words, cw = lr.cw, rows = s.N * s.H;
+  const bool active = lr.active;
   float acc[KK + 1][V];
   fill(acc, 0.f);
   float bn_sums[2][V];  // SUMS: sum(g), sum(g * (y - mean))
@@ -643,15 +656,153 @@ void run_wgrad_input_row(const ConvShape& s, const WgradPlan& p, const void* go,
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// The NORM backward at stride 2, padding 1, with the BatchNorm backward's sums (SUMS above), walked per input row: a
+// lane owns input row (n, ih) and walks its columns in pairs (2q, 2q + 1). Padding 1 puts input row ih under kernel
+// rows kh = (ih + 1) % 2 and kh + 2 (when < 3) of output rows (ih + 1 - kh) / 2, and input column 2q under tap kw = 1
+// of output column q, column 2q + 1 under kw = 0 of column q + 1 and kw = 2 of column q; so each step loads two words
+// of y and the new grad_out column q + 1 of the lane's one or two output rows, and takes from them the input gradient,
+// the weight gradient's products and the sums. grad_out is read once and y once, where the kernels this replaces (the
+// tiled input gradient, the normalizing column walk, the BatchNorm's reduce pass) read grad_out twice, y twice and the
+// input gradient again. NS: the row's kernel rows, 2 (kh 0 and 2: ih odd) or 1 (kh 1: ih even), a branch that is
+// uniform in a warp whenever a warp is one row (32 words of channels or more: every MobileNetV1 layer).
+template <class TT, int V, int NS>
+__device__ __forceinline__ void walk_row_s2(const uint32_t* xp, const uint32_t* gn, uint32_t* gxp, const int (&g_off)[2],
+                                            int words, const ConvShape& s, const WordNorm<TT, V, true>& norm,
+                                            const float (&wr)[9][V], float (&acc)[10][V], float (&bn_sums)[2][V]) {
+  constexpr int K = 3;
+  auto kernel_row = [](int slot) { return NS == 2 ? 2 * slot : 1; };
+  float held[NS][V];  // grad_out column q of each output row
+#pragma unroll
+  for (int sl = 0; sl < NS; ++sl) widen_word<TT, V>(g_off[sl] >= 0 ? __ldg(gn + g_off[sl]) : 0u, held[sl]);
+  constexpr int U = 2;  // pairs whose loads are issued together
+  for (int q0 = 0; 2 * q0 < s.W; q0 += U) {
+    uint32_t yraw[U][2], graw[U][NS];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int q = q0 + u;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) yraw[u][i] = 2 * q + i < s.W ? __ldg(xp + (2 * q + i) * words) : 0u;
+#pragma unroll
+      for (int sl = 0; sl < NS; ++sl)
+        graw[u][sl] = g_off[sl] >= 0 && q + 1 < s.OW ? __ldg(gn + g_off[sl] + (q + 1) * words) : 0u;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int q = q0 + u;
+      float fresh[NS][V];
+#pragma unroll
+      for (int sl = 0; sl < NS; ++sl) widen_word<TT, V>(graw[u][sl], fresh[sl]);
+      float d[2][V];  // grad_input at 2q and 2q + 1
+#pragma unroll
+      for (int v = 0; v < V; ++v) d[0][v] = d[1][v] = 0.f;
+#pragma unroll
+      for (int sl = 0; sl < NS; ++sl) {
+        const int kh = kernel_row(sl);
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+          d[0][v] = fmaf(wr[kh * K + 1][v], held[sl][v], d[0][v]);
+          d[1][v] = fmaf(wr[kh * K + 0][v], fresh[sl][v], d[1][v]);
+          d[1][v] = fmaf(wr[kh * K + 2][v], held[sl][v], d[1][v]);
+        }
+      }
+      float xv[2][V];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int iw = 2 * q + i;
+        if (iw >= s.W) {  // an odd width's last pair: no column 2q + 1
+#pragma unroll
+          for (int v = 0; v < V; ++v) xv[i][v] = 0.f;
+          continue;
+        }
+        const uint32_t stored = narrow_word<TT, V>(d[i]);
+        gxp[iw * words] = stored;
+        float g[V], yv[V];
+        widen_word<TT, V>(stored, g);
+        widen_word<TT, V>(yraw[u][i], yv);
+        widen_word<TT, V>(norm(yraw[u][i]), xv[i]);
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+          const float gm = xv[i][v] > 0.f ? g[v] : 0.f;
+          bn_sums[0][v] += gm;
+          bn_sums[1][v] = fmaf(gm, yv[v] - norm.mean[v], bn_sums[1][v]);
+        }
+      }
+#pragma unroll
+      for (int sl = 0; sl < NS; ++sl) {
+        const int kh = kernel_row(sl);
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+          acc[kh * K + 1][v] = fmaf(held[sl][v], xv[0][v], acc[kh * K + 1][v]);
+          acc[kh * K + 0][v] = fmaf(fresh[sl][v], xv[1][v], acc[kh * K + 0][v]);
+          acc[kh * K + 2][v] = fmaf(held[sl][v], xv[1][v], acc[kh * K + 2][v]);
+          held[sl][v] = fresh[sl][v];
+        }
+      }
+    }
+  }
+}
+
+// Blocks of 256 per SM: 16-bit at 2 (at 3, ptxas of nvcc 13.0 for sm_90 spills 24 bytes under the 80-register cap),
+// fp32 at 3 (64 registers used).
+template <int V>
+constexpr int kInputRowS2MinBlocks = V == 1 ? 3 : 2;
+
+template <class TT, int V>
+__global__ void __launch_bounds__(256, kInputRowS2MinBlocks<V>)
+    bwd_nhwc_input_row_s2_kernel(const uint32_t* __restrict__ go, const uint32_t* __restrict__ x,
+                                 float* __restrict__ ws, ConvShape s, Tiling t, InputNorm input_norm,
+                                 const typename TT::S* __restrict__ w, uint32_t* __restrict__ gx,
+                                 float* __restrict__ sums) {
+  constexpr int KK = 9;
+  extern __shared__ float red[];  // [warps][lanes_c][(KK + 1) * V]
+  const InputRowLane<V> lane(s, t);
+  const int words = lane.words, cw = lane.cw;
+  float acc[KK + 1][V], bn_sums[2][V], wr[KK][V];  // weight gradient, BatchNorm sums, the lane's fp32 weights
+  fill(acc, 0.f);
+  fill(bn_sums, 0.f);
+  WordNorm<TT, V, true> norm;
+  if (lane.active) {
+    norm.setup(input_norm, cw * V);
+#pragma unroll
+    for (int v = 0; v < V; ++v)
+#pragma unroll
+      for (int k = 0; k < KK; ++k) wr[k][v] = TT::to_acc(__ldg(w + (cw * V + v) * KK + k));
+    for (int tile = lane.blk.chunk; tile < t.tiles_h; tile += lane.blk.chunks) {
+      const int r = tile * t.sy_n + lane.ln.sy;
+      if (r >= s.N * s.H) continue;
+      const int n = r / s.H, ih = r - n * s.H;
+      const uint32_t* xp = x + static_cast<size_t>(r) * s.W * words + cw;
+      const uint32_t* gn = go + static_cast<size_t>(n) * s.OH * s.OW * words + cw;
+      uint32_t* gxp = gx + static_cast<size_t>(r) * s.W * words + cw;
+      const int kh0 = (ih + 1) & 1;
+      int g_off[2];  // the first word of output row (ih + 1 - kh) / 2 for kh = kh0, kh0 + 2; -1 outside
+#pragma unroll
+      for (int sl = 0; sl < 2; ++sl) {
+        const int kh = kh0 + 2 * sl, oh = (ih + 1 - kh) / 2;
+        g_off[sl] = kh < 3 && ih + 1 - kh >= 0 && oh < s.OH ? oh * s.OW * words : -1;
+      }
+      if (kh0 == 0) {
+        walk_row_s2<TT, V, 2>(xp, gn, gxp, g_off, words, s, norm, wr, acc, bn_sums);
+      } else {
+        walk_row_s2<TT, V, 1>(xp, gn, gxp, g_off, words, s, norm, wr, acc, bn_sums);
+      }
+    }
+  }
+  reduce_nhwc_partials<KK, V>(acc, red, ws, s, t, lane.blk.group, lane.blk.chunk);
+  __syncthreads();  // red is reused
+  reduce_nhwc_partials<1, V, true>(bn_sums, red, sums, s, t, lane.blk.group, lane.blk.chunk);
+}
+
 // Column walk: one 32-bit word per lane (2 channels of 16-bit data, 1 of fp32). Tiling with one strip per
 // row: lanes_c <= 32 words of one pixel, 256 / lanes_c rows of the flattened (n, oh) index per block
 // (fewer when there are fewer rows), one tile per band of rows.
 // resident: the blocks per SM the kernel's registers allow (its MINB). WGRAD_BLOCKS_PER_SM was measured at 4; a
 // kernel with fewer can get proportionally fewer blocks, so that its grid keeps the same number of waves.
-WgradPlan plan_column(const ConvShape& s, DType dt, int resident = 4) {
+// rows: the rows of the flattened (n, row) index the lanes walk (output rows; input rows for the input-row walks).
+WgradPlan plan_rows(const ConvShape& s, DType dt, int rows, int resident) {
   WgradPlan p{};
   const int words = s.C * elem_size(dt) / 4;
-  p.tiling = make_tiling(true, s.N * s.OH, 0, 1, words, 32, 1);
+  p.tiling = make_tiling(true, rows, 0, 1, words, 32, 1);
   p.num_tiles = p.tiling.tiles_h;
   const int target_blocks = num_sms() * knob(Knob::kWgradBlocksPerSm, dt) * resident / 4;
   p.chunks = ceil_div(target_blocks, p.tiling.groups);
@@ -659,6 +810,8 @@ WgradPlan plan_column(const ConvShape& s, DType dt, int resident = 4) {
   if (p.chunks < 1) p.chunks = 1;
   return p;
 }
+
+WgradPlan plan_column(const ConvShape& s, DType dt, int resident = 4) { return plan_rows(s, dt, s.N * s.OH, resident); }
 
 template <class TT, int S, bool NORM = false>
 void run_wgrad_column(const ConvShape& s, const WgradPlan& p, const void* go, const void* x, float* ws,
@@ -907,19 +1060,38 @@ int weight_grad_column_normed(const ConvShape& s, DType dt, const void* go, cons
   return p.chunks;
 }
 
-// The one-walk backward's plan: the weight gradient's, with the grid cut to the blocks its registers allow on the
-// layers of 28 columns or more, as plan_column_normed does.
+// The walks' plans: the weight gradient's, over output rows at stride 1 and input rows at stride 2, with the grid cut
+// to the blocks their registers allow on the layers of 28 output columns or more, as plan_column_normed does.
 static WgradPlan plan_input_row_backward(const ConvShape& s, DType dt) {
-  const int resident = dt == DType::F32 ? kInputRowMinBlocks<true, 1> : kInputRowMinBlocks<true, 2>;
+  const bool f32 = dt == DType::F32;
+  if (s.SH == 2) {
+    const int resident = f32 ? kInputRowS2MinBlocks<1> : kInputRowS2MinBlocks<2>;
+    return plan_rows(s, dt, s.N * s.H, s.OW >= 28 ? resident : 4);
+  }
+  const int resident = f32 ? kInputRowMinBlocks<true, 1> : kInputRowMinBlocks<true, 2>;
   return plan_column(s, dt, s.OW >= 28 ? resident : 4);
 }
 
 int backward_input_row_normed_chunks(const ConvShape& s, DType dt) { return plan_input_row_backward(s, dt).chunks; }
 
 template <class TT>
+void run_bwd_input_row_s2(const ConvShape& s, const WgradPlan& p, const void* go, const void* y, const void* w,
+                          const InputNorm& norm, void* gx, float* ws, float* sums, cudaStream_t stream) {
+  constexpr int VW = 4 / sizeof(typename TT::S);
+  const Tiling& t = p.tiling;
+  const size_t smem = sizeof(float) * (t.block / 32) * t.lanes_c * (9 + 1) * VW;
+  bwd_nhwc_input_row_s2_kernel<TT, VW><<<dim3(t.groups * p.chunks), t.block, smem, stream>>>(
+      static_cast<const uint32_t*>(go), static_cast<const uint32_t*>(y), ws, s, t, norm,
+      static_cast<const typename TT::S*>(w), static_cast<uint32_t*>(gx), sums);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <class TT>
 void backward_input_row_t(const ConvShape& s, const WgradPlan& p, const void* go, const void* y, const void* w,
                           const InputNorm& norm, void* gx, float* ws, float* sums, cudaStream_t st) {
-  if (sums != nullptr) {
+  if (s.SH == 2) {
+    run_bwd_input_row_s2<TT>(s, p, go, y, w, norm, gx, ws, sums, st);
+  } else if (sums != nullptr) {
     run_wgrad_input_row<TT, true, true>(s, p, go, y, ws, st, norm, w, gx, sums);
   } else {
     run_wgrad_input_row<TT, true>(s, p, go, y, ws, st, norm, w, gx);

@@ -6,6 +6,10 @@ the BatchNorm + ReLU before it and the depthwise kernels that read its output, r
               fused:    bn_stats (statistics only) + depthwise_fwd_normed (normalizes y as it loads it)
     wgrad     separate: depthwise_bwd's weight gradient from x = relu(batch_norm(y))
               fused:    depthwise_wgrad_normed from y
+    backward  the pair's whole backward from y, the conv's two gradients and then the BatchNorm + ReLU's:
+              separate: depthwise_bwd_normed without the sums (the stride-1 walk, or at stride 2 the input gradient's
+                        and the weight gradient's kernels) + bn_relu_bwd (its reduce pass, then its input gradient)
+              fused:    depthwise_bwd_normed with the sums (either walk) + bn_relu_bwd_from_sums (no reduce pass)
 
     python scripts/experiments/norm_in_depthwise_layers.py [--batch 256] [--dtype fp16] [--rounds 7] [--iters 20]
 
@@ -26,6 +30,15 @@ from mobilenet.bench.timing import events_elapsed_s
 # (channels, input size, stride) of the 13 depthwise layers at width 1.0, input 224 (Howard et al. 2017, Table 1)
 LAYERS = [(32, 112, 1), (64, 112, 2), (128, 56, 1), (128, 56, 2), (256, 28, 1), (256, 28, 2), (512, 14, 1),
           (512, 14, 1), (512, 14, 1), (512, 14, 1), (512, 14, 1), (512, 14, 2), (1024, 7, 1)]
+
+
+PASSES = ("forward", "wgrad", "backward")
+
+
+def _bwd_from_sums(conv_grads, y, weight, bias, mean, invstd):
+    """The BatchNorm + ReLU backward from depthwise_bwd_normed's (grad_x, grad_w, sums)."""
+    grad_x, _, sums = conv_grads
+    return torch.ops.mobilenet_bn.bn_relu_bwd_from_sums(grad_x, y, weight, bias, mean, invstd, sums)
 
 
 def _time(fn, iters: int) -> float:
@@ -62,6 +75,12 @@ def main() -> None:
                                                             [False, True, False]),
             ("wgrad", "fused"): lambda: dw.depthwise_wgrad_normed(grad, y, w, mean, invstd, bw, bb, [stride] * 2,
                                                                   [1, 1]),
+            ("backward", "separate"): lambda: bn.bn_relu_bwd(
+                dw.depthwise_bwd_normed(grad, y, w, mean, invstd, bw, bb, [stride] * 2, [1, 1])[0], y, bw, bb, mean,
+                invstd),
+            ("backward", "fused"): lambda: _bwd_from_sums(
+                dw.depthwise_bwd_normed(grad, y, w, mean, invstd, bw, bb, [stride] * 2, [1, 1], True), y, bw, bb,
+                mean, invstd),
         }
         for fn in variants.values():
             fn()
@@ -70,12 +89,12 @@ def main() -> None:
             for key, fn in variants.items():
                 times[key].append(_time(fn, args.iters))
         name = f"{c}x{size}s{stride}"
-        for p in ("forward", "wgrad"):
+        for p in PASSES:
             sep, fused = (statistics.median(times[(p, v)]) for v in ("separate", "fused"))
             totals[(p, "separate")] = totals.get((p, "separate"), 0.0) + sep
             totals[(p, "fused")] = totals.get((p, "fused"), 0.0) + fused
             print(f"{name:>16} {p:>8} {sep:12.1f} {fused:9.1f} {fused / sep:9.3f}")
-    for p in ("forward", "wgrad"):
+    for p in PASSES:
         sep, fused = totals[(p, "separate")], totals[(p, "fused")]
         print(f"{'sum':>16} {p:>8} {sep:12.1f} {fused:9.1f} {fused / sep:9.3f}")
 
