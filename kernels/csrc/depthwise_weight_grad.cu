@@ -664,8 +664,9 @@ void run_wgrad_input_row(const ConvShape& s, const WgradPlan& p, const void* go,
 // the weight gradient's products and the sums. grad_out is read once and y once, where the kernels this replaces (the
 // tiled input gradient, the normalizing column walk, the BatchNorm's reduce pass) read grad_out twice, y twice and the
 // input gradient again. NS: the row's kernel rows, 2 (kh 0 and 2: ih odd) or 1 (kh 1: ih even), a branch that is
-// uniform in a warp whenever a warp is one row (32 words of channels or more: every MobileNetV1 layer).
-template <class TT, int V, int NS>
+// uniform in a warp whenever a warp is one row (32 words of channels or more: every MobileNetV1 layer). U: the column
+// pairs whose loads are issued together (S2_WALK_PAIRS).
+template <class TT, int V, int NS, int U>
 __device__ __forceinline__ void walk_row_s2(const uint32_t* xp, const uint32_t* gn, uint32_t* gxp, const int (&g_off)[2],
                                             int words, const ConvShape& s, const WordNorm<TT, V, true>& norm,
                                             const float (&wr)[9][V], float (&acc)[10][V], float (&bn_sums)[2][V]) {
@@ -674,7 +675,6 @@ __device__ __forceinline__ void walk_row_s2(const uint32_t* xp, const uint32_t* 
   float held[NS][V];  // grad_out column q of each output row
 #pragma unroll
   for (int sl = 0; sl < NS; ++sl) widen_word<TT, V>(g_off[sl] >= 0 ? __ldg(gn + g_off[sl]) : 0u, held[sl]);
-  constexpr int U = 2;  // pairs whose loads are issued together
   for (int q0 = 0; 2 * q0 < s.W; q0 += U) {
     uint32_t yraw[U][2], graw[U][NS];
 #pragma unroll
@@ -747,7 +747,7 @@ __device__ __forceinline__ void walk_row_s2(const uint32_t* xp, const uint32_t* 
 template <int V>
 constexpr int kInputRowS2MinBlocks = V == 1 ? 3 : 2;
 
-template <class TT, int V>
+template <class TT, int V, int U>
 __global__ void __launch_bounds__(256, kInputRowS2MinBlocks<V>)
     bwd_nhwc_input_row_s2_kernel(const uint32_t* __restrict__ go, const uint32_t* __restrict__ x,
                                  float* __restrict__ ws, ConvShape s, Tiling t, InputNorm input_norm,
@@ -782,9 +782,9 @@ __global__ void __launch_bounds__(256, kInputRowS2MinBlocks<V>)
         g_off[sl] = kh < 3 && ih + 1 - kh >= 0 && oh < s.OH ? oh * s.OW * words : -1;
       }
       if (kh0 == 0) {
-        walk_row_s2<TT, V, 2>(xp, gn, gxp, g_off, words, s, norm, wr, acc, bn_sums);
+        walk_row_s2<TT, V, 2, U>(xp, gn, gxp, g_off, words, s, norm, wr, acc, bn_sums);
       } else {
-        walk_row_s2<TT, V, 1>(xp, gn, gxp, g_off, words, s, norm, wr, acc, bn_sums);
+        walk_row_s2<TT, V, 1, U>(xp, gn, gxp, g_off, words, s, norm, wr, acc, bn_sums);
       }
     }
   }
@@ -1080,7 +1080,10 @@ void run_bwd_input_row_s2(const ConvShape& s, const WgradPlan& p, const void* go
   constexpr int VW = 4 / sizeof(typename TT::S);
   const Tiling& t = p.tiling;
   const size_t smem = sizeof(float) * (t.block / 32) * t.lanes_c * (9 + 1) * VW;
-  bwd_nhwc_input_row_s2_kernel<TT, VW><<<dim3(t.groups * p.chunks), t.block, smem, stream>>>(
+  const DType dt = std::is_same_v<TT, F32T> ? DType::F32 : (std::is_same_v<TT, F16T> ? DType::F16 : DType::BF16);
+  auto kernel = knob(Knob::kS2WalkPairs, dt) == 4 ? bwd_nhwc_input_row_s2_kernel<TT, VW, 4>
+                                                        : bwd_nhwc_input_row_s2_kernel<TT, VW, 2>;
+  kernel<<<dim3(t.groups * p.chunks), t.block, smem, stream>>>(
       static_cast<const uint32_t*>(go), static_cast<const uint32_t*>(y), ws, s, t, norm,
       static_cast<const typename TT::S*>(w), static_cast<uint32_t*>(gx), sums);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -41,7 +41,8 @@ int knob(Knob k, DType dt) {
                                       "FWD_COLUMN",    "FWD_COLUMN_ROWS", "COLUMN_REVERSE", "FWD_COLUMN_DEEP",
                                       "FWD_COLUMN_K57", "NCHW_COLUMN_K57", "WGRAD_COLUMN_K57",
                                       "WGRAD_K57_BLOCKS_PER_SM", "FWD_SMEM", "COLUMN_SECTORS", "DGRAD_COLUMN_ROWS",
-                                      "NCHW_COLUMN_K57_PREFETCH", "FWD_COLUMN_K57_PREFETCH", "FWD_COLUMN_PREFETCH"};
+                                      "NCHW_COLUMN_K57_PREFETCH", "FWD_COLUMN_K57_PREFETCH", "FWD_COLUMN_PREFETCH",
+                                      "S2_WALK_PAIRS"};
   static const char* suffix[] = {"F32", "F16", "BF16", "F64"};
   static int cache[kKnobs][4];
   const int ki = static_cast<int>(k), di = static_cast<int>(dt);
@@ -69,6 +70,7 @@ int knob(Knob k, DType dt) {
         {1, 1, 1, 1},     // FWD_COLUMN_K57_PREFETCH (NHWC 5x5/7x7 column walk: the next steps' loads first)
         {0, 0, 0, 0},     // FWD_COLUMN_PREFETCH (NHWC 3x3 stride-1 walks: the next steps' loads first; measured
                           // slower on MobileNetV1's layers, docs/kernels.md)
+        {2, 2, 2, 2},     // S2_WALK_PAIRS (stride-2 backward walk: 2 or 4 column pairs' loads in flight)
     };
     const std::string base = std::string("MDW_") + names[ki];
     int v = env_int(base.c_str(), defaults[ki][di]);

@@ -12,6 +12,7 @@ the BatchNorm + ReLU before it and the depthwise kernels that read its output, r
               fused:    depthwise_bwd_normed with the sums (either walk) + bn_relu_bwd_from_sums (no reduce pass)
 
     python scripts/experiments/norm_in_depthwise_layers.py [--batch 256] [--dtype fp16] [--rounds 7] [--iters 20]
+        [--strides 1,2]
 
 CUDA events around --iters calls of each variant, the variants alternating for --rounds rounds after a warm-up.
 Prints the median time per call of each (layer, pass, variant) in microseconds, and the sums over the layers.
@@ -52,14 +53,19 @@ def main() -> None:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--strides", default="1,2", help="the layers of these strides only (comma-separated)")
     args = ap.parse_args()
+    try:
+        strides = {int(v) for v in args.strides.split(",")}
+    except ValueError:
+        ap.error(f"--strides must be comma-separated integers, got {args.strides!r}")
     import kernels.norm_depthwise  # noqa: F401  (loads the kernels, registers the ops)
 
     dw, bn = torch.ops.mobilenet_dw, torch.ops.mobilenet_bn
     dtype = DTYPES[args.dtype]
     totals: dict[tuple[str, str], float] = {}
     print(f"{'layer':>16} {'pass':>8} {'separate us':>12} {'fused us':>9} {'fused/sep':>9}")
-    for c, size, stride in LAYERS:
+    for c, size, stride in (layer for layer in LAYERS if layer[2] in strides):
         y = torch.randn(args.batch, c, size, size, device="cuda").to(dtype).contiguous(memory_format=torch.channels_last)
         w = (torch.randn(c, 1, 3, 3, device="cuda") / 3).to(dtype)
         bw, bb = torch.rand(c, device="cuda") + 0.5, torch.randn(c, device="cuda")
