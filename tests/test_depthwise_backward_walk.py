@@ -201,3 +201,20 @@ def test_op_opcheck():
     sums = torch.randn(3, 2, 16, device="cuda")
     torch.library.opcheck(torch.ops.mobilenet_bn.bn_relu_bwd_from_sums.default,
                           (grad_x, y, bn_w, bn_b, mean, invstd, sums))
+
+
+@gpu
+@pytest.mark.parametrize("pairs", ["2", "4"])
+def test_stride2_walk_keeps_results_at_each_pairs_setting(pairs):
+    """MDW_S2_WALK_PAIRS (read once per process): the stride-2 cases of the sums test in a process of their own with
+    2 and with 4 column pairs' loads in flight, so that both are checked in every dtype whatever the defaults."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MDW_S2_WALK_PAIRS": pairs}
+    test = f"{__file__}::test_walk_sums_against_float64_and_the_reduce_pass"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-k", "s2",
+                           test], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"MDW_S2_WALK_PAIRS={pairs}:\n{proc.stdout[-3000:]}{proc.stderr[-2000:]}"
+    assert f"{3 * len(_STRIDE2)} passed" in proc.stdout, proc.stdout[-1000:]

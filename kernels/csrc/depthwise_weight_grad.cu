@@ -742,8 +742,8 @@ __device__ __forceinline__ void walk_row_s2(const uint32_t* xp, const uint32_t* 
   }
 }
 
-// Blocks of 256 per SM: 16-bit at 2 (at 3, ptxas of nvcc 13.0 for sm_90 spills 24 bytes under the 80-register cap),
-// fp32 at 3 (64 registers used).
+// Blocks of 256 per SM: 16-bit at 2 (95 registers with 2 pairs in flight, 102-104 with 4; at 3 blocks, ptxas of nvcc
+// 13.0 for sm_90 spills under the 80-register cap), fp32 at 3 (64).
 template <int V>
 constexpr int kInputRowS2MinBlocks = V == 1 ? 3 : 2;
 

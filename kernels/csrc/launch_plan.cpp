@@ -70,7 +70,8 @@ int knob(Knob k, DType dt) {
         {1, 1, 1, 1},     // FWD_COLUMN_K57_PREFETCH (NHWC 5x5/7x7 column walk: the next steps' loads first)
         {0, 0, 0, 0},     // FWD_COLUMN_PREFETCH (NHWC 3x3 stride-1 walks: the next steps' loads first; measured
                           // slower on MobileNetV1's layers, docs/kernels.md)
-        {2, 2, 2, 2},     // S2_WALK_PAIRS (stride-2 backward walk: 2 or 4 column pairs' loads in flight)
+        {2, 4, 4, 2},     // S2_WALK_PAIRS (stride-2 backward walk: 2 or 4 column pairs' loads in flight; 4 measured
+                          // in fp16 only, docs/kernels.md)
     };
     const std::string base = std::string("MDW_") + names[ki];
     int v = env_int(base.c_str(), defaults[ki][di]);

@@ -142,7 +142,8 @@ enum class Knob {
                            // before these steps' FMAs (1) or after them (0) (stencil_column_k57.cuh)
   kFwdColumnPrefetch,      // NHWC 3x3 stride-1 column walks: the next steps' loads issued first, at 3 blocks per SM,
                            // in place of FWD_COLUMN_DEEP (1) or not (0) (column_walk, stencil_3x3.cuh)
-  kS2WalkPairs,  // the stride-2 normalizing backward walk: column pairs whose loads are issued together (2 or 4)
+  kS2WalkPairs,  // the stride-2 normalizing backward walk: column pairs whose loads are issued together (2 or 4;
+                 // 4 for 16-bit, 2 for fp32, where 4 was not measured)
   kCount
 };
 int knob(Knob k, DType dt);
