@@ -31,6 +31,7 @@ constexpr int kWgradStrip = 2;
 // then warps in index order) and write the block's partials ws[chunk][c][tap].
 // Lanes with the same cv sit lanes_c apart in a warp (lanes_c is a power of two <= 16).
 // kSlotMajor: ws[chunk][tap][c] instead (the BatchNorm backward's partial layout, batchnorm_relu.cu).
+// `red`: shared memory of partials_smem_bytes(t, KK, V).
 template <int KK, int V, bool kSlotMajor = false>
 __device__ __forceinline__ void reduce_nhwc_partials(float (&acc)[KK + 1][V], float* red, float* __restrict__ ws,
                                                      const ConvShape& s, const Tiling& t, int group, int chunk) {
@@ -65,6 +66,11 @@ __device__ __forceinline__ void reduce_nhwc_partials(float (&acc)[KK + 1][V], fl
       }
     }
   }
+}
+
+// The shared memory reduce_nhwc_partials reduces KK + 1 slots of V channels through: [warps][lanes_c][(KK + 1) * V].
+inline size_t partials_smem_bytes(const Tiling& t, int KK, int V) {
+  return sizeof(float) * (t.block / 32) * t.lanes_c * (KK + 1) * V;
 }
 
 // An NHWC wgrad block: channel groups vary fastest across blocks so the blocks sharing a pixel's
@@ -275,7 +281,7 @@ void run_wgrad_tiled(const ConvShape& s, const WgradPlan& p, const void* go, con
   const Tiling& t = p.tiling;
   if (s.channels_last) {
     constexpr int V = WgradVec<K>::value;
-    const size_t smem = sizeof(float) * (t.block / 32) * t.lanes_c * (K * K + 1) * V;
+    const size_t smem = partials_smem_bytes(t, K * K, V);
     const dim3 grid(t.groups * p.chunks);
     wgrad_nhwc_kernel<TT, K, S, TW, V><<<grid, t.block, smem, stream>>>(
         static_cast<const Sx*>(go), static_cast<const Sx*>(x), ws, s, t, p.num_tiles);
@@ -465,6 +471,23 @@ __global__ void __launch_bounds__(256, MINB)
   reduce_nhwc_partials<KK, V>(acc, red, ws, s, t, blk.group, blk.chunk);
 }
 
+// The BatchNorm + ReLU backward's per-channel sums at one word the walk wrote: g = the grad_input word as stored,
+// counted where the ReLU passed (x, the normalized word, > 0: the mask bn_relu_bwd recomputes from y) and the word is
+// inside the row; bn_sums += (g, g * (y - mean)).
+template <class TT, int V>
+__device__ __forceinline__ void add_grad_sums(uint32_t stored, uint32_t y_word, const float (&x)[V], bool inside,
+                                              const float (&mean)[V], float (&bn_sums)[2][V]) {
+  float g[V], yv[V];
+  widen_word<TT, V>(stored, g);
+  widen_word<TT, V>(y_word, yv);
+#pragma unroll
+  for (int v = 0; v < V; ++v) {
+    const float gm = inside && x[v] > 0.f ? g[v] : 0.f;
+    bn_sums[0][v] += gm;
+    bn_sums[1][v] = fmaf(gm, yv[v] - mean[v], bn_sums[1][v]);
+  }
+}
+
 // An input-row walk's lane: its block, its place in the block, and the 32-bit word of channels it owns (cw, of
 // words); active when it owns one.
 template <int V>
@@ -607,17 +630,7 @@ __global__ void __launch_bounds__(256, kInputRowMinBlocks<DGRAD, V>)
             const bool in_row = inside || iw < s.W;
             const uint32_t stored = narrow_word<TT, V>(d);
             if (in_row) asm volatile("st.global.b32 [%0], %1;" ::"l"(gxp + iw * words), "r"(stored));
-            if constexpr (SUMS) {
-              float g[V], yv[V];
-              widen_word<TT, V>(stored, g);
-              widen_word<TT, V>(xraw[u], yv);
-#pragma unroll
-              for (int v = 0; v < V; ++v) {
-                const float gm = in_row && xv[v] > 0.f ? g[v] : 0.f;
-                bn_sums[0][v] += gm;
-                bn_sums[1][v] = fmaf(gm, yv[v] - norm.mean[v], bn_sums[1][v]);
-              }
-            }
+            if constexpr (SUMS) add_grad_sums<TT, V>(stored, xraw[u], xv, in_row, norm.mean, bn_sums);
           }
 #pragma unroll
           for (int kh = 0; kh < K; ++kh) {
@@ -648,7 +661,7 @@ void run_wgrad_input_row(const ConvShape& s, const WgradPlan& p, const void* go,
   constexpr int K = 3;
   constexpr int VW = 4 / sizeof(typename TT::S);
   const Tiling& t = p.tiling;
-  const size_t smem = sizeof(float) * (t.block / 32) * t.lanes_c * (K * K + 1) * VW;
+  const size_t smem = partials_smem_bytes(t, K * K, VW);
   const dim3 grid(t.groups * p.chunks);
   wgrad_nhwc_input_row_kernel<TT, 4, VW, DGRAD, SUMS><<<grid, t.block, smem, stream>>>(
       static_cast<const uint32_t*>(go), static_cast<const uint32_t*>(y), ws, s, t, norm,
@@ -716,16 +729,8 @@ __device__ __forceinline__ void walk_row_s2(const uint32_t* xp, const uint32_t* 
         }
         const uint32_t stored = narrow_word<TT, V>(d[i]);
         gxp[iw * words] = stored;
-        float g[V], yv[V];
-        widen_word<TT, V>(stored, g);
-        widen_word<TT, V>(yraw[u][i], yv);
         widen_word<TT, V>(norm(yraw[u][i]), xv[i]);
-#pragma unroll
-        for (int v = 0; v < V; ++v) {
-          const float gm = xv[i][v] > 0.f ? g[v] : 0.f;
-          bn_sums[0][v] += gm;
-          bn_sums[1][v] = fmaf(gm, yv[v] - norm.mean[v], bn_sums[1][v]);
-        }
+        add_grad_sums<TT, V>(stored, yraw[u][i], xv[i], true, norm.mean, bn_sums);
       }
 #pragma unroll
       for (int sl = 0; sl < NS; ++sl) {
@@ -820,7 +825,7 @@ void run_wgrad_column(const ConvShape& s, const WgradPlan& p, const void* go, co
   constexpr int VW = 4 / sizeof(typename TT::S);  // channels per 32-bit word
   constexpr int kMaxUnroll = ColumnWalk<S, VW>::kMaxUnroll;
   const Tiling& t = p.tiling;
-  const size_t smem = sizeof(float) * (t.block / 32) * t.lanes_c * (K * K + 1) * VW;
+  const size_t smem = partials_smem_bytes(t, K * K, VW);
   const dim3 grid(t.groups * p.chunks);
   wgrad_nhwc_column_kernel<TT, S, kMaxUnroll, VW, NORM, kWgradColumnMinBlocks<NORM, VW>><<<grid, t.block, smem, stream>>>(
       static_cast<const uint32_t*>(go), static_cast<const uint32_t*>(x), ws, s, t, norm);
@@ -1075,12 +1080,11 @@ static WgradPlan plan_input_row_backward(const ConvShape& s, DType dt) {
 int backward_input_row_normed_chunks(const ConvShape& s, DType dt) { return plan_input_row_backward(s, dt).chunks; }
 
 template <class TT>
-void run_bwd_input_row_s2(const ConvShape& s, const WgradPlan& p, const void* go, const void* y, const void* w,
-                          const InputNorm& norm, void* gx, float* ws, float* sums, cudaStream_t stream) {
+void run_bwd_input_row_s2(const ConvShape& s, DType dt, const WgradPlan& p, const void* go, const void* y,
+                          const void* w, const InputNorm& norm, void* gx, float* ws, float* sums, cudaStream_t stream) {
   constexpr int VW = 4 / sizeof(typename TT::S);
   const Tiling& t = p.tiling;
-  const size_t smem = sizeof(float) * (t.block / 32) * t.lanes_c * (9 + 1) * VW;
-  const DType dt = std::is_same_v<TT, F32T> ? DType::F32 : (std::is_same_v<TT, F16T> ? DType::F16 : DType::BF16);
+  const size_t smem = partials_smem_bytes(t, 9, VW);
   auto kernel = knob(Knob::kS2WalkPairs, dt) == 4 ? bwd_nhwc_input_row_s2_kernel<TT, VW, 4>
                                                         : bwd_nhwc_input_row_s2_kernel<TT, VW, 2>;
   kernel<<<dim3(t.groups * p.chunks), t.block, smem, stream>>>(
@@ -1090,10 +1094,10 @@ void run_bwd_input_row_s2(const ConvShape& s, const WgradPlan& p, const void* go
 }
 
 template <class TT>
-void backward_input_row_t(const ConvShape& s, const WgradPlan& p, const void* go, const void* y, const void* w,
-                          const InputNorm& norm, void* gx, float* ws, float* sums, cudaStream_t st) {
+void backward_input_row_t(const ConvShape& s, DType dt, const WgradPlan& p, const void* go, const void* y,
+                          const void* w, const InputNorm& norm, void* gx, float* ws, float* sums, cudaStream_t st) {
   if (s.SH == 2) {
-    run_bwd_input_row_s2<TT>(s, p, go, y, w, norm, gx, ws, sums, st);
+    run_bwd_input_row_s2<TT>(s, dt, p, go, y, w, norm, gx, ws, sums, st);
   } else if (sums != nullptr) {
     run_wgrad_input_row<TT, true, true>(s, p, go, y, ws, st, norm, w, gx, sums);
   } else {
@@ -1106,9 +1110,9 @@ int backward_input_row_normed(const ConvShape& s, DType dt, const void* go, cons
   const WgradPlan p = plan_input_row_backward(s, dt);
   float* wsf = static_cast<float*>(ws);
   switch (dt) {
-    case DType::F32: backward_input_row_t<F32T>(s, p, go, y, w, norm, gx, wsf, sums, stream); break;
-    case DType::F16: backward_input_row_t<F16T>(s, p, go, y, w, norm, gx, wsf, sums, stream); break;
-    case DType::BF16: backward_input_row_t<BF16T>(s, p, go, y, w, norm, gx, wsf, sums, stream); break;
+    case DType::F32: backward_input_row_t<F32T>(s, dt, p, go, y, w, norm, gx, wsf, sums, stream); break;
+    case DType::F16: backward_input_row_t<F16T>(s, dt, p, go, y, w, norm, gx, wsf, sums, stream); break;
+    case DType::BF16: backward_input_row_t<BF16T>(s, dt, p, go, y, w, norm, gx, wsf, sums, stream); break;
     default: break;  // normed_fits excludes fp64
   }
   return p.chunks;
