@@ -25,13 +25,23 @@ gradient apply it to every word of y they load. Importing this module builds/loa
       (bwd_normed_sums_rows(n, c, h, w, stride, dtype) of them). At stride 2 and padding 1 grad_sums runs a walk
       with a lane per input row that gives grad_x, grad_w and the sums from one read of grad_out and of y (grad_x
       to depthwise_bwd's within a rounding: its own summation order). Elsewhere sums is empty.
+      With out_x and out_consts (and grad_sums, where a walk gives the sums), grad_out is instead the gradient of the
+      BatchNorm + ReLU after the convolution (out_x its input, the convolution's output; out_consts [6, C] from
+      bn_relu_bwd_consts): the walk computes each grad_out word from the two as it loads them, the bits
+      bn_relu_bwd's input gradient would have stored, and that input gradient is never written.
   mobilenet_bn::bn_relu_bwd_from_sums(grad_y, x, weight, bias, mean, invstd, sums) -> (grad_x, grad_weight, grad_bias)
       bn_relu_bwd with those sums instead of its reduce pass over grad_y and x.
+  mobilenet_bn::bn_relu_bwd_consts(grad_y, x, weight, bias, mean, invstd) -> (consts, grad_weight, grad_bias)
+      bn_relu_bwd without its input-gradient pass: that pass's per-channel constants [6, C] fp32 instead.
 
 The backward of the pair: depthwise_bwd_normed (or, for A/B runs, depthwise_bwd's input gradient, which does not read
 the input, and depthwise_wgrad_normed), then bn_relu_bwd, which takes y and recomputes the ReLU's mask from it, or
 bn_relu_bwd_from_sums where the walk gave the sums. Only these NHWC 3x3 walks apply a BatchNorm to their input: other
 cases are refused (normed_unsupported says why), never run another way.
+
+batch_norm_relu_depthwise_conv2d_batch_norm_relu adds the BatchNorm + ReLU after the convolution to the pair, so that
+its backward runs bn_relu_bwd_consts (the reduce pass) and the walk applies its input gradient: one pass over three
+tensors of the convolution's output size less per layer.
 """
 
 from __future__ import annotations
@@ -41,11 +51,11 @@ from torch import Tensor
 
 from . import kernel_layout, load
 from .depthwise_args import out_shape, stats_unsupported
-from .norm_ops import _check_running_update, _check_supported, _f32
+from .norm_ops import _check_running_update, _check_supported, _check_unbiased_count, _f32
 
 load()
 
-__all__ = ["normed_unsupported", "batch_norm_relu_depthwise_conv2d"]
+__all__ = ["normed_unsupported", "batch_norm_relu_depthwise_conv2d", "batch_norm_relu_depthwise_conv2d_batch_norm_relu"]
 
 _stats = torch.ops.mobilenet_bn.bn_stats.default
 _stats_update = torch.ops.mobilenet_bn.bn_stats_update.default
@@ -55,6 +65,9 @@ _wgrad_normed = torch.ops.mobilenet_dw.depthwise_wgrad_normed.default
 _dw_bwd = torch.ops.mobilenet_dw.depthwise_bwd.default
 _bwd_normed = torch.ops.mobilenet_dw.depthwise_bwd_normed.default
 _bn_bwd_from_sums = torch.ops.mobilenet_bn.bn_relu_bwd_from_sums.default
+_bn_bwd_consts = torch.ops.mobilenet_bn.bn_relu_bwd_consts.default
+_bn_fwd = torch.ops.mobilenet_bn.bn_relu_fwd.default
+_bn_fwd_update = torch.ops.mobilenet_bn.bn_relu_fwd_update.default
 
 
 def _stats_outputs(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -83,7 +96,8 @@ def _wgrad_normed_fake(grad_out, y, w, mean, invstd, norm_weight, norm_bias, str
 
 
 @torch.library.register_fake("mobilenet_dw::depthwise_bwd_normed")
-def _bwd_normed_fake(grad_out, y, w, mean, invstd, norm_weight, norm_bias, stride, padding, grad_sums=False):
+def _bwd_normed_fake(grad_out, y, w, mean, invstd, norm_weight, norm_bias, stride, padding, grad_sums=False,
+                     out_x=None, out_consts=None):
     n, c, h, width = y.shape
     rows = 0
     if grad_sums and tuple(stride) in ((1, 1), (2, 2)) and tuple(padding) == (1, 1):
@@ -99,6 +113,13 @@ def _bn_bwd_from_sums_fake(grad_y, x, weight, bias, mean, invstd, sums):
             x.new_empty(x.shape[1], dtype=torch.float32), x.new_empty(x.shape[1], dtype=torch.float32))
 
 
+@torch.library.register_fake("mobilenet_bn::bn_relu_bwd_consts")
+def _bn_bwd_consts_fake(grad_y, x, weight, bias, mean, invstd):
+    c = x.shape[1]
+    return (x.new_empty((6, c), dtype=torch.float32), x.new_empty(c, dtype=torch.float32),
+            x.new_empty(c, dtype=torch.float32))
+
+
 def normed_unsupported(y: Tensor, weight: Tensor, bias: Tensor | None, stride, padding) -> str | None:
     """Why the column walk cannot apply a BatchNorm to this convolution's input, or None when it can: the cases of
     the statistics walk (channels_last, 3x3, one filter per channel, no bias, stride 1 or 2, whole 32-bit words of
@@ -107,20 +128,28 @@ def normed_unsupported(y: Tensor, weight: Tensor, bias: Tensor | None, stride, p
     return stats_unsupported(y, weight, bias, tuple(stride), padding, (1, 1))
 
 
+def _input_stats(y, norm_weight, norm_bias, running_mean, running_var, num_batches_tracked, eps, momentum, sums):
+    """(mean, invstd) of the BatchNorm the pair applies to y, updating its running statistics where given; from
+    `sums` (y's per-channel sums as the convolution that wrote y returned them) instead of a pass over y."""
+    if sums is not None:
+        mean, invstd, _var = torch.ops.mobilenet_bn.bn_stats_from_sums(
+            sums, y.numel() // y.shape[1], running_mean, running_var, num_batches_tracked, eps, momentum)
+    elif running_mean is not None:
+        mean, invstd, _var = _stats_update(y, norm_weight, norm_bias, running_mean, running_var,
+                                           num_batches_tracked, eps, momentum)
+    else:
+        mean, invstd, _var = _stats(y, norm_weight, norm_bias, eps)
+    return mean, invstd
+
+
 class _BatchNormReluDepthwise(torch.autograd.Function):
     """conv(relu(batch_norm(y))) from y: bn_stats(_update), depthwise_fwd_normed; backward as the module docstring."""
 
     @staticmethod
     def forward(ctx, y, norm_weight, norm_bias, conv_weight, running_mean, running_var, num_batches_tracked, eps,
                 momentum, stride, padding, sums, one_walk, walk_sums):
-        if sums is not None:  # y's statistics from the sums the convolution that wrote it returned
-            mean, invstd, _var = torch.ops.mobilenet_bn.bn_stats_from_sums(
-                sums, y.numel() // y.shape[1], running_mean, running_var, num_batches_tracked, eps, momentum)
-        elif running_mean is not None:
-            mean, invstd, _var = _stats_update(y, norm_weight, norm_bias, running_mean, running_var,
-                                               num_batches_tracked, eps, momentum)
-        else:
-            mean, invstd, _var = _stats(y, norm_weight, norm_bias, eps)
+        mean, invstd = _input_stats(y, norm_weight, norm_bias, running_mean, running_var, num_batches_tracked, eps,
+                                    momentum, sums)
         out = _fwd_normed(y, conv_weight, mean, invstd, norm_weight, norm_bias, stride, padding)
         ctx.save_for_backward(y, norm_weight, norm_bias, conv_weight, mean, invstd)
         ctx.conv_args = (stride, padding, one_walk, walk_sums)
@@ -154,6 +183,26 @@ class _BatchNormReluDepthwise(torch.autograd.Function):
                 None, None, None, None, None, None)
 
 
+def _check_pair(name, y, norm_weight, norm_bias, conv_weight, stride, padding, running_mean, running_var, momentum,
+                sums):
+    """The arguments of a BatchNorm + ReLU + depthwise conv pair checked (ValueError naming what is wrong): returns
+    (conv_weight in y's dtype, stride, padding as int lists, whether the running statistics are updated)."""
+    _check_supported(y, norm_weight, norm_bias)
+    if not isinstance(conv_weight, Tensor) or conv_weight.dim() != 4:
+        raise ValueError(f"{name}: conv_weight must have shape (C, 1, 3, 3), got "
+                         f"{tuple(getattr(conv_weight, 'shape', ()))}")
+    conv_weight = conv_weight.to(y.dtype)
+    stride, padding = [int(v) for v in stride], [int(v) for v in padding]
+    why = normed_unsupported(y, conv_weight, None, stride, padding)
+    if why is not None:
+        raise ValueError(f"{name}: {why}")
+    update = _check_running_update(name, y, momentum, running_mean, running_var)
+    if sums is not None and (sums.dtype != torch.float32 or tuple(sums.shape) != (2, y.shape[1])):
+        raise ValueError(f"{name}: sums must be a float32 (2, {y.shape[1]}) tensor, got {sums.dtype} "
+                         f"{tuple(sums.shape)}")
+    return conv_weight, stride, padding, update
+
+
 def batch_norm_relu_depthwise_conv2d(y: Tensor, norm_weight: Tensor, norm_bias: Tensor, conv_weight: Tensor,
                                      stride=(1, 1), padding=(1, 1), eps: float = 1e-5,
                                      running_mean: Tensor | None = None, running_var: Tensor | None = None,
@@ -171,20 +220,89 @@ def batch_norm_relu_depthwise_conv2d(y: Tensor, norm_weight: Tensor, norm_bias: 
     two kernels (the same input gradient, bit for bit), for A/B runs; walk_sums (with one_walk) has the walk sum the
     BatchNorm backward's gradient sums too (the same gradients to those sums' summation order at stride 1; at stride
     2 the stride-2 walk, whose input gradient also sums in its own order)."""
-    _check_supported(y, norm_weight, norm_bias)
-    if not isinstance(conv_weight, Tensor) or conv_weight.dim() != 4:
-        raise ValueError(f"batch_norm_relu_depthwise_conv2d: conv_weight must have shape (C, 1, 3, 3), got "
-                         f"{tuple(getattr(conv_weight, 'shape', ()))}")
-    conv_weight = conv_weight.to(y.dtype)
-    stride, padding = [int(v) for v in stride], [int(v) for v in padding]
-    why = normed_unsupported(y, conv_weight, None, stride, padding)
-    if why is not None:
-        raise ValueError(f"batch_norm_relu_depthwise_conv2d: {why}")
-    update = _check_running_update("batch_norm_relu_depthwise_conv2d", y, momentum, running_mean, running_var)
-    if sums is not None and (sums.dtype != torch.float32 or tuple(sums.shape) != (2, y.shape[1])):
-        raise ValueError(f"batch_norm_relu_depthwise_conv2d: sums must be a float32 (2, {y.shape[1]}) tensor, got "
-                         f"{sums.dtype} {tuple(sums.shape)}")
+    conv_weight, stride, padding, update = _check_pair("batch_norm_relu_depthwise_conv2d", y, norm_weight, norm_bias,
+                                                       conv_weight, stride, padding, running_mean, running_var,
+                                                       momentum, sums)
     return _BatchNormReluDepthwise.apply(y, _f32(norm_weight), _f32(norm_bias), conv_weight, running_mean,
                                          running_var, num_batches_tracked, float(eps),
                                          float(momentum) if update else 0.0, stride, padding, sums, bool(one_walk),
                                          bool(one_walk and walk_sums))
+
+
+class _BatchNormReluDepthwiseBatchNormRelu(torch.autograd.Function):
+    """relu(batch_norm(conv(relu(batch_norm(y))))) from y: the pair above, then the BatchNorm + ReLU after the
+    convolution (bn_relu_fwd(_update) on its output z). Backward: bn_relu_bwd_consts(grad, z) (the reduce pass and the
+    gradients of that BatchNorm's weight and bias), depthwise_bwd_normed with out_x=z (the walk applies that
+    BatchNorm's input gradient as it loads grad), then bn_relu_bwd_from_sums for the BatchNorm before. Returns (out,
+    mean, var) of the BatchNorm after (mean and var: its batch statistics, not differentiable)."""
+
+    @staticmethod
+    def forward(ctx, y, norm_weight, norm_bias, conv_weight, running_mean, running_var, num_batches_tracked, eps,
+                momentum, stride, padding, sums, out_weight, out_bias, out_running_mean, out_running_var,
+                out_num_batches_tracked, out_eps, out_momentum):
+        mean, invstd = _input_stats(y, norm_weight, norm_bias, running_mean, running_var, num_batches_tracked, eps,
+                                    momentum, sums)
+        z = _fwd_normed(y, conv_weight, mean, invstd, norm_weight, norm_bias, stride, padding)
+        if out_running_mean is not None:
+            out, out_mean, out_invstd, out_var = _bn_fwd_update(z, out_weight, out_bias, out_running_mean,
+                                                                out_running_var, out_num_batches_tracked, out_eps,
+                                                                out_momentum)
+        else:
+            out, out_mean, out_invstd, out_var = _bn_fwd(z, out_weight, out_bias, out_eps)
+        ctx.save_for_backward(y, norm_weight, norm_bias, conv_weight, mean, invstd, z, out_weight, out_bias, out_mean,
+                              out_invstd)
+        ctx.conv_args = (stride, padding)
+        ctx.mark_non_differentiable(out_mean, out_var)
+        return out, out_mean, out_var
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_mean, _grad_var):
+        (y, norm_weight, norm_bias, conv_weight, mean, invstd, z, out_weight, out_bias, out_mean,
+         out_invstd) = ctx.saved_tensors
+        stride, padding = ctx.conv_args
+        needs = ctx.needs_input_grad
+        grad_out = grad_out.to(z.dtype)
+        consts, grad_out_weight, grad_out_bias = _bn_bwd_consts(grad_out, z, out_weight, out_bias, out_mean,
+                                                                out_invstd)
+        grad_x, grad_conv_weight, bn_sums = _bwd_normed(grad_out, y, conv_weight, mean, invstd, norm_weight,
+                                                        norm_bias, stride, padding, True, z, consts)
+        grad_y, grad_norm_weight, grad_norm_bias = _bn_bwd_from_sums(grad_x, y, norm_weight, norm_bias, mean, invstd,
+                                                                     bn_sums)
+        return (grad_y if needs[0] else None, grad_norm_weight if needs[1] else None,
+                grad_norm_bias if needs[2] else None, grad_conv_weight if needs[3] else None, None, None, None, None,
+                None, None, None, None, grad_out_weight if needs[12] else None,
+                grad_out_bias if needs[13] else None, None, None, None, None, None)
+
+
+def batch_norm_relu_depthwise_conv2d_batch_norm_relu(
+        y: Tensor, norm_weight: Tensor, norm_bias: Tensor, conv_weight: Tensor, out_weight: Tensor, out_bias: Tensor,
+        stride=(1, 1), padding=(1, 1), eps: float = 1e-5, running_mean: Tensor | None = None,
+        running_var: Tensor | None = None, num_batches_tracked: Tensor | None = None, momentum: float | None = None,
+        out_eps: float = 1e-5, out_running_mean: Tensor | None = None, out_running_var: Tensor | None = None,
+        out_num_batches_tracked: Tensor | None = None, out_momentum: float | None = None,
+        sums: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """relu(batch_norm(batch_norm_relu_depthwise_conv2d(y, ...), out_weight, out_bias)): the pair of
+    batch_norm_relu_depthwise_conv2d (its arguments and cases), then a BatchNorm + ReLU (training, batch statistics,
+    out_weight and out_bias fp32) on the convolution's output, whose running statistics are updated where
+    out_running_mean, out_running_var, out_num_batches_tracked and out_momentum are given. The backward's walk applies
+    that BatchNorm's input gradient as it loads the gradient (the same bits as bn_relu_bwd's, never stored), at
+    stride 1 or 2 with padding 1 (the walks that give the BatchNorm sums); other cases raise ValueError. Returns
+    (out, mean, var): out in y's dtype and layout, and the batch mean and biased variance of the BatchNorm after, fp32
+    (for a caller that updates its running statistics itself)."""
+    name = "batch_norm_relu_depthwise_conv2d_batch_norm_relu"
+    conv_weight, stride, padding, update = _check_pair(name, y, norm_weight, norm_bias, conv_weight, stride, padding,
+                                                       running_mean, running_var, momentum, sums)
+    if tuple(stride) not in ((1, 1), (2, 2)) or tuple(padding) != (1, 1):
+        raise ValueError(f"{name}: the BatchNorm after the convolution is applied by the stride-1 and stride-2 walks "
+                         f"with padding 1, got stride {tuple(stride)} and padding {tuple(padding)}")
+    _check_supported(y, out_weight, out_bias)
+    # The BatchNorm after runs on the convolution's output: y's channels, the output's values per channel.
+    out_update = _check_running_update(name, y, out_momentum, out_running_mean, out_running_var)
+    n, c, oh, ow = out_shape(y.shape, conv_weight.shape, stride, padding, (1, 1))
+    if out_update:
+        _check_unbiased_count(name, n * oh * ow)
+    return _BatchNormReluDepthwiseBatchNormRelu.apply(
+        y, _f32(norm_weight), _f32(norm_bias), conv_weight, running_mean, running_var, num_batches_tracked,
+        float(eps), float(momentum) if update else 0.0, stride, padding, sums, _f32(out_weight), _f32(out_bias),
+        out_running_mean, out_running_var, out_num_batches_tracked, float(out_eps),
+        float(out_momentum) if out_update else 0.0)

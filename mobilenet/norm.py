@@ -36,7 +36,8 @@ __all__ = [
     "TorchBatchNormReLU", "CustomBatchNormReLU", "ApexBatchNormReLU", "SyncBatchNormReLU", "SyncCustomBatchNormReLU",
     "combine_rank_statistics", "convert_sync_batchnorm", "sync_bn_state", "check_stats_from_depthwise",
     "running_update_label", "check_ab_environment",
-    "depthwise_norm_relu", "check_apply_in_depthwise", "norm_relu_depthwise", "depthwise_backward_mode",
+    "depthwise_norm_relu", "check_apply_in_depthwise", "norm_relu_depthwise", "norm_relu_depthwise_norm_relu",
+    "depthwise_backward_mode",
     "custom_pair_needs",
     "check_apply_in_pointwise", "norm_relu_pointwise",
 ]
@@ -102,20 +103,23 @@ def _running_update_mode() -> str:
     return mode
 
 
-DEPTHWISE_BACKWARD_MODES = ("sums", "walk", "separate")
+DEPTHWISE_BACKWARD_MODES = ("sums", "next_norm", "walk", "separate")
+DEFAULT_DEPTHWISE_BACKWARD = "sums"
 
 
 @functools.cache
 def depthwise_backward_mode() -> str:
     """The backward of norm.apply_in_depthwise's pairs, read once per process at the first training forward, for A/B
     runs (docs/kernels.md): "sums" (the default), one kernel gives both gradients of a depthwise conv (stride 1 or 2)
-    and the gradient sums of the BatchNorm before it, whose backward then skips its reduce pass; "walk", the stride-1
-    kernel without the sums (stride 2 as "separate"); "separate", the conv's input and weight gradients as two
-    kernels, each reading the output gradient."""
-    mode = os.environ.get("MBN_DEPTHWISE_BACKWARD", "sums")
+    and the gradient sums of the BatchNorm before it, whose backward then skips its reduce pass; "next_norm", "sums"
+    and the BatchNorm + ReLU after the depthwise conv too, whose input gradient that kernel applies as it loads the
+    gradient (where that BatchNorm runs its own kernels: norm.apply_in_pointwise off; measured slower, so not the
+    default); "walk", the stride-1 kernel without the sums (stride 2 as "separate"); "separate", the conv's input and
+    weight gradients as two kernels, each reading the output gradient."""
+    mode = os.environ.get("MBN_DEPTHWISE_BACKWARD", DEFAULT_DEPTHWISE_BACKWARD)
     if mode not in DEPTHWISE_BACKWARD_MODES:
         raise ConfigError(f"MBN_DEPTHWISE_BACKWARD must be one of {', '.join(DEPTHWISE_BACKWARD_MODES)}, got "
-                          f"{mode!r}; unset it for the default (sums)")
+                          f"{mode!r}; unset it for the default ({DEFAULT_DEPTHWISE_BACKWARD})")
     return mode
 
 
@@ -306,6 +310,18 @@ def check_apply_in_depthwise(bn: nn.Module, conv: nn.Module) -> None:
     _require_custom_pair("norm.apply_in_depthwise", conv, bn)
 
 
+def _check_pair_input(y: Tensor) -> None:
+    """What the depthwise kernels that apply a BatchNorm need of their training input (NormUnavailable otherwise)."""
+    if not y.is_cuda:
+        raise NormUnavailable(f"norm.apply_in_depthwise is on: the depthwise kernels need a CUDA tensor, got one on "
+                              f"{y.device}")
+    if torch.is_autocast_enabled("cuda") and y.dtype != torch.get_autocast_dtype("cuda"):
+        raise NormUnavailable(f"norm.apply_in_depthwise is on: under autocast the input must already be in "
+                              f"{torch.get_autocast_dtype('cuda')} (it is {y.dtype}), since the pair computes in its "
+                              "input's dtype")
+    _check_batch_size(y)
+
+
 def norm_relu_depthwise(bn: "CustomBatchNormReLU", conv: nn.Module, y: Tensor, sums: Tensor | None = None) -> Tensor:
     """conv(bn(y)) in training with bn's normalize and ReLU applied by the depthwise kernels as they load y
     (kernels.norm_depthwise): bn computes only its batch statistics (and updates its running statistics in that
@@ -316,14 +332,7 @@ def norm_relu_depthwise(bn: "CustomBatchNormReLU", conv: nn.Module, y: Tensor, s
     check_apply_in_depthwise(bn, conv)
     if not _uses_batch_stats(bn):
         return conv(bn(y))
-    if not y.is_cuda:
-        raise NormUnavailable(f"norm.apply_in_depthwise is on: the depthwise kernels need a CUDA tensor, got one on "
-                              f"{y.device}")
-    if torch.is_autocast_enabled("cuda") and y.dtype != torch.get_autocast_dtype("cuda"):
-        raise NormUnavailable(f"norm.apply_in_depthwise is on: under autocast the input must already be in "
-                              f"{torch.get_autocast_dtype('cuda')} (it is {y.dtype}), since the pair computes in its "
-                              "input's dtype")
-    _check_batch_size(y)
+    _check_pair_input(y)
     from kernels.norm_depthwise import batch_norm_relu_depthwise_conv2d, normed_unsupported
 
     why = normed_unsupported(y, conv.weight, conv.bias, conv.stride, conv.padding)
@@ -334,7 +343,46 @@ def norm_relu_depthwise(bn: "CustomBatchNormReLU", conv: nn.Module, y: Tensor, s
     return batch_norm_relu_depthwise_conv2d(y, bn.weight, bn.bias, conv.weight, conv.stride, conv.padding, bn.eps,
                                             *running, momentum=momentum, sums=sums,
                                             one_walk=depthwise_backward_mode() != "separate",
-                                            walk_sums=depthwise_backward_mode() == "sums")
+                                            walk_sums=depthwise_backward_mode() in ("sums", "next_norm"))
+
+
+def norm_relu_depthwise_norm_relu(bn: "CustomBatchNormReLU", conv: nn.Module, out_bn: "CustomBatchNormReLU",
+                                  y: Tensor, sums: Tensor | None = None) -> Tensor:
+    """out_bn(norm_relu_depthwise(bn, conv, y, sums)) in training, with out_bn's backward split so that the depthwise
+    conv's backward kernel applies out_bn's input gradient as it loads the gradient (MBN_DEPTHWISE_BACKWARD=next_norm,
+    kernels.norm_depthwise.batch_norm_relu_depthwise_conv2d_batch_norm_relu): the same values as the two calls, bit
+    for bit. Eval mode runs the modules one by one. A training input the walks do not take stops the run
+    (NormUnavailable naming why)."""
+    if type(out_bn) is not CustomBatchNormReLU:
+        raise NormUnavailable(f"MBN_DEPTHWISE_BACKWARD=next_norm needs norm=custom without sync_bn after the depthwise "
+                              f"conv (got {type(out_bn).__name__}); unset MBN_DEPTHWISE_BACKWARD or set it to sums")
+    if not (_uses_batch_stats(bn) and _uses_batch_stats(out_bn)):
+        return out_bn(norm_relu_depthwise(bn, conv, y, sums))
+    check_apply_in_depthwise(bn, conv)
+    _check_pair_input(y)
+    from kernels.norm_depthwise import batch_norm_relu_depthwise_conv2d_batch_norm_relu, normed_unsupported
+
+    why = normed_unsupported(y, conv.weight, conv.bias, conv.stride, conv.padding)
+    if why is None and (tuple(conv.stride) not in ((1, 1), (2, 2)) or tuple(conv.padding) != (1, 1)):
+        why = "the walks that apply the BatchNorm after it take stride 1 or 2 with padding 1"
+    if why is not None:
+        raise NormUnavailable(f"norm.apply_in_depthwise is on: this depthwise conv cannot apply the BatchNorms around "
+                              f"it ({why}); set norm.apply_in_depthwise=false")
+    from kernels.depthwise_args import out_shape
+
+    _check_batch_size(torch.empty(out_shape(y.shape, conv.weight.shape, conv.stride, conv.padding, (1, 1)),
+                                  device="meta"))
+    running, momentum = _running_update("norm.apply_in_depthwise", bn)
+    out_in_forward = out_bn._update_in_forward()
+    out_running, out_momentum = _running_update("norm.apply_in_depthwise", out_bn) if out_in_forward else \
+        ((None, None, None), None)
+    out, mean, var = batch_norm_relu_depthwise_conv2d_batch_norm_relu(
+        y, bn.weight, bn.bias, conv.weight, out_bn.weight, out_bn.bias, conv.stride, conv.padding, bn.eps, *running,
+        momentum=momentum, out_eps=out_bn.eps, out_running_mean=out_running[0], out_running_var=out_running[1],
+        out_num_batches_tracked=out_running[2], out_momentum=out_momentum, sums=sums)
+    if not out_in_forward and out_bn.track_running_stats:
+        out_bn._update_running_stats(mean, var, out.numel() // out.shape[1])
+    return out
 
 
 # --- norm.apply_in_pointwise: the BatchNorm + ReLU before a pointwise conv, applied by cuDNN's fused convolutions ---

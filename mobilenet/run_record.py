@@ -13,7 +13,7 @@ from .config import enum_value
 from .distributed import DistInfo
 from .meter import Throughput
 from .model import apply_in_depthwise_state, apply_in_pointwise_state
-from .norm import depthwise_backward_mode, running_update_label
+from .norm import DEFAULT_DEPTHWISE_BACKWARD, depthwise_backward_mode, running_update_label
 
 
 def precision_label(cfg) -> str:
@@ -31,9 +31,15 @@ def norm_label(cfg, training: bool = True) -> str:
     if cfg.norm.name == "custom":
         applied, why = apply_in_depthwise_state(cfg)
         label += f" (applied by the depthwise kernel after it, in training; {why})" if applied else f" ({why})"
-        if applied and depthwise_backward_mode() != "sums":
-            label += f" (backward: MBN_DEPTHWISE_BACKWARD={depthwise_backward_mode()})"
-        applied, why = apply_in_pointwise_state(cfg)
+        mode = depthwise_backward_mode()
+        pointwise, pointwise_why = apply_in_pointwise_state(cfg)
+        if applied and mode != DEFAULT_DEPTHWISE_BACKWARD:
+            label += f" (backward: MBN_DEPTHWISE_BACKWARD={mode}"
+            if mode == "next_norm":
+                label += (": not with norm.apply_in_pointwise, which applies that BatchNorm itself" if pointwise else
+                          ": the BatchNorm+ReLU after it has its input gradient applied by the depthwise backward kernel")
+            label += ")"
+        applied, why = pointwise, pointwise_why
         label += (f" (applied by cuDNN's fused pointwise conv after it, in training; {why})" if applied
                   else f" ({why})")
     return label

@@ -152,19 +152,37 @@ void check_backward_inputs(const at::Tensor& grad_y, const at::Tensor& x, const 
   check_channel_vectors(x, weight, bias, mean, invstd);
 }
 
+// The backward's inputs checked (check_backward_inputs), then in the layout and form its kernels read; x's device is
+// current while this lives.
+struct BackwardInputs {
+  BackwardInputs(const at::Tensor& grad_y_in, const at::Tensor& x_in, const at::Tensor& weight,
+                 const at::Tensor& bias, const at::Tensor& mean, const at::Tensor& invstd) {
+    check_backward_inputs(grad_y_in, x_in, weight, bias, mean, invstd);
+    guard.set_device(x_in.device());
+    fmt = layout_of(x_in);
+    x = in_layout(x_in, fmt);
+    grad_y = in_layout(grad_y_in, fmt);
+    w = weight.contiguous(), b = bias.contiguous(), m = mean.contiguous(), is = invstd.contiguous();
+    s = shape_of(x, fmt);
+    dt = to_dtype(x.scalar_type());
+  }
+  c10::cuda::OptionalCUDAGuard guard;
+  c10::MemoryFormat fmt;
+  at::Tensor x, grad_y, w, b, m, is;
+  BnShape s;
+  DType dt;
+};
+
 // bn_relu_bwd, with its gradient sums given as partials (sums, may be null) or from its own reduce pass.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_with(const at::Tensor& grad_y_in, const at::Tensor& x_in,
                                                              const at::Tensor& weight, const at::Tensor& bias,
                                                              const at::Tensor& mean, const at::Tensor& invstd,
                                                              const at::Tensor* sums) {
-  check_backward_inputs(grad_y_in, x_in, weight, bias, mean, invstd);
-  c10::cuda::CUDAGuard guard(x_in.device());
-  const c10::MemoryFormat fmt = layout_of(x_in);
-  const at::Tensor x = in_layout(x_in, fmt), grad_y = in_layout(grad_y_in, fmt);
-  const at::Tensor w = weight.contiguous(), b = bias.contiguous(), m = mean.contiguous(), is = invstd.contiguous();
-  const BnShape s = shape_of(x, fmt);
-  const DType dt = to_dtype(x.scalar_type());
-  at::Tensor grad_x = at::empty(x.sizes(), x.options().memory_format(fmt));
+  const BackwardInputs in(grad_y_in, x_in, weight, bias, mean, invstd);
+  const at::Tensor &x = in.x, &grad_y = in.grad_y, &w = in.w, &b = in.b, &m = in.m, &is = in.is;
+  const BnShape& s = in.s;
+  const DType dt = in.dt;
+  at::Tensor grad_x = at::empty(x.sizes(), x.options().memory_format(in.fmt));
   const auto stat = x.options().dtype(at::kFloat);
   at::Tensor grad_weight = at::empty({s.C}, stat), grad_bias = at::empty({s.C}, stat);
   const BnPlan p = make_plan(s, dt, address(x) | address(grad_y) | address(grad_x), num_sms(), BnPass::kBackward);
@@ -204,6 +222,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_relu_bwd_from_sums(const at::T
               "batch_norm_relu backward: sums must be a float32 (chunks, 2, C) tensor on the input's device, got ",
               sums.scalar_type(), " ", sums.sizes());
   return backward_with(grad_y, x, weight, bias, mean, invstd, &sums);
+}
+
+// bn_relu_bwd's reduce and finalize without its input-gradient pass: (consts [6, C] fp32, grad_weight, grad_bias),
+// consts the input gradient's per-channel constants (mean, c_g, c_x, c_0, scale, bias) for
+// mobilenet_dw::depthwise_bwd_normed, which applies that input gradient as it loads its grad_out.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_relu_bwd_consts(const at::Tensor& grad_y_in, const at::Tensor& x_in,
+                                                                  const at::Tensor& weight, const at::Tensor& bias,
+                                                                  const at::Tensor& mean, const at::Tensor& invstd) {
+  const BackwardInputs in(grad_y_in, x_in, weight, bias, mean, invstd);
+  const at::Tensor &x = in.x, &grad_y = in.grad_y, &w = in.w, &b = in.b, &m = in.m, &is = in.is;
+  const BnShape& s = in.s;
+  const DType dt = in.dt;
+  const auto stat = x.options().dtype(at::kFloat);
+  at::Tensor consts = at::empty({6, s.C}, stat);
+  at::Tensor grad_weight = at::empty({s.C}, stat), grad_bias = at::empty({s.C}, stat);
+  const BnPlan p = make_plan(s, dt, address(x) | address(grad_y), num_sms(), BnPass::kBackward);
+  at::Tensor workspace = at::empty({static_cast<int64_t>(workspace_floats(s, p))}, stat);
+  launch_backward_consts(s, p, dt, grad_y.const_data_ptr(), x.const_data_ptr(), w.const_data_ptr<float>(),
+                         b.const_data_ptr<float>(), m.const_data_ptr<float>(), is.const_data_ptr<float>(),
+                         consts.mutable_data_ptr<float>(), grad_weight.mutable_data_ptr<float>(),
+                         grad_bias.mutable_data_ptr<float>(), workspace.mutable_data_ptr<float>(),
+                         c10::cuda::getCurrentCUDAStream());
+  return {consts, grad_weight, grad_bias};
 }
 
 // running_mean, running_var and the batch's mean and var: contiguous fp32 (C,) vectors on one device.
@@ -456,6 +497,11 @@ TORCH_LIBRARY(mobilenet_bn, m) {
   m.def(
       "bn_relu_bwd_from_sums(Tensor grad_y, Tensor x, Tensor weight, Tensor bias, Tensor mean, Tensor invstd, "
       "Tensor sums) -> (Tensor, Tensor, Tensor)");
+  // bn_relu_bwd without its input-gradient pass: that pass's per-channel constants [6, C] instead, for
+  // mobilenet_dw::depthwise_bwd_normed, which applies it as it loads its grad_out.
+  m.def(
+      "bn_relu_bwd_consts(Tensor grad_y, Tensor x, Tensor weight, Tensor bias, Tensor mean, Tensor invstd) "
+      "-> (Tensor, Tensor, Tensor)");
   m.def("bn_local_stats(Tensor x) -> (Tensor, Tensor)");
   m.def("bn_relu_normalize(Tensor x, Tensor weight, Tensor bias, Tensor mean, Tensor invstd) -> Tensor");
   m.def("bn_relu_grad_sums(Tensor grad_y, Tensor x, Tensor weight, Tensor bias, Tensor mean, Tensor invstd) -> Tensor");
@@ -497,6 +543,7 @@ TORCH_LIBRARY_IMPL(mobilenet_bn, CUDA, m) {
   m.impl("bn_stats_update", &mbn::bn_stats_update);
   m.impl("bn_relu_fwd_from_partials", &mbn::bn_relu_fwd_from_partials);
   m.impl("bn_relu_bwd", &mbn::bn_relu_bwd);
+  m.impl("bn_relu_bwd_consts", &mbn::bn_relu_bwd_consts);
   m.impl("bn_relu_bwd_from_sums", &mbn::bn_relu_bwd_from_sums);
   m.impl("bn_update_running_stats", &mbn::bn_update_running_stats);
   m.impl("bn_local_stats", &mbn::bn_local_stats);

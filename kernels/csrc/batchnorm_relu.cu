@@ -50,16 +50,11 @@ __device__ __forceinline__ Pack<typename TT::S, V> load_pack(const typename TT::
 // The arithmetic these kernels share with the depthwise kernels that apply a BatchNorm to their input.
 using mdw::bn_pre_activation;
 using mdw::bn_relu;
+using mdw::bn_relu_input_grad;
 using mdw::bn_scale;
+using mdw::relu_passes;
 
 // --- per-element operations of the reduce passes: sums a (first) and b (second) per channel ----------------------
-
-// Whether y = bn_relu(bn_pre_activation(x)), stored in TT, is > 0: the ReLU's backward mask, recomputed from x (the
-// rounding to TT is part of it: a positive value that underflows to zero let no gradient through in the forward's y).
-template <class TT>
-__device__ __forceinline__ bool relu_passes(float x, float mean, float scale, float bias) {
-  return TT::to_acc(TT::from_acc(bn_pre_activation(x, mean, scale, bias))) > 0.f;
-}
 
 // Forward statistics: a += x - pivot, b += (x - pivot)^2.
 template <class TT>
@@ -96,7 +91,7 @@ struct StatsOp {
 };
 
 // Backward sums with the ReLU's backward folded in: g = grad_y where y > 0 else 0; a += g, b += g * (x - mean).
-// The mask comes from x (relu_passes), so y is not read: two tensors instead of three.
+// The mask comes from x (relu_passes, device_common.h), so y is not read: two tensors instead of three.
 template <class TT>
 struct GradSumsOp {
   using S = typename TT::S;
@@ -203,10 +198,8 @@ struct InputGradOp {
     widen<TT, V>(l.g, gv);
     widen<TT, V>(l.x, xv);
 #pragma unroll
-    for (int i = 0; i < V; ++i) {
-      const float g = relu_passes<TT>(xv[i], k[0][i], k[4][i], k[5][i]) ? gv[i] : 0.f;
-      out[i] = fmaf(k[1][i], g, fmaf(k[2][i], xv[i] - k[0][i], k[3][i]));
-    }
+    for (int i = 0; i < V; ++i)
+      out[i] = bn_relu_input_grad<TT>(gv[i], xv[i], k[0][i], k[1][i], k[2][i], k[3][i], k[4][i], k[5][i]);
     store_vec<TT, V>(grad_x + off, out);
   }
 };
@@ -474,10 +467,13 @@ __global__ void __launch_bounds__(kFinalizeWarps * 32)
 
 // grad_bias = sum(g), grad_weight = sum(g * xhat), and the input gradient's coefficients:
 // grad_x = w * invstd * (g - mean(g) - xhat * mean(g * xhat)) = c_g * g + c_x * (x - mean) + c_0; and the forward's
-// scale again, for the input gradient's ReLU mask.
+// scale again, for the input gradient's ReLU mask. consts (may be null): [6][C], the six constants of the input
+// gradient in OutputGradNorm's order, for a depthwise walk that applies it (c_g, c_x, c_0 and scale then point into
+// it; mean and bias are copied in).
 __global__ void __launch_bounds__(kFinalizeWarps * 32)
     finalize_backward(const float* partial, int chunks, int C, double count, const float* weight, const float* invstd,
-                      float* grad_weight, float* grad_bias, float* c_g, float* c_x, float* c_0, float* scale) {
+                      float* grad_weight, float* grad_bias, float* c_g, float* c_x, float* c_0, float* scale,
+                      const float* mean, const float* bias, float* consts) {
   const int c = finalize_channel();
   if (c >= C) return;
   const ChannelSums s = sum_chunks(partial, chunks, C, c);
@@ -490,6 +486,10 @@ __global__ void __launch_bounds__(kFinalizeWarps * 32)
   c_x[c] = static_cast<float>(-w * is * is * (gw / count));
   c_0[c] = static_cast<float>(-w * is * (s.a / count));
   scale[c] = bn_scale(weight[c], invstd[c]);
+  if (consts != nullptr) {
+    consts[c] = mean[c];
+    consts[5 * static_cast<size_t>(C) + c] = bias[c];
+  }
 }
 
 // The running statistics from this batch's (update_channel). One block: every thread reads the old batch count
@@ -595,11 +595,15 @@ void forward_typed(const BnShape& s, const BnPlan& p, const void* x_, const floa
 template <class TT, int V>
 void backward_typed(const BnShape& s, const BnPlan& p, const void* grad_y_, const void* x_, const float* weight,
                     const float* bias, const float* mean, const float* invstd, void* grad_x, float* grad_weight,
-                    float* grad_bias, float* workspace, const float* sums, int sums_chunks, cudaStream_t stream) {
+                    float* grad_bias, float* workspace, const float* sums, int sums_chunks, float* consts,
+                    cudaStream_t stream) {
   using S = typename TT::S;
   const S* grad_y = static_cast<const S*>(grad_y_);
   const S* x = static_cast<const S*>(x_);
-  const Workspace ws = split_workspace(workspace, s, p);
+  Workspace ws = split_workspace(workspace, s, p);
+  if (consts != nullptr) {  // the constants go to the caller (OutputGradNorm's rows), not to the apply pass
+    for (int j = 0; j < kWorkspaceConstants; ++j) ws.k[j] = consts + static_cast<size_t>(j + 1) * s.C;
+  }
   // The gradient sums: the reduce pass, or given (sums_chunks partials in the reduce's layout).
   if (sums == nullptr) {
     launch_reduce<V>(s, p, GradSumsOp<TT>{grad_y, x, mean, weight, bias, invstd}, ws.partial, stream);
@@ -608,8 +612,9 @@ void backward_typed(const BnShape& s, const BnPlan& p, const void* grad_y_, cons
   }
   finalize_backward<<<finalize_blocks(s.C), kFinalizeBlock, 0, stream>>>(
       sums, sums_chunks, s.C, static_cast<double>(s.N) * s.HW, weight, invstd, grad_weight, grad_bias, ws.k[0],
-      ws.k[1], ws.k[2], ws.k[3]);
+      ws.k[1], ws.k[2], ws.k[3], mean, bias, consts);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (consts != nullptr) return;
   const InputGradOp<TT> op{grad_y, x, static_cast<S*>(grad_x), {mean, ws.k[0], ws.k[1], ws.k[2], ws.k[3], bias}};
   launch_apply<V>(s, p, op, stream);
 }
@@ -716,7 +721,15 @@ void launch_backward(const BnShape& s, const BnPlan& p, DType dt, const void* gr
                      const float* bias, const float* mean, const float* invstd, void* grad_x, float* grad_weight,
                      float* grad_bias, float* workspace, cudaStream_t stream) {
   dispatch<BackwardLaunch>(dt, p.vec, s, p, grad_y, x, weight, bias, mean, invstd, grad_x, grad_weight, grad_bias,
-                           workspace, static_cast<const float*>(nullptr), 0, stream);
+                           workspace, static_cast<const float*>(nullptr), 0, static_cast<float*>(nullptr), stream);
+}
+
+void launch_backward_consts(const BnShape& s, const BnPlan& p, DType dt, const void* grad_y, const void* x,
+                            const float* weight, const float* bias, const float* mean, const float* invstd,
+                            float* consts, float* grad_weight, float* grad_bias, float* workspace,
+                            cudaStream_t stream) {
+  dispatch<BackwardLaunch>(dt, p.vec, s, p, grad_y, x, weight, bias, mean, invstd, static_cast<void*>(nullptr),
+                           grad_weight, grad_bias, workspace, static_cast<const float*>(nullptr), 0, consts, stream);
 }
 
 void launch_backward_from_sums(const BnShape& s, const BnPlan& p, DType dt, const void* grad_y, const void* x,
@@ -724,7 +737,7 @@ void launch_backward_from_sums(const BnShape& s, const BnPlan& p, DType dt, cons
                                const float* sums, int chunks, void* grad_x, float* grad_weight, float* grad_bias,
                                float* workspace, cudaStream_t stream) {
   dispatch<BackwardLaunch>(dt, p.vec, s, p, grad_y, x, weight, bias, mean, invstd, grad_x, grad_weight, grad_bias,
-                           workspace, sums, chunks, stream);
+                           workspace, sums, chunks, static_cast<float*>(nullptr), stream);
 }
 
 void launch_update_running_stats(int C, const float* mean, const float* var, int64_t count, double momentum,
@@ -913,7 +926,8 @@ void input_grad_typed(const BnShape& s, const BnPlan& p, const void* grad_y, con
   float* k[kSyncInputGradConstants];
   for (int j = 0; j < kSyncInputGradConstants; ++j) k[j] = workspace + static_cast<size_t>(j) * s.C;
   finalize_backward<<<finalize_blocks(s.C), kFinalizeBlock, 0, stream>>>(grad_means, 1, s.C, 1.0, weight, invstd,
-                                                                           k[0], k[1], k[2], k[3], k[4], k[5]);
+                                                                           k[0], k[1], k[2], k[3], k[4], k[5],
+                                                                           nullptr, nullptr, nullptr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const InputGradOp<TT> op{static_cast<const S*>(grad_y), static_cast<const S*>(x), static_cast<S*>(grad_x),
                            {mean, k[2], k[3], k[4], k[5], bias}};

@@ -89,6 +89,14 @@ void launch_backward_from_sums(const BnShape& s, const BnPlan& p, DType dt, cons
                                const float* sums, int chunks, void* grad_x, float* grad_weight, float* grad_bias,
                                float* workspace, cudaStream_t stream);
 
+// launch_backward's reduce and finalize without its apply pass: grad_weight, grad_bias, and consts [6][C] fp32, the
+// input gradient's per-channel constants in mdw::OutputGradNorm's order (mean, c_g, c_x, c_0, scale, bias), for a
+// depthwise backward walk that applies that input gradient as it loads its grad_out (mdw::launch_bwd_normed).
+void launch_backward_consts(const BnShape& s, const BnPlan& p, DType dt, const void* grad_y, const void* x,
+                            const float* weight, const float* bias, const float* mean, const float* invstd,
+                            float* consts, float* grad_weight, float* grad_bias, float* workspace,
+                            cudaStream_t stream);
+
 // nn.BatchNorm2d's running-statistics update from this batch's mean and biased variance over `count` values per
 // channel: num_batches_tracked += 1, then running = (1 - f) * running + f * batch (var made unbiased), where
 // f = momentum, or 1 / num_batches_tracked when momentum < 0 (nn.BatchNorm2d's momentum=None).

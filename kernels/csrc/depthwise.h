@@ -48,6 +48,17 @@ struct InputNorm {
   const float* bias = nullptr;
 };
 
+// The BatchNorm + ReLU of the layer after a depthwise convolution, whose backward the NHWC 3x3 backward walks apply
+// as they load grad_out: given the gradient of that BatchNorm's output in place of grad_out, they compute each
+// grad_out word from it and from x, the BatchNorm's input (the convolution's output), with the per-channel constants
+// of the BatchNorm's backward, so that its input gradient (grad_out) is never written (WordGradNorm,
+// device_common.h). consts: [6][C] fp32, rows mean, c_g, c_x, c_0, scale, bias (mobilenet_bn::bn_relu_bwd_consts).
+struct OutputGradNorm {
+  const void* x = nullptr;
+  const float* consts = nullptr;
+  int C = 0;
+};
+
 // The activations the forward epilogue can apply; values match the op schema's `activation` argument.
 enum Act : int { kActNone = 0, kActReLU = 1, kActReLU6 = 2 };
 
@@ -81,13 +92,14 @@ void launch_wgrad_normed(const DepthwiseShape& s, DType dt, const void* grad_out
 // launch will ask for them). sums (the walks only; may be null): that BatchNorm backward's per-channel sums of
 // grad_input where the ReLU passed, sum(g) and sum(g * (y - mean)), as partials [bwd_normed_sums_chunks][2][C] fp32
 // (mobilenet_bn::bn_relu_bwd_from_sums takes them instead of its reduce pass); bwd_normed_sums_chunks is 0 where no
-// walk gives them.
+// walk gives them. out_norm (may be null; only where the walks give the sums, with sums): grad_out is the gradient of
+// the BatchNorm + ReLU after the convolution, whose input gradient the walks apply to it as they load it.
 bool bwd_normed_one_walk(const DepthwiseShape& s);
 size_t bwd_normed_workspace_elems(const DepthwiseShape& s, DType dt, bool sums);
 int bwd_normed_sums_chunks(const DepthwiseShape& s, DType dt);
 void launch_bwd_normed(const DepthwiseShape& s, DType dt, const void* grad_out, const void* y, const void* w,
                        const InputNorm& norm, void* grad_input, void* workspace, void* grad_weight, float* sums,
-                       cudaStream_t stream);
+                       const OutputGradNorm* out_norm, cudaStream_t stream);
 
 // grad_input from grad_out (gather over the taps that touch each input pixel).
 void launch_dgrad(const DepthwiseShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,

@@ -249,11 +249,12 @@ int bwd_normed_sums_chunks(const DepthwiseShape& g, DType dt) {
 }
 
 void launch_bwd_normed(const DepthwiseShape& g, DType dt, const void* go, const void* y, const void* w,
-                       const InputNorm& norm, void* gx, void* ws, void* gw, float* sums, cudaStream_t stream) {
+                       const InputNorm& norm, void* gx, void* ws, void* gw, float* sums,
+                       const OutputGradNorm* out_norm, cudaStream_t stream) {
   ConvShape s;
   if (!narrow_shape(g, &s)) return;
   if (bwd_normed_one_walk(g) || (sums != nullptr && bwd_normed_s2_walk(g))) {
-    const int chunks = backward_input_row_normed(s, dt, go, y, w, norm, gx, ws, sums, stream);
+    const int chunks = backward_input_row_normed(s, dt, go, y, w, norm, gx, ws, sums, out_norm, stream);
     return weight_grad_finalize(s, dt, ws, chunks, gw, nullptr, stream);
   }
   launch_dgrad(g, dt, go, w, gx, stream);

@@ -78,10 +78,12 @@ int weight_grad_column_normed(const ConvShape& s, DType dt, const void* grad_out
 // Stride 1, padding 1: the normalizing input-row walk that also writes the input gradient (of relu(batch_norm(y)))
 // from the grad_out words it holds; stage 1 of the weight gradient as above. sums (may be null): the BatchNorm +
 // ReLU backward's per-channel sums of that gradient, [chunks][2][C] fp32. Stride 2, padding 1: the stride-2 walk
-// (a lane per input row), which always gives the sums (not null).
+// (a lane per input row), which always gives the sums (not null). out_norm (may be null; with sums): grad_out is the
+// gradient of that BatchNorm + ReLU after the convolution, whose input gradient the walk applies as it loads it.
 int backward_input_row_normed_chunks(const ConvShape& s, DType dt);
 int backward_input_row_normed(const ConvShape& s, DType dt, const void* grad_out, const void* y, const void* w,
-                              const InputNorm& norm, void* grad_input, void* ws, float* sums, cudaStream_t stream);
+                              const InputNorm& norm, void* grad_input, void* ws, float* sums,
+                              const OutputGradNorm* out_norm, cudaStream_t stream);
 // 5x5 or 7x7, stride 1 or 2, 16/32-bit, one kernel row per lane. NHWC (whole 32-bit words of channels): a lane walks
 // one output row; NCHW (16-bit: W and OW even): a lane takes 4 columns of one output row.
 int weight_grad_column_k57_chunks(const ConvShape& s, DType dt);

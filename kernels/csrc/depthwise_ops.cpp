@@ -155,6 +155,14 @@ void check_like_output(const char* op, const char* name, const at::Tensor& t, co
               " tensor on ", y.device(), ", got ", t.scalar_type(), " ", t.sizes());
 }
 
+// The per-channel constants of the BatchNorm after the convolution: a float32 (6, C) tensor on y's device.
+void check_out_consts(const char* op, const at::Tensor& t, int64_t C, const at::Tensor& y) {
+  const bool ok = t.scalar_type() == at::kFloat && t.dim() == 2 && t.size(0) == 6 && t.size(1) == C &&
+                  t.device() == y.device();
+  TORCH_CHECK(ok, op, ": out_consts must be a float32 (6, ", C, ") tensor on ", y.device(), ", got ", t.scalar_type(),
+              " ", t.sizes(), " on ", t.device());
+}
+
 constexpr const char* kNormedCases =
     "only channels_last 3x3 depthwise convolutions (one filter per channel) with stride 1 or 2, dilation 1 and whole "
     "32-bit words of channels (float32, or an even number of 16-bit channels) are supported";
@@ -211,22 +219,44 @@ at::Tensor depthwise_wgrad_normed(const at::Tensor& grad_out, const at::Tensor& 
 // (launch_bwd_normed), and with grad_sums also gives that BatchNorm backward's sums as partials [chunks, 2, C] fp32
 // (for mobilenet_bn::bn_relu_bwd_from_sums); at stride 2 and padding 1 grad_sums asks for the stride-2 walk, which
 // gives all three; elsewhere, or without grad_sums, sums is empty.
+// out_x and out_consts (both or neither; with grad_sums, where a walk gives the sums): grad_out is the gradient of
+// the BatchNorm + ReLU after the convolution, out_x that BatchNorm's input (the convolution's output) and out_consts
+// its backward's per-channel constants [6, C] fp32 (mobilenet_bn::bn_relu_bwd_consts); the walk computes the
+// convolution's output gradient from them as it loads it, bitwise what mobilenet_bn::bn_relu_bwd would have written.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_bwd_normed(
     const at::Tensor& grad_out, const at::Tensor& y_in, const at::Tensor& w_in, const at::Tensor& mean,
     const at::Tensor& invstd, const at::Tensor& norm_weight, const at::Tensor& norm_bias, at::IntArrayRef stride,
-    at::IntArrayRef padding, bool grad_sums) {
+    at::IntArrayRef padding, bool grad_sums, const std::optional<at::Tensor>& out_x,
+    const std::optional<at::Tensor>& out_consts) {
   const char* op = "depthwise_bwd_normed";
   const c10::MemoryFormat fmt = layout_of(y_in);
   const int64_t dilation[2] = {1, 1};
   const DepthwiseShape s = check_and_shape(y_in, w_in, stride, padding, dilation, fmt);
   check_like_output(op, "grad_out", grad_out, s, y_in);
+  TORCH_CHECK(out_x.has_value() == out_consts.has_value(), op, ": out_x and out_consts come together (the BatchNorm "
+              "after the convolution), got only ", out_x.has_value() ? "out_x" : "out_consts");
+  if (out_x.has_value()) check_like_output(op, "out_x", *out_x, s, y_in);
   c10::cuda::CUDAGuard guard(y_in.device());
   const at::Tensor y = in_layout(y_in, fmt);
   const at::Tensor go = in_layout(grad_out, fmt);
+  at::Tensor ox, oc;
+  OutputGradNorm out_norm;
+  if (out_x.has_value()) {
+    TORCH_CHECK(grad_sums && bwd_normed_sums_chunks(s, to_dtype(y.scalar_type())) > 0, op,
+                ": out_x (the BatchNorm after the convolution) is applied by the walks that give the sums: grad_sums "
+                "and a 3x3 convolution of stride 1 or 2 with padding 1");
+    check_out_consts(op, *out_consts, s.C, y);
+    ox = in_layout(*out_x, fmt);
+    oc = out_consts->contiguous();
+    out_norm.x = ox.const_data_ptr();
+    out_norm.consts = oc.const_data_ptr<float>();
+    out_norm.C = static_cast<int>(s.C);
+  }
   const at::Tensor w = w_in.contiguous();
   const InputNorm norm = input_norm_of(op, y, mean, invstd, norm_weight, norm_bias);
   const DType dt = to_dtype(y.scalar_type());
   TORCH_CHECK(go.numel() > 0 && normed_fits(s, dt, go.const_data_ptr(), y.const_data_ptr()), op, ": ", kNormedCases);
+  TORCH_CHECK(!ox.defined() || normed_fits(s, dt, ox.const_data_ptr(), y.const_data_ptr()), op, ": ", kNormedCases);
   at::Tensor grad_input = at::empty(y.sizes(), y.options().memory_format(fmt));
   at::Tensor grad_weight = at::empty(w.sizes(), w.options());
   const at::Tensor workspace =
@@ -235,7 +265,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_bwd_normed(
   at::Tensor sums = at::empty({chunks, chunks > 0 ? 2 : 0, chunks > 0 ? s.C : 0}, y.options().dtype(at::kFloat));
   launch_bwd_normed(s, dt, go.const_data_ptr(), y.const_data_ptr(), w.const_data_ptr(), norm,
                     grad_input.mutable_data_ptr(), workspace.mutable_data_ptr(), grad_weight.mutable_data_ptr(),
-                    chunks > 0 ? sums.mutable_data_ptr<float>() : nullptr, c10::cuda::getCurrentCUDAStream().stream());
+                    chunks > 0 ? sums.mutable_data_ptr<float>() : nullptr, ox.defined() ? &out_norm : nullptr,
+                    c10::cuda::getCurrentCUDAStream().stream());
   return {grad_input, grad_weight, sums};
 }
 
@@ -319,10 +350,12 @@ TORCH_LIBRARY(mobilenet_dw, m) {
       "Tensor norm_bias, int[2] stride, int[2] padding) -> Tensor");
   // Both gradients of the normalizing forward (grad_input that of relu(batch_norm(y))), at stride 1 in one walk, which
   // with grad_sums also returns the BatchNorm backward's sums of grad_input, as the stride-2 walk does (else an empty
-  // tensor).
+  // tensor). With out_x and out_consts grad_out is the gradient of the BatchNorm + ReLU after the convolution, whose
+  // input gradient the walks apply as they load it.
   m.def(
       "depthwise_bwd_normed(Tensor grad_out, Tensor y, Tensor w, Tensor mean, Tensor invstd, Tensor norm_weight, "
-      "Tensor norm_bias, int[2] stride, int[2] padding, bool grad_sums=False) -> (Tensor, Tensor, Tensor)");
+      "Tensor norm_bias, int[2] stride, int[2] padding, bool grad_sums=False, Tensor? out_x=None, "
+      "Tensor? out_consts=None) -> (Tensor, Tensor, Tensor)");
   m.def("bwd_normed_sums_rows(int n, int c, int h, int w, int stride, ScalarType dtype) -> int",
         &mdw::bwd_normed_sums_rows);
   // The launch knobs (MDW_* environment, launch_plan.h) are read once and kept; this re-reads them.

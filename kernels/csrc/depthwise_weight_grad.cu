@@ -513,21 +513,25 @@ struct InputRowLane {
 // grad_input there, summed in the order of the rotated-kernel column walk (stencil_3x3.cuh, FLIP), hence the same
 // bits as depthwise_bwd's input gradient, and grad_out is read once for both gradients instead of twice.
 // DGRAD holds the lane's 9 x V fp32 weights more: 16-bit at 2 blocks per SM (128 registers; ptxas of nvcc 13.0 for
-// sm_90 reports 114-115, 119-120 with SUMS), fp32 at 3 (85; 80 used).
+// sm_90 reports 114-115, 119-120 with SUMS, 128 with GNORM, no spills), fp32 at 3 (85; 77-80 used).
 // SUMS (with DGRAD): the lane also has y's word at (ih, iw), so it sums the BatchNorm + ReLU backward's per-channel
 // sums there, sum(g) and sum(g * (y - mean)) with g = grad_input as stored where the ReLU passed (the normalized
 // word > 0 is the mask bn_relu_bwd recomputes), into sums[chunk][2][C] (batchnorm_relu.cu's partial layout), so that
 // the BatchNorm's backward skips its reduce pass over grad_input and y.
+// GNORM (with SUMS): go is the gradient of the BatchNorm + ReLU after the convolution (out_norm), and each grad_out
+// word is computed from it and that BatchNorm's input as it is loaded (WordGradNorm): the same grad_out bits as that
+// BatchNorm's input-gradient pass, which then does not run.
 template <bool DGRAD, int V>
 constexpr int kInputRowMinBlocks = DGRAD ? (V == 1 ? 3 : 2) : kWgradColumnMinBlocks<true, V>;
 
-template <class TT, int U, int V, bool DGRAD = false, bool SUMS = false>
+template <class TT, int U, int V, bool DGRAD = false, bool SUMS = false, bool GNORM = false>
 __global__ void __launch_bounds__(256, kInputRowMinBlocks<DGRAD, V>)
     wgrad_nhwc_input_row_kernel(const uint32_t* __restrict__ go, const uint32_t* __restrict__ x,
                                 float* __restrict__ ws, ConvShape s, Tiling t, InputNorm input_norm,
                                 const typename TT::S* __restrict__ w, uint32_t* __restrict__ gx,
-                                float* __restrict__ sums) {
+                                float* __restrict__ sums, OutputGradNorm out_norm) {
   static_assert(DGRAD || !SUMS, "the sums are of the input gradient the walk writes");
+  static_assert(SUMS || !GNORM, "the walk that applies the BatchNorm after the convolution is the sums walk");
   constexpr int K = 3, KK = K * K;
   extern __shared__ float red[];  // [warps][lanes_c][(KK + 1) * V]
 
@@ -541,9 +545,11 @@ __global__ void __launch_bounds__(256, kInputRowMinBlocks<DGRAD, V>)
   float bn_sums[2][V];  // SUMS: sum(g), sum(g * (y - mean))
   fill(bn_sums, 0.f);
   WordNorm<TT, V, true> norm;
+  WordGradNorm<TT, V, GNORM> gnorm;
   float wr[DGRAD ? KK : 1][V];  // DGRAD: the lane's weights, fp32
   if (active) {
     norm.setup(input_norm, cw * V);
+    gnorm.setup(out_norm, cw * V);
     if constexpr (DGRAD) {
 #pragma unroll
       for (int v = 0; v < V; ++v)
@@ -558,10 +564,13 @@ __global__ void __launch_bounds__(256, kInputRowMinBlocks<DGRAD, V>)
       if (r >= rows) continue;
       const int n = r / s.H, ih = r - n * s.H;
       const uint32_t* xp = x + static_cast<size_t>(r) * s.W * words + cw;
-      const uint32_t* gn = go + static_cast<size_t>(n) * s.OH * s.OW * words + cw;
+      const size_t g_base = static_cast<size_t>(n) * s.OH * s.OW * words + cw;
+      const uint32_t* gn = go + g_base;
+      const uint32_t* zn = GNORM ? static_cast<const uint32_t*>(out_norm.x) + g_base : nullptr;
       uint32_t* gxp = DGRAD ? gx + static_cast<size_t>(r) * s.W * words + cw : nullptr;
       asm("" : "+l"(xp));
       asm("" : "+l"(gn));
+      if constexpr (GNORM) asm("" : "+l"(zn));
       if constexpr (DGRAD) asm("" : "+l"(gxp));
       // Output row ih + 1 - kh of kernel row kh: its first word from gn, or -1 outside the output.
       int g_off[K];
@@ -578,13 +587,15 @@ __global__ void __launch_bounds__(256, kInputRowMinBlocks<DGRAD, V>)
 #pragma unroll
       for (int kh = 0; kh < K; ++kh) {
         uint32_t w0 = 0u;
-        if (g_off[kh] >= 0) w0 = __ldg(gn + g_off[kh]);
+        if (g_off[kh] >= 0) w0 = gnorm.load(gn, zn, g_off[kh]);
         widen_word<TT, V>(w0, held[kh][0]);
 #pragma unroll
         for (int v = 0; v < V; ++v) held[kh][1][v] = 0.f;
       }
       for (int t0 = 0; t0 < s.W; t0 += U) {
         uint32_t xraw[U], graw[U][K];
+        uint32_t zraw[GNORM ? U : 1][K];  // GNORM: the next BatchNorm's input words beside graw's
+        unsigned gvalid = 0u;             // GNORM: bit u * K + kh, graw[u][kh] lies inside grad_out
         // Inside: every row exists and every step's input column and new grad_out column lie inside.
         const bool inside = rows_inside && t0 + U < s.W;
 #pragma unroll
@@ -595,10 +606,17 @@ __global__ void __launch_bounds__(256, kInputRowMinBlocks<DGRAD, V>)
           } else {
             xraw[u] = (inside || iw < s.W) ? norm(__ldg(xp + iw * words)) : 0u;
           }
+          // All loads first, as predicated loads; GNORM's arithmetic waits for the second loop.
 #pragma unroll
-          for (int kh = 0; kh < K; ++kh)
-            graw[u][kh] = (inside || (g_off[kh] >= 0 && iw + 1 < s.OW)) ? __ldg(gn + (g_off[kh] + (iw + 1) * words))
-                                                                         : 0u;
+          for (int kh = 0; kh < K; ++kh) {
+            const bool ok = inside || (g_off[kh] >= 0 && iw + 1 < s.OW);
+            const int off = g_off[kh] + (iw + 1) * words;
+            graw[u][kh] = ok ? __ldg(gn + off) : 0u;
+            if constexpr (GNORM) {
+              zraw[u][kh] = ok ? __ldg(zn + off) : 0u;
+              gvalid |= static_cast<unsigned>(ok) << (u * K + kh);
+            }
+          }
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -609,7 +627,11 @@ __global__ void __launch_bounds__(256, kInputRowMinBlocks<DGRAD, V>)
             widen_word<TT, V>(xraw[u], xv);
           }
 #pragma unroll
-          for (int kh = 0; kh < K; ++kh) widen_word<TT, V>(graw[u][kh], fresh[kh]);
+          for (int kh = 0; kh < K; ++kh) {
+            uint32_t word = graw[u][kh];
+            if constexpr (GNORM) word = (gvalid >> (u * K + kh) & 1u) ? gnorm.apply(word, zraw[u][kh]) : 0u;
+            widen_word<TT, V>(word, fresh[kh]);
+          }
           if constexpr (DGRAD) {
             // grad_input(ih, iw): rotated-kernel taps (kr, kc) in row-major order, that is grad_out row ih + 1 - kh
             // for kh = 2, 1, 0, and in each row the columns iw - 1, iw, iw + 1 (held[1], held[0], fresh).
@@ -654,18 +676,18 @@ __global__ void __launch_bounds__(256, kInputRowMinBlocks<DGRAD, V>)
   }
 }
 
-template <class TT, bool DGRAD = false, bool SUMS = false>
+template <class TT, bool DGRAD = false, bool SUMS = false, bool GNORM = false>
 void run_wgrad_input_row(const ConvShape& s, const WgradPlan& p, const void* go, const void* y, float* ws,
                          cudaStream_t stream, const InputNorm& norm, const void* w = nullptr, void* gx = nullptr,
-                         float* sums = nullptr) {
+                         float* sums = nullptr, const OutputGradNorm& out_norm = {}) {
   constexpr int K = 3;
   constexpr int VW = 4 / sizeof(typename TT::S);
   const Tiling& t = p.tiling;
   const size_t smem = partials_smem_bytes(t, K * K, VW);
   const dim3 grid(t.groups * p.chunks);
-  wgrad_nhwc_input_row_kernel<TT, 4, VW, DGRAD, SUMS><<<grid, t.block, smem, stream>>>(
+  wgrad_nhwc_input_row_kernel<TT, GNORM ? 2 : 4, VW, DGRAD, SUMS, GNORM><<<grid, t.block, smem, stream>>>(
       static_cast<const uint32_t*>(go), static_cast<const uint32_t*>(y), ws, s, t, norm,
-      static_cast<const typename TT::S*>(w), static_cast<uint32_t*>(gx), sums);
+      static_cast<const typename TT::S*>(w), static_cast<uint32_t*>(gx), sums, out_norm);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -679,32 +701,41 @@ void run_wgrad_input_row(const ConvShape& s, const WgradPlan& p, const void* go,
 // input gradient again. NS: the row's kernel rows, 2 (kh 0 and 2: ih odd) or 1 (kh 1: ih even), a branch that is
 // uniform in a warp whenever a warp is one row (32 words of channels or more: every MobileNetV1 layer). U: the column
 // pairs whose loads are issued together (S2_WALK_PAIRS).
-template <class TT, int V, int NS, int U>
-__device__ __forceinline__ void walk_row_s2(const uint32_t* xp, const uint32_t* gn, uint32_t* gxp, const int (&g_off)[2],
-                                            int words, const ConvShape& s, const WordNorm<TT, V, true>& norm,
+template <class TT, int V, int NS, int U, bool GNORM>
+__device__ __forceinline__ void walk_row_s2(const uint32_t* xp, const uint32_t* gn, const uint32_t* zn, uint32_t* gxp,
+                                            const int (&g_off)[2], int words, const ConvShape& s,
+                                            const WordNorm<TT, V, true>& norm, const WordGradNorm<TT, V, GNORM>& gnorm,
                                             const float (&wr)[9][V], float (&acc)[10][V], float (&bn_sums)[2][V]) {
   constexpr int K = 3;
   auto kernel_row = [](int slot) { return NS == 2 ? 2 * slot : 1; };
   float held[NS][V];  // grad_out column q of each output row
 #pragma unroll
-  for (int sl = 0; sl < NS; ++sl) widen_word<TT, V>(g_off[sl] >= 0 ? __ldg(gn + g_off[sl]) : 0u, held[sl]);
+  for (int sl = 0; sl < NS; ++sl) widen_word<TT, V>(g_off[sl] >= 0 ? gnorm.load(gn, zn, g_off[sl]) : 0u, held[sl]);
   for (int q0 = 0; 2 * q0 < s.W; q0 += U) {
     uint32_t yraw[U][2], graw[U][NS];
+    uint32_t zraw[GNORM ? U : 1][NS];  // GNORM: the next BatchNorm's input words beside graw's
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int q = q0 + u;
 #pragma unroll
       for (int i = 0; i < 2; ++i) yraw[u][i] = 2 * q + i < s.W ? __ldg(xp + (2 * q + i) * words) : 0u;
 #pragma unroll
-      for (int sl = 0; sl < NS; ++sl)
-        graw[u][sl] = g_off[sl] >= 0 && q + 1 < s.OW ? __ldg(gn + g_off[sl] + (q + 1) * words) : 0u;
+      for (int sl = 0; sl < NS; ++sl) {
+        const bool ok = g_off[sl] >= 0 && q + 1 < s.OW;
+        graw[u][sl] = ok ? __ldg(gn + g_off[sl] + (q + 1) * words) : 0u;
+        if constexpr (GNORM) zraw[u][sl] = ok ? __ldg(zn + g_off[sl] + (q + 1) * words) : 0u;
+      }
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int q = q0 + u;
       float fresh[NS][V];
 #pragma unroll
-      for (int sl = 0; sl < NS; ++sl) widen_word<TT, V>(graw[u][sl], fresh[sl]);
+      for (int sl = 0; sl < NS; ++sl) {
+        uint32_t word = graw[u][sl];
+        if constexpr (GNORM) word = g_off[sl] >= 0 && q + 1 < s.OW ? gnorm.apply(word, zraw[u][sl]) : 0u;
+        widen_word<TT, V>(word, fresh[sl]);
+      }
       float d[2][V];  // grad_input at 2q and 2q + 1
 #pragma unroll
       for (int v = 0; v < V; ++v) d[0][v] = d[1][v] = 0.f;
@@ -748,16 +779,18 @@ __device__ __forceinline__ void walk_row_s2(const uint32_t* xp, const uint32_t* 
 }
 
 // Blocks of 256 per SM: 16-bit at 2 (95 registers with 2 pairs in flight, 102-104 with 4; at 3 blocks, ptxas of nvcc
-// 13.0 for sm_90 spills under the 80-register cap), fp32 at 3 (64).
+// 13.0 for sm_90 spills under the 80-register cap), fp32 at 3 (64). GNORM adds 6 x V constants and a second load per
+// grad_out word: 107-115 registers 16-bit, 72-80 fp32, no spills.
 template <int V>
 constexpr int kInputRowS2MinBlocks = V == 1 ? 3 : 2;
 
-template <class TT, int V, int U>
+// GNORM: go is the gradient of the BatchNorm + ReLU after the convolution, as in the stride-1 walk.
+template <class TT, int V, int U, bool GNORM = false>
 __global__ void __launch_bounds__(256, kInputRowS2MinBlocks<V>)
     bwd_nhwc_input_row_s2_kernel(const uint32_t* __restrict__ go, const uint32_t* __restrict__ x,
                                  float* __restrict__ ws, ConvShape s, Tiling t, InputNorm input_norm,
                                  const typename TT::S* __restrict__ w, uint32_t* __restrict__ gx,
-                                 float* __restrict__ sums) {
+                                 float* __restrict__ sums, OutputGradNorm out_norm) {
   constexpr int KK = 9;
   extern __shared__ float red[];  // [warps][lanes_c][(KK + 1) * V]
   const InputRowLane<V> lane(s, t);
@@ -766,8 +799,10 @@ __global__ void __launch_bounds__(256, kInputRowS2MinBlocks<V>)
   fill(acc, 0.f);
   fill(bn_sums, 0.f);
   WordNorm<TT, V, true> norm;
+  WordGradNorm<TT, V, GNORM> gnorm;
   if (lane.active) {
     norm.setup(input_norm, cw * V);
+    gnorm.setup(out_norm, cw * V);
 #pragma unroll
     for (int v = 0; v < V; ++v)
 #pragma unroll
@@ -777,7 +812,9 @@ __global__ void __launch_bounds__(256, kInputRowS2MinBlocks<V>)
       if (r >= s.N * s.H) continue;
       const int n = r / s.H, ih = r - n * s.H;
       const uint32_t* xp = x + static_cast<size_t>(r) * s.W * words + cw;
-      const uint32_t* gn = go + static_cast<size_t>(n) * s.OH * s.OW * words + cw;
+      const size_t g_base = static_cast<size_t>(n) * s.OH * s.OW * words + cw;
+      const uint32_t* gn = go + g_base;
+      const uint32_t* zn = GNORM ? static_cast<const uint32_t*>(out_norm.x) + g_base : nullptr;
       uint32_t* gxp = gx + static_cast<size_t>(r) * s.W * words + cw;
       const int kh0 = (ih + 1) & 1;
       int g_off[2];  // the first word of output row (ih + 1 - kh) / 2 for kh = kh0, kh0 + 2; -1 outside
@@ -787,9 +824,9 @@ __global__ void __launch_bounds__(256, kInputRowS2MinBlocks<V>)
         g_off[sl] = kh < 3 && ih + 1 - kh >= 0 && oh < s.OH ? oh * s.OW * words : -1;
       }
       if (kh0 == 0) {
-        walk_row_s2<TT, V, 2, U>(xp, gn, gxp, g_off, words, s, norm, wr, acc, bn_sums);
+        walk_row_s2<TT, V, 2, U, GNORM>(xp, gn, zn, gxp, g_off, words, s, norm, gnorm, wr, acc, bn_sums);
       } else {
-        walk_row_s2<TT, V, 1, U>(xp, gn, gxp, g_off, words, s, norm, wr, acc, bn_sums);
+        walk_row_s2<TT, V, 1, U, GNORM>(xp, gn, zn, gxp, g_off, words, s, norm, gnorm, wr, acc, bn_sums);
       }
     }
   }
@@ -1079,25 +1116,31 @@ static WgradPlan plan_input_row_backward(const ConvShape& s, DType dt) {
 
 int backward_input_row_normed_chunks(const ConvShape& s, DType dt) { return plan_input_row_backward(s, dt).chunks; }
 
-template <class TT>
+template <class TT, bool GNORM>
 void run_bwd_input_row_s2(const ConvShape& s, DType dt, const WgradPlan& p, const void* go, const void* y,
-                          const void* w, const InputNorm& norm, void* gx, float* ws, float* sums, cudaStream_t stream) {
+                          const void* w, const InputNorm& norm, void* gx, float* ws, float* sums,
+                          const OutputGradNorm& out_norm, cudaStream_t stream) {
   constexpr int VW = 4 / sizeof(typename TT::S);
   const Tiling& t = p.tiling;
   const size_t smem = partials_smem_bytes(t, 9, VW);
-  auto kernel = knob(Knob::kS2WalkPairs, dt) == 4 ? bwd_nhwc_input_row_s2_kernel<TT, VW, 4>
-                                                        : bwd_nhwc_input_row_s2_kernel<TT, VW, 2>;
+  auto kernel = knob(Knob::kS2WalkPairs, dt) == 4 ? bwd_nhwc_input_row_s2_kernel<TT, VW, 4, GNORM>
+                                                        : bwd_nhwc_input_row_s2_kernel<TT, VW, 2, GNORM>;
   kernel<<<dim3(t.groups * p.chunks), t.block, smem, stream>>>(
       static_cast<const uint32_t*>(go), static_cast<const uint32_t*>(y), ws, s, t, norm,
-      static_cast<const typename TT::S*>(w), static_cast<uint32_t*>(gx), sums);
+      static_cast<const typename TT::S*>(w), static_cast<uint32_t*>(gx), sums, out_norm);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <class TT>
 void backward_input_row_t(const ConvShape& s, DType dt, const WgradPlan& p, const void* go, const void* y,
-                          const void* w, const InputNorm& norm, void* gx, float* ws, float* sums, cudaStream_t st) {
-  if (s.SH == 2) {
-    run_bwd_input_row_s2<TT>(s, dt, p, go, y, w, norm, gx, ws, sums, st);
+                          const void* w, const InputNorm& norm, void* gx, float* ws, float* sums,
+                          const OutputGradNorm* out_norm, cudaStream_t st) {
+  if (s.SH == 2 && out_norm != nullptr) {
+    run_bwd_input_row_s2<TT, true>(s, dt, p, go, y, w, norm, gx, ws, sums, *out_norm, st);
+  } else if (s.SH == 2) {
+    run_bwd_input_row_s2<TT, false>(s, dt, p, go, y, w, norm, gx, ws, sums, {}, st);
+  } else if (out_norm != nullptr) {
+    run_wgrad_input_row<TT, true, true, true>(s, p, go, y, ws, st, norm, w, gx, sums, *out_norm);
   } else if (sums != nullptr) {
     run_wgrad_input_row<TT, true, true>(s, p, go, y, ws, st, norm, w, gx, sums);
   } else {
@@ -1106,13 +1149,14 @@ void backward_input_row_t(const ConvShape& s, DType dt, const WgradPlan& p, cons
 }
 
 int backward_input_row_normed(const ConvShape& s, DType dt, const void* go, const void* y, const void* w,
-                              const InputNorm& norm, void* gx, void* ws, float* sums, cudaStream_t stream) {
+                              const InputNorm& norm, void* gx, void* ws, float* sums, const OutputGradNorm* out_norm,
+                              cudaStream_t stream) {
   const WgradPlan p = plan_input_row_backward(s, dt);
   float* wsf = static_cast<float*>(ws);
   switch (dt) {
-    case DType::F32: backward_input_row_t<F32T>(s, dt, p, go, y, w, norm, gx, wsf, sums, stream); break;
-    case DType::F16: backward_input_row_t<F16T>(s, dt, p, go, y, w, norm, gx, wsf, sums, stream); break;
-    case DType::BF16: backward_input_row_t<BF16T>(s, dt, p, go, y, w, norm, gx, wsf, sums, stream); break;
+    case DType::F32: backward_input_row_t<F32T>(s, dt, p, go, y, w, norm, gx, wsf, sums, out_norm, stream); break;
+    case DType::F16: backward_input_row_t<F16T>(s, dt, p, go, y, w, norm, gx, wsf, sums, out_norm, stream); break;
+    case DType::BF16: backward_input_row_t<BF16T>(s, dt, p, go, y, w, norm, gx, wsf, sums, out_norm, stream); break;
     default: break;  // normed_fits excludes fp64
   }
   return p.chunks;

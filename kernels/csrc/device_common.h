@@ -119,6 +119,58 @@ __device__ __forceinline__ float bn_pre_activation(float x, float mean, float sc
 // NaN stays NaN, as in torch.relu (a NaN output is how GradScaler and the loss see a bad step).
 __device__ __forceinline__ float bn_relu(float v) { return v < 0.f ? 0.f : v; }
 
+// Whether y = bn_relu(bn_pre_activation(x)), stored in TT, is > 0: the ReLU's backward mask, recomputed from x (the
+// rounding to TT is part of it: a positive value that underflows to zero let no gradient through in the forward's y).
+template <class TT>
+__device__ __forceinline__ bool relu_passes(float x, float mean, float scale, float bias) {
+  return TT::to_acc(TT::from_acc(bn_pre_activation(x, mean, scale, bias))) > 0.f;
+}
+
+// The BatchNorm + ReLU backward's input gradient at one element, from its output gradient g and input x:
+// c_g * g' + c_x * (x - mean) + c_0 with g' = g where the ReLU passed, else 0 (k: the six constants of
+// batchnorm_relu.cu's finalize_backward, in OutputGradNorm's order: mean, c_g, c_x, c_0, scale, bias).
+template <class TT>
+__device__ __forceinline__ float bn_relu_input_grad(float g, float x, float mean, float c_g, float c_x, float c_0,
+                                                    float scale, float bias) {
+  const float gm = relu_passes<TT>(x, mean, scale, bias) ? g : 0.f;
+  return fmaf(c_g, gm, fmaf(c_x, __fsub_rn(x, mean), c_0));
+}
+
+// A lane's grad_out words computed from the BatchNorm + ReLU after the convolution (OutputGradNorm, depthwise.h): the
+// gradient of that BatchNorm's output and its input, both at the word, give the word batchnorm_relu.cu's input-gradient
+// pass would have stored, so the walk reads bitwise its grad_out and that grad_out is never written. A word outside
+// the output is not an output word: the caller keeps it zero. ON = false: the word as loaded (no registers).
+template <class TT, int V, bool ON>
+struct WordGradNorm {
+  __device__ __forceinline__ void setup(const OutputGradNorm&, int) {}
+  __device__ __forceinline__ uint32_t load(const uint32_t* g, const uint32_t*, size_t off) const { return __ldg(g + off); }
+  __device__ __forceinline__ uint32_t apply(uint32_t g, uint32_t) const { return g; }
+};
+template <class TT, int V>
+struct WordGradNorm<TT, V, true> {
+  float k[6][V];
+  __device__ __forceinline__ void setup(const OutputGradNorm& n, int c0) {
+#pragma unroll
+    for (int j = 0; j < 6; ++j)
+#pragma unroll
+      for (int v = 0; v < V; ++v) k[j][v] = __ldg(n.consts + static_cast<size_t>(j) * n.C + c0 + v);
+  }
+  // g: the BatchNorm's output gradient word, x: its input word.
+  __device__ __forceinline__ uint32_t apply(uint32_t g, uint32_t x) const {
+    float gv[V], xv[V];
+    widen_word<TT, V>(g, gv);
+    widen_word<TT, V>(x, xv);
+#pragma unroll
+    for (int v = 0; v < V; ++v)
+      gv[v] = bn_relu_input_grad<TT>(gv[v], xv[v], k[0][v], k[1][v], k[2][v], k[3][v], k[4][v], k[5][v]);
+    return narrow_word<TT, V>(gv);
+  }
+  // Both words at the same offset, then apply.
+  __device__ __forceinline__ uint32_t load(const uint32_t* g, const uint32_t* x, size_t off) const {
+    return apply(__ldg(g + off), __ldg(x + off));
+  }
+};
+
 // A lane's transform of its channels' input words by the InputNorm (depthwise.h) of the layer before: x =
 // relu(bn_pre_activation(y)) rounded to the element type, the word batchnorm_relu.cu's apply pass would have stored,
 // so the convolution sees bitwise the x of the two separate ops and x is never written. Padding is not an input word:
