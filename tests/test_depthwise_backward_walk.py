@@ -1,8 +1,9 @@
 """Tests of norm.apply_in_depthwise's backward walks: mobilenet_dw::depthwise_bwd_normed, both gradients of the
 normalizing depthwise conv in one walk at stride 1, with grad_sums also the BatchNorm backward's gradient sums, which
 mobilenet_bn::bn_relu_bwd_from_sums takes instead of its reduce pass, and at stride 2 with grad_sums the stride-2 walk
-that gives all three (MBN_DEPTHWISE_BACKWARD=sums, the default; =walk without the sums and =separate with the two
-kernels the walk replaces, for A/B runs).
+that gives all three (MBN_DEPTHWISE_BACKWARD=sums, the default; =next_norm adds the BatchNorm after the conv,
+tests/test_next_norm_walk.py; =walk without the sums and =separate with the two kernels the walk replaces, for A/B
+runs).
 
 CPU (CI): a bad MBN_DEPTHWISE_BACKWARD stops the run naming the choices, and the summary names a mode that is not the
 default. GPU (`pytest -m gpu`): both gradients against float64 with outputs poisoned, the input gradient bitwise the
@@ -46,7 +47,8 @@ def backward_mode(monkeypatch):
 
 def test_an_unknown_mode_stops_naming_the_choices(backward_mode):
     backward_mode("both")
-    with pytest.raises(ConfigError, match="MBN_DEPTHWISE_BACKWARD must be one of sums, walk, separate, got 'both'"):
+    with pytest.raises(ConfigError, match="MBN_DEPTHWISE_BACKWARD must be one of sums, next_norm, walk, separate, "
+                                          "got 'both'; unset it for the default \\(sums\\)"):
         depthwise_backward_mode()
     backward_mode(None)
     assert depthwise_backward_mode() == "sums"
@@ -56,7 +58,8 @@ def test_validate_refuses_an_unknown_mode_before_any_work(backward_mode):
     from mobilenet.engine import validate
 
     backward_mode("fused")
-    with pytest.raises(ConfigError, match="MBN_DEPTHWISE_BACKWARD must be one of sums, walk, separate, got 'fused'"):
+    with pytest.raises(ConfigError, match="MBN_DEPTHWISE_BACKWARD must be one of sums, next_norm, walk, separate, "
+                                          "got 'fused'"):
         validate(compose(["backend=custom", "norm=custom", "channels_last=true"]), torch.device("cpu"))
     validate(compose([]), torch.device("cpu"))  # norm=torch reads no such variable
 

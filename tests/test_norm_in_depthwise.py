@@ -395,7 +395,7 @@ def _batch():
 
 
 @gpu
-@pytest.mark.parametrize("backward", ["walk", "sums", "separate"])  # MBN_DEPTHWISE_BACKWARD
+@pytest.mark.parametrize("backward", ["walk", "sums", "next_norm", "separate"])  # MBN_DEPTHWISE_BACKWARD
 @pytest.mark.parametrize("dtype", _DTYPES, ids=lambda d: str(d).split(".")[-1])
 def test_model_step_is_bitwise_the_same_with_the_switch_on(dtype, backward, monkeypatch):
     from mobilenet.norm import depthwise_backward_mode
@@ -410,7 +410,7 @@ def test_model_step_is_bitwise_the_same_with_the_switch_on(dtype, backward, monk
         for _ in range(2):  # the second step starts from the running statistics the first updated
             a, b = _step(off.train(), x, target, dtype), _step(on.train(), x, target, dtype)
             for i, (u, v) in enumerate(zip(a, b)):
-                if backward == "sums" and i in grads:
+                if backward in ("sums", "next_norm") and i in grads:
                     # The BatchNorm backward's sums summed by the walk's grid: every gradient upstream, the
                     # depthwise weights' too, moves by about a rounding of its dtype, amplified where a
                     # BatchNorm's backward cancels (2x2 maps of 16 images at this model's end).
