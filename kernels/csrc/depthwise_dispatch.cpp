@@ -143,9 +143,9 @@ bool k57_nhwc_walk(const ConvShape& s, DType dt, int level) {
   return v < 0 ? s.H >= 28 : v >= level;
 }
 
-bool k57_nchw_walk(const ConvShape& s, DType dt) {
+bool k57_nchw_walk(const ConvShape& s, DType dt, int level) {
   const int v = knob(Knob::kNchwColumnK57, dt);
-  return v < 0 ? !(s.KH == 5 && s.H <= 7) : v == 1;
+  return v < 0 ? !(s.KH == 5 && s.H <= 7) : v >= level;
 }
 
 }  // namespace
@@ -158,7 +158,7 @@ bool k57_nchw_walk(const ConvShape& s, DType dt) {
 //     (-1, the default: inputs of 28 rows or more)
 //   outside the tiled kernels' cases (see tiled_fits)                   generic
 //   NHWC 3x3 s1/s2, whole 32-bit words of channels, FWD_COLUMN >= 1     column walk
-//   NCHW 5x5/7x7 s1/s2, NCHW_COLUMN_K57 = 1                             walk down the columns, partial sums
+//   NCHW 5x5/7x7 s1/s2, NCHW_COLUMN_K57 >= 1                            walk down the columns, partial sums
 //     (-1, the default: all but 5x5 on inputs of 7 rows or fewer)
 //   NCHW 3x3 s1 p1, 16-bit, rows of whole aligned 16-byte vectors       vector loads (the launcher checks)
 //   the rest of the tiled cases                                          tiled
@@ -172,7 +172,7 @@ void launch_forward(const DepthwiseShape& g, DType dt, const void* x, const void
   if (!tiled_fits(s, dt, x, y, nhwc_vec(dt))) return forward_generic(g, dt, x, w, bias, y, stream);
   if (knob(Knob::kFwdColumn, dt) >= 1 && column_fits(s, dt, x, y))
     return forward_nhwc_column(s, dt, x, w, bias, y, stream);
-  if (!s.channels_last && s.KH >= 5 && k57_nchw_walk(s, dt))
+  if (!s.channels_last && s.KH >= 5 && k57_nchw_walk(s, dt, 1))
     return forward_nchw_column_k57(s, dt, x, w, bias, y, stream);
   if (forward_nchw_vec3x3(s, dt, x, w, bias, y, stream)) return;
   forward_tiled(s, dt, x, w, bias, y, stream);
@@ -269,6 +269,8 @@ void launch_bwd_normed(const DepthwiseShape& g, DType dt, const void* go, const 
 //     (-1, the default: inputs of 28 rows or more)
 //   outside the tiled kernels' cases (see tiled_fits)                   generic
 //   NHWC 3x3 s1, whole 32-bit words of channels, FWD_COLUMN >= 2        column walk, kernel rotated
+//   NCHW 5x5/7x7 s1, NCHW_COLUMN_K57 >= 2                               walk down the columns, kernel rotated
+//     (-1, the default: the forward's rule on the rotated shape: all but 5x5 on grad_out of 7 rows or fewer)
 //   NCHW 3x3 s1 p1, 16-bit, rows of whole aligned 16-byte vectors       vector loads, kernel rotated (the launcher checks)
 //   the rest of the tiled cases                                          tiled
 void launch_dgrad(const DepthwiseShape& g, DType dt, const void* go, const void* w, void* gx, cudaStream_t stream) {
@@ -281,6 +283,9 @@ void launch_dgrad(const DepthwiseShape& g, DType dt, const void* go, const void*
   if (!tiled_fits(s, dt, go, gx, nhwc_vec(dt))) return input_grad_generic(g, dt, go, w, gx, stream);
   if (knob(Knob::kFwdColumn, dt) >= 2 && input_grad_column_fits(s, dt, go, gx))
     return input_grad_nhwc_column(s, dt, go, w, gx, stream);
+  if (!s.channels_last && s.KH >= 5 && input_grad_as_forward_fits(s) &&
+      k57_nchw_walk(input_grad_as_forward(s), dt, 2))
+    return input_grad_nchw_column_k57(s, dt, go, w, gx, stream);
   if (input_grad_nchw_vec3x3(s, dt, go, w, gx, stream)) return;
   input_grad_tiled(s, dt, go, w, gx, stream);
 }

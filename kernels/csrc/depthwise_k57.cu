@@ -25,7 +25,9 @@ namespace {
 // (lane = sx + sx_n * (sy + sy_n * q)) over strips of TW columns and segments of `seg` rows. PREFETCH
 // (NCHW_COLUMN_K57_PREFETCH, stride 1): a step issues the next step's loads before its own FMAs, so that at 2 blocks
 // per SM (4 warps per scheduler) their latency hides behind K * K * TW FMAs instead of stalling every step.
-template <class TT, int K, int S, int TW, bool PREFETCH>
+// FLIP: the kernel rotated 180 degrees, no bias and no activation (the stride-1 input gradient, run on
+// input_grad_as_forward's shape with grad_out as the input).
+template <class TT, int K, int S, int TW, bool PREFETCH, bool FLIP = false>
 __global__ void __launch_bounds__(256, 2)
     fwd_nchw_column_k_kernel(const typename TT::S* __restrict__ x, const typename TT::S* __restrict__ w,
                              const typename TT::S* __restrict__ bias, typename TT::S* __restrict__ y, ConvShape s,
@@ -46,8 +48,8 @@ __global__ void __launch_bounds__(256, 2)
 
   float wk[K * K];
 #pragma unroll
-  for (int k = 0; k < K * K; ++k) wk[k] = TT::to_acc(__ldg(w + c * K * K + k));
-  const float bv = bias ? TT::to_acc(__ldg(bias + c)) : 0.f;
+  for (int k = 0; k < K * K; ++k) wk[k] = TT::to_acc(__ldg(w + c * K * K + (FLIP ? K * K - 1 - k : k)));
+  const float bv = !FLIP && bias ? TT::to_acc(__ldg(bias + c)) : 0.f;
   float sum[NO][TW];
 #pragma unroll
   for (int j = 0; j < NO; ++j)
@@ -102,7 +104,8 @@ __global__ void __launch_bounds__(256, 2)
     if (step >= oh_begin) {
 #pragma unroll
       for (int jj = 0; jj < TW; ++jj)
-        if (ow0 + jj < s.OW) yp[static_cast<size_t>(step) * s.OW + jj] = TT::from_acc(activate(sum[0][jj], s.act));
+        if (ow0 + jj < s.OW)
+          yp[static_cast<size_t>(step) * s.OW + jj] = TT::from_acc(FLIP ? sum[0][jj] : activate(sum[0][jj], s.act));
     }
 #pragma unroll
     for (int j = 0; j + 1 < NO; ++j)
@@ -115,7 +118,7 @@ __global__ void __launch_bounds__(256, 2)
 
 // Segments: as few as give every SM about 16 warps of lanes (the plane count and the row width set how many lanes
 // there are), but at least 16 rows each, since each segment repeats the NO - 1 rows before it.
-template <class TT, int K, int S>
+template <class TT, int K, int S, bool FLIP = false>
 void launch_nchw_column_k(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                           cudaStream_t stream) {
   using Sx = typename TT::S;
@@ -130,9 +133,9 @@ void launch_nchw_column_k(const ConvShape& s, DType dt, const void* x, const voi
   const Tiling t = make_tiling(false, ceil_div(s.OH, seg), 0, strips, s.N * s.C);
   const dim3 grid(t.groups * t.tiles_h * t.tiles_w);
   // Stride 1 only: at stride 2 the prefetched rows (2 x 13 scalars at 7x7) spill 42-112 bytes at 128 registers.
-  auto kernel = fwd_nchw_column_k_kernel<TT, K, S, TW, false>;
+  auto kernel = fwd_nchw_column_k_kernel<TT, K, S, TW, false, FLIP>;
   if constexpr (S == 1) {
-    if (knob(Knob::kNchwColumnK57Prefetch, dt) == 1) kernel = fwd_nchw_column_k_kernel<TT, K, S, TW, true>;
+    if (knob(Knob::kNchwColumnK57Prefetch, dt) == 1) kernel = fwd_nchw_column_k_kernel<TT, K, S, TW, true, FLIP>;
   }
   kernel<<<grid, t.block, 0, stream>>>(static_cast<const Sx*>(x), static_cast<const Sx*>(w),
                                        static_cast<const Sx*>(bias), static_cast<Sx*>(y), s, t, seg);
@@ -474,6 +477,16 @@ void forward_nchw_column_k57(const ConvShape& s, DType dt, const void* x, const 
                              cudaStream_t stream) {
   dispatch_k57(s, dt, [&](auto tt, auto k, auto st) {
     launch_nchw_column_k<decltype(tt), decltype(k)::value, decltype(st)::value>(s, dt, x, w, bias, y, stream);
+  });
+}
+
+// The NCHW forward walk on input_grad_as_forward(s), whose input is grad_out; stride 1 only.
+void input_grad_nchw_column_k57(const ConvShape& s, DType dt, const void* go, const void* w, void* gx,
+                                cudaStream_t stream) {
+  const ConvShape f = input_grad_as_forward(s);
+  dispatch_k57(f, dt, [&](auto tt, auto k, auto st) {
+    if constexpr (decltype(st)::value == 1)
+      launch_nchw_column_k<decltype(tt), decltype(k)::value, 1, true>(f, dt, go, w, nullptr, gx, stream);
   });
 }
 

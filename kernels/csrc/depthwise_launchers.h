@@ -51,6 +51,9 @@ void input_grad_nhwc_column(const ConvShape& s, DType dt, const void* grad_out, 
 // NHWC 5x5 or 7x7, stride 1: the forward 5x5/7x7 column walk with the kernel rotated, on input_grad_as_forward(s).
 void input_grad_nhwc_column_k57(const ConvShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,
                                 cudaStream_t stream);
+// NCHW 5x5 or 7x7, stride 1: the NCHW forward walk with the kernel rotated, on input_grad_as_forward(s).
+void input_grad_nchw_column_k57(const ConvShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,
+                                cudaStream_t stream);
 // NHWC 3x3, 5x5 or 7x7, stride 1: the shared-memory tile with the kernel rotated, on input_grad_as_forward(s).
 void input_grad_nhwc_smem(const ConvShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,
                           cudaStream_t stream);

@@ -126,7 +126,8 @@ enum class Knob {
   kFwdColumnDeep,  // 16-bit stride-1 column walks: twice the steps in flight at 3 blocks per SM (1) or not (0)
   kFwdColumnK57,   // NHWC 5x5/7x7 column-walking forward (1), and the stride-1 input gradient too (2); 0: tiled;
                    // -1: by shape (depthwise_dispatch.cpp)
-  kNchwColumnK57,  // NCHW 5x5/7x7 forward walking down the columns (1) or tiled (0); -1: by shape
+  kNchwColumnK57,  // NCHW 5x5/7x7 forward walking down the columns (1), and the stride-1 input gradient too (2);
+                   // 0: tiled; -1: by shape
   kWgradColumnK57,       // 5x5/7x7 weight gradient with a kernel row per lane (bit 0: NHWC column walk, bit 1: NCHW
                          // strips) or tiled (bit clear); -1: NHWC, and NCHW by shape
   kWgradK57BlocksPerSm,  // that walk's blocks per SM (its grid; each block a contiguous run of rows)
