@@ -55,7 +55,8 @@ from .norm_ops import _check_running_update, _check_supported, _check_unbiased_c
 
 load()
 
-__all__ = ["normed_unsupported", "batch_norm_relu_depthwise_conv2d", "batch_norm_relu_depthwise_conv2d_batch_norm_relu"]
+__all__ = ["normed_unsupported", "next_norm_unsupported", "batch_norm_relu_depthwise_conv2d",
+           "batch_norm_relu_depthwise_conv2d_batch_norm_relu"]
 
 _stats = torch.ops.mobilenet_bn.bn_stats.default
 _stats_update = torch.ops.mobilenet_bn.bn_stats_update.default
@@ -183,17 +184,28 @@ class _BatchNormReluDepthwise(torch.autograd.Function):
                 None, None, None, None, None, None)
 
 
+def next_norm_unsupported(y: Tensor, weight: Tensor, bias: Tensor | None, stride, padding) -> str | None:
+    """Why the backward walks cannot also apply the BatchNorm after this convolution, or None when they can: the
+    cases of normed_unsupported at stride 1 or 2 with padding 1 (the walks that give the BatchNorm sums)."""
+    why = normed_unsupported(y, weight, bias, stride, padding)
+    if why is None and (tuple(stride) not in ((1, 1), (2, 2)) or tuple(padding) != (1, 1)):
+        why = (f"the BatchNorm after the convolution is applied by the stride-1 and stride-2 walks with padding 1, got "
+               f"stride {tuple(stride)} and padding {tuple(padding)}")
+    return why
+
+
 def _check_pair(name, y, norm_weight, norm_bias, conv_weight, stride, padding, running_mean, running_var, momentum,
-                sums):
-    """The arguments of a BatchNorm + ReLU + depthwise conv pair checked (ValueError naming what is wrong): returns
-    (conv_weight in y's dtype, stride, padding as int lists, whether the running statistics are updated)."""
+                sums, unsupported=normed_unsupported):
+    """The arguments of a BatchNorm + ReLU + depthwise conv pair checked (ValueError naming what is wrong; the cases
+    `unsupported` refuses): returns (conv_weight in y's dtype, stride, padding as int lists, whether the running
+    statistics are updated)."""
     _check_supported(y, norm_weight, norm_bias)
     if not isinstance(conv_weight, Tensor) or conv_weight.dim() != 4:
         raise ValueError(f"{name}: conv_weight must have shape (C, 1, 3, 3), got "
                          f"{tuple(getattr(conv_weight, 'shape', ()))}")
     conv_weight = conv_weight.to(y.dtype)
     stride, padding = [int(v) for v in stride], [int(v) for v in padding]
-    why = normed_unsupported(y, conv_weight, None, stride, padding)
+    why = unsupported(y, conv_weight, None, stride, padding)
     if why is not None:
         raise ValueError(f"{name}: {why}")
     update = _check_running_update(name, y, momentum, running_mean, running_var)
@@ -291,10 +303,8 @@ def batch_norm_relu_depthwise_conv2d_batch_norm_relu(
     (for a caller that updates its running statistics itself)."""
     name = "batch_norm_relu_depthwise_conv2d_batch_norm_relu"
     conv_weight, stride, padding, update = _check_pair(name, y, norm_weight, norm_bias, conv_weight, stride, padding,
-                                                       running_mean, running_var, momentum, sums)
-    if tuple(stride) not in ((1, 1), (2, 2)) or tuple(padding) != (1, 1):
-        raise ValueError(f"{name}: the BatchNorm after the convolution is applied by the stride-1 and stride-2 walks "
-                         f"with padding 1, got stride {tuple(stride)} and padding {tuple(padding)}")
+                                                       running_mean, running_var, momentum, sums,
+                                                       unsupported=next_norm_unsupported)
     _check_supported(y, out_weight, out_bias)
     # The BatchNorm after runs on the convolution's output: y's channels, the output's values per channel.
     out_update = _check_running_update(name, y, out_momentum, out_running_mean, out_running_var)

@@ -157,12 +157,13 @@ def _require_cuda(name: str, device: torch.device) -> None:
         )
 
 
-def _check_batch_size(x: Tensor) -> None:
-    """nn.BatchNorm2d's own refusal of a single value per channel in training (its unbiased variance divides by 0)."""
-    if x.dim() != 4:
-        raise ValueError(f"expected a 4-D input (N, C, H, W), got {x.dim()}-D")
-    if x.shape[0] * x.shape[2] * x.shape[3] == 1:
-        raise ValueError(f"Expected more than 1 value per channel when training, got input size {tuple(x.shape)}")
+def _check_batch_size(shape) -> None:
+    """nn.BatchNorm2d's own refusal of a single value per channel in training (its unbiased variance divides by 0), for
+    an input of this shape."""
+    if len(shape) != 4:
+        raise ValueError(f"expected a 4-D input (N, C, H, W), got {len(shape)}-D")
+    if shape[0] * shape[2] * shape[3] == 1:
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size {tuple(shape)}")
 
 
 def _uses_batch_stats(bn: nn.BatchNorm2d) -> bool:
@@ -222,7 +223,7 @@ class CustomBatchNormReLU(nn.BatchNorm2d):
         return self._train_forward(x)
 
     def _train_forward(self, x: Tensor) -> Tensor:
-        _check_batch_size(x)
+        _check_batch_size(x.shape)
         from kernels.norm_ops import batch_norm_relu_train, batch_norm_relu_train_update
 
         if self._update_in_forward():
@@ -283,7 +284,7 @@ def depthwise_norm_relu(conv: nn.Module, bn: "CustomBatchNormReLU", x: Tensor) -
     from kernels.ops import depthwise_conv2d_stats
 
     y, partials = depthwise_conv2d_stats(x, conv.weight, conv.stride, conv.padding)
-    _check_batch_size(y)
+    _check_batch_size(y.shape)
     out, mean, _invstd, var = batch_norm_relu_from_partials(y, partials, bn.weight, bn.bias, bn.eps)
     if bn.training and bn.track_running_stats:
         bn._update_running_stats(mean, var, y.numel() // y.shape[1])
@@ -319,7 +320,7 @@ def _check_pair_input(y: Tensor) -> None:
         raise NormUnavailable(f"norm.apply_in_depthwise is on: under autocast the input must already be in "
                               f"{torch.get_autocast_dtype('cuda')} (it is {y.dtype}), since the pair computes in its "
                               "input's dtype")
-    _check_batch_size(y)
+    _check_batch_size(y.shape)
 
 
 def norm_relu_depthwise(bn: "CustomBatchNormReLU", conv: nn.Module, y: Tensor, sums: Tensor | None = None) -> Tensor:
@@ -360,18 +361,15 @@ def norm_relu_depthwise_norm_relu(bn: "CustomBatchNormReLU", conv: nn.Module, ou
         return out_bn(norm_relu_depthwise(bn, conv, y, sums))
     check_apply_in_depthwise(bn, conv)
     _check_pair_input(y)
-    from kernels.norm_depthwise import batch_norm_relu_depthwise_conv2d_batch_norm_relu, normed_unsupported
+    from kernels.norm_depthwise import batch_norm_relu_depthwise_conv2d_batch_norm_relu, next_norm_unsupported
 
-    why = normed_unsupported(y, conv.weight, conv.bias, conv.stride, conv.padding)
-    if why is None and (tuple(conv.stride) not in ((1, 1), (2, 2)) or tuple(conv.padding) != (1, 1)):
-        why = "the walks that apply the BatchNorm after it take stride 1 or 2 with padding 1"
+    why = next_norm_unsupported(y, conv.weight, conv.bias, conv.stride, conv.padding)
     if why is not None:
         raise NormUnavailable(f"norm.apply_in_depthwise is on: this depthwise conv cannot apply the BatchNorms around "
                               f"it ({why}); set norm.apply_in_depthwise=false")
     from kernels.depthwise_args import out_shape
 
-    _check_batch_size(torch.empty(out_shape(y.shape, conv.weight.shape, conv.stride, conv.padding, (1, 1)),
-                                  device="meta"))
+    _check_batch_size(out_shape(y.shape, conv.weight.shape, conv.stride, conv.padding, (1, 1)))
     running, momentum = _running_update("norm.apply_in_depthwise", bn)
     out_in_forward = out_bn._update_in_forward()
     out_running, out_momentum = _running_update("norm.apply_in_depthwise", out_bn) if out_in_forward else \
@@ -412,7 +410,7 @@ def norm_relu_pointwise(bn: "CustomBatchNormReLU", conv: nn.Conv2d, y: Tensor) -
     if not y.is_cuda:
         raise NormUnavailable(f"norm.apply_in_pointwise is on: cuDNN's fused convolutions need a CUDA tensor, got one "
                               f"on {y.device}")
-    _check_batch_size(y)
+    _check_batch_size(y.shape)
     from kernels.norm_pointwise import batch_norm_relu_conv1x1, pointwise_unsupported
 
     why = pointwise_unsupported(y, conv.weight)
@@ -614,7 +612,7 @@ class SyncCustomBatchNormReLU(CustomBatchNormReLU):
         if not (self.training and dist.is_available() and dist.is_initialized()):
             return super()._train_forward(x)
         if dist.get_world_size(self.process_group) == 1:
-            _check_batch_size(x)  # with more ranks, one value here is fine: nn.SyncBatchNorm's rule
+            _check_batch_size(x.shape)  # with more ranks, one value here is fine: nn.SyncBatchNorm's rule
         from kernels.norm_ops import local_batch_stats, update_running_stats_unbiased
 
         with torch.no_grad(), torch.autocast(x.device.type, enabled=False):

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from mobilenet.config import compose
 from test_depthwise_backward_walk import _STRIDE1, _STRIDE2, _grad, _stats, backward_mode  # noqa: F401 (a fixture)
-from test_norm_in_depthwise import _DTYPES, _TOL, _batch, _ids, _inputs, _model_pair, _poison, _rel, _step
+from test_norm_in_depthwise import (_DTYPES, _TOL, _assert_captured_step_equals_eager, _batch, _ids, _inputs,
+                                    _model_pair, _poison, _rel, _step)
 
 gpu = pytest.mark.gpu
 
@@ -154,22 +155,4 @@ def test_model_step_is_bitwise_the_sums_step(dtype, backward_mode):
 @gpu
 def test_captured_next_norm_step_equals_eager(backward_mode):
     backward_mode("next_norm")
-    _, model = _sums_and_next_norm_models(torch.float16)
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    x, target = _batch()
-    eager = _step(model.train(), x, target, torch.float16)
-    model.load_state_dict(state)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        _step(model, x, target, torch.float16)  # warm-up, then reset what it updated
-    torch.cuda.current_stream().wait_stream(side)
-    model.load_state_dict(state)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
-        captured = _step(model, x, target, torch.float16)
-    model.load_state_dict(state)
-    graph.replay()
-    torch.cuda.synchronize()
-    for i, (a, b) in enumerate(zip(eager, captured)):
-        assert torch.equal(a, b), i
+    _assert_captured_step_equals_eager(_sums_and_next_norm_models(torch.float16)[1])
