@@ -513,7 +513,7 @@ struct InputRowLane {
 // grad_input there, summed in the order of the rotated-kernel column walk (stencil_3x3.cuh, FLIP), hence the same
 // bits as depthwise_bwd's input gradient, and grad_out is read once for both gradients instead of twice.
 // DGRAD holds the lane's 9 x V fp32 weights more: 16-bit at 2 blocks per SM (128 registers; ptxas of nvcc 13.0 for
-// sm_90 reports 114-115, 119-120 with SUMS, 128 with GNORM, no spills), fp32 at 3 (85; 77-80 used).
+// sm_90 reports 112-115, 120-121 with SUMS, 128 with GNORM, no spills), fp32 at 3 (85; 77-80 used).
 // SUMS (with DGRAD): the lane also has y's word at (ih, iw), so it sums the BatchNorm + ReLU backward's per-channel
 // sums there, sum(g) and sum(g * (y - mean)) with g = grad_input as stored where the ReLU passed (the normalized
 // word > 0 is the mask bn_relu_bwd recomputes), into sums[chunk][2][C] (batchnorm_relu.cu's partial layout), so that
@@ -780,7 +780,8 @@ __device__ __forceinline__ void walk_row_s2(const uint32_t* xp, const uint32_t* 
 
 // Blocks of 256 per SM: 16-bit at 2 (95 registers with 2 pairs in flight, 102-104 with 4; at 3 blocks, ptxas of nvcc
 // 13.0 for sm_90 spills under the 80-register cap), fp32 at 3 (64). GNORM adds 6 x V constants and a second load per
-// grad_out word: 107-115 registers 16-bit, 72-80 fp32, no spills.
+// grad_out word: 16-bit 116 registers at 2 pairs and 128 at 4 (its default), fp32 79 at 2 (its default), no spills
+// (fp32 at 4 pairs spills 8 bytes).
 template <int V>
 constexpr int kInputRowS2MinBlocks = V == 1 ? 3 : 2;
 
