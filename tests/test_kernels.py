@@ -326,8 +326,8 @@ def test_column_walk_knobs_keep_results(knobs):
 @pytest.mark.skipif(not {"MDW_FWD_COLUMN_K57", "MDW_NCHW_COLUMN_K57", "MDW_WGRAD_COLUMN_K57"} & set(os.environ),
                     reason="run by test_large_kernel_column_walks_keep_results")
 def test_large_kernel_passes_run_the_kernels_the_column_knobs_pick(dw):
-    # unset is -1, by shape: on these 20x20 inputs the NHWC passes do not walk and the NCHW forward does (the NCHW
-    # stride-1 input gradient walks, rotated, at NCHW_COLUMN_K57 >= 2 only); the weight
+    # unset is -1, by shape: on these 20x20 inputs the NHWC passes do not walk and the NCHW forward and stride-1 input
+    # gradient (rotated) do (NCHW_COLUMN_K57 = 1: the forward only); the weight
     # gradient takes a kernel row per lane in NHWC (WGRAD_COLUMN_K57 bit 0) and NCHW (bit 1); by shape (-1) always in
     # NHWC and in NCHW for 7x7 from 14 output columns (so here the 3 NCHW 7x7 cases), 5x5 from 28
     nhwc_setting = int(os.environ.get("MDW_FWD_COLUMN_K57", "-1"))
@@ -345,7 +345,7 @@ def test_large_kernel_passes_run_the_kernels_the_column_knobs_pick(dw):
     assert (len(forward) >= 6) if nhwc_setting >= 1 else not forward, names
     assert (len(rotated) >= 6) if nhwc_setting >= 2 else not rotated, names
     assert (len(nchw) - len(nchw_rotated) >= 6) if nchw_setting != 0 else not nchw, names
-    assert (len(nchw_rotated) == 6) if nchw_setting >= 2 else not nchw_rotated, names
+    assert (len(nchw_rotated) == 6) if nchw_setting >= 2 or nchw_setting < 0 else not nchw_rotated, names
     assert (len(wgrad) == 6) if wgrad_setting < 0 or wgrad_setting & 1 else not wgrad, names  # the 6 NHWC cases
     want_nchw = 3 if wgrad_setting < 0 else (6 if wgrad_setting & 2 else 0)
     assert len(wgrad_nchw) == want_nchw, names
@@ -381,7 +381,7 @@ def test_large_kernel_walks_by_default_where_the_suites_measured_them_faster(dw,
     # The knobs' default (-1) picks by shape (csrc/depthwise_dispatch.cpp k57_nhwc_walk, k57_nchw_walk, smem_wanted):
     # NHWC walks from 28 input rows up, forward and stride-1 input gradient, but 16-bit 5x5 at stride 1 takes the
     # shared-memory tile first (the forward from 14 to 28 rows, the input gradient up to 28); NCHW walks except 5x5
-    # on 7 rows or fewer (the forward; the NCHW input gradient stays tiled by default).
+    # on 7 rows or fewer, the forward and the stride-1 input gradient (rotated) alike.
     def kernels_of(layout, k, h):
         return _kernels_of_passes(dw, [(torch.float16, k, layout)], size=h)
 
@@ -399,8 +399,8 @@ def test_large_kernel_walks_by_default_where_the_suites_measured_them_faster(dw,
             assert len(walk) == walks and len(tile) == tiles, (k, h, walk, tile)
         for k, h, walks in ((7, 7, True), (5, 14, True), (5, 7, False)):
             walk = [n for n in kernels_of("nchw", k, h) if "fwd_nchw_column_k_kernel" in n]
-            rotated = [n for n in walk if _NCHW_WALK_ROTATED.search(n)]  # the input gradient's walk: opt-in
-            assert bool(walk) == walks and not rotated, (k, h, walk)
+            rotated = [n for n in walk if _NCHW_WALK_ROTATED.search(n)]  # the input gradient's walk
+            assert bool(walk) == walks and bool(rotated) == walks and len(rotated) < len(walk), (k, h, walk)
     finally:
         monkeypatch.undo()
         torch.ops.mobilenet_dw.reload_knobs()

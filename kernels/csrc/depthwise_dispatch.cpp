@@ -143,10 +143,12 @@ bool k57_nhwc_walk(const ConvShape& s, DType dt, int level) {
   return v < 0 ? s.H >= 28 : v >= level;
 }
 
-// The NCHW input gradient's walk (level 2) is opt-in until the suites have measured it against the tiled kernel.
+// The stride-1 input gradient (level 2) takes the forward's rule on its shape as a forward
+// (input_grad_as_forward): on ConvNeXt-T's NCHW 7x7 layers it ran 2.2x faster than the tiled kernel
+// (docs/results/depthwise_convnext_t_h200_nchw_dgrad_walk.md).
 bool k57_nchw_walk(const ConvShape& s, DType dt, int level) {
   const int v = knob(Knob::kNchwColumnK57, dt);
-  return v < 0 ? level == 1 && !(s.KH == 5 && s.H <= 7) : v >= level;
+  return v < 0 ? !(s.KH == 5 && s.H <= 7) : v >= level;
 }
 
 }  // namespace
@@ -271,7 +273,7 @@ void launch_bwd_normed(const DepthwiseShape& g, DType dt, const void* go, const 
 //   outside the tiled kernels' cases (see tiled_fits)                   generic
 //   NHWC 3x3 s1, whole 32-bit words of channels, FWD_COLUMN >= 2        column walk, kernel rotated
 //   NCHW 5x5/7x7 s1, NCHW_COLUMN_K57 >= 2                               walk down the columns, kernel rotated
-//     (-1, the default: not yet, the tiled kernel)
+//     (-1, the default: as the forward's rule, all but 5x5 on 7 rows or fewer)
 //   NCHW 3x3 s1 p1, 16-bit, rows of whole aligned 16-byte vectors       vector loads, kernel rotated (the launcher checks)
 //   the rest of the tiled cases                                          tiled
 void launch_dgrad(const DepthwiseShape& g, DType dt, const void* go, const void* w, void* gx, cudaStream_t stream) {

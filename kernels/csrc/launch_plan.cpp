@@ -60,7 +60,7 @@ int knob(Knob k, DType dt) {
         {0, 1, 1, 0},     // FWD_COLUMN_DEEP (16-bit stride-1 column walks: more steps in flight, see stencil_3x3.cuh)
         {-1, -1, -1, 0},  // FWD_COLUMN_K57 (NHWC 5x5/7x7 column walk; 2: also the stride-1 input gradient; -1: by shape)
         {-1, -1, -1, 0},  // NCHW_COLUMN_K57 (NCHW 5x5/7x7 forward down the columns; 2: also the stride-1 input
-                          // gradient; -1: the forward by shape; fp64 not measured)
+                          // gradient; -1: both by shape; fp64 not measured)
         {-1, -1, -1, 0},  // WGRAD_COLUMN_K57 (5x5/7x7 weight gradient, a kernel row per lane; bit 0 NHWC, bit 1 NCHW;
                           // -1: NHWC, and NCHW by shape, see depthwise_dispatch.cpp)
         {4, 4, 4, 4},     // WGRAD_K57_BLOCKS_PER_SM (that walk's grid)
