@@ -79,3 +79,17 @@ def test_the_script_prints_and_writes_the_table(tmp_path, capsys):
     assert load_script("depthwise_acceptance").main([str(path), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "| toy |" in printed and "**0.50** / -" in printed and out.read_text() == printed
+
+
+def test_a_later_file_replaces_the_sums_it_measures_again(tmp_path):
+    # a re-run of the NCHW layouts at a later commit: its sums replace the first run's for those cells (added
+    # together they would judge neither run), the NHWC cells keep the first run's, and the table names each file's
+    first = _write(tmp_path / "all_layouts.csv", [_row("fwd", 0, 1, 0.5, 5.0, 1.0, 2.0),
+                                                  {**_row("fwd", 0, 1, 0.5, 5.0, 1.0, 2.0), "layout": "nchw"}])
+    again = _write(tmp_path / "nchw_again.csv", [{**_row("fwd", 0, 1, 0.5, 5.0, 1.0, 0.5), "layout": "nchw"}])
+    by = {s.layout: s for s in read_sums([first, again])}
+    assert by["nchw"].backends["custom"] == pytest.approx(0.5) and by["nchw"].source == "nchw_again.csv"
+    assert by["nhwc"].backends["custom"] == pytest.approx(2.0) and by["nhwc"].source == "all_layouts.csv"
+    table = markdown(list(by.values()))
+    assert "- all_layouts.csv: toy NHWC" in table and "- nchw_again.csv: toy NCHW" in table
+    assert "Sums by file" not in markdown(read_sums([first]))

@@ -31,6 +31,7 @@ class SuiteSums:
     mode: str
     backends: dict[str, float]
     floor: float
+    source: str = ""  # the file the sums came from
 
     def speed_up(self, custom: str = "custom") -> tuple[float, str]:
         """(best other backend's sum / custom's, that backend); nan where custom or every other backend is missing."""
@@ -54,9 +55,12 @@ def _ms(text: str) -> float:
 
 def read_sums(paths: list[Path]) -> list[SuiteSums]:
     """The sums of every (suite, dtype, layout, pass) in the CSV files; a file that lacks bench_depthwise.py's
-    columns raises ValueError naming it and what is missing."""
-    acc: dict[tuple[str, str, str, str], dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    columns raises ValueError naming it and what is missing. Where two files hold the same (suite, dtype, layout,
+    pass), the later file's sums replace the earlier ones (a re-run of some layouts at a later commit, named last);
+    adding the two runs' layers together would judge neither."""
+    out: dict[tuple[str, str, str, str], SuiteSums] = {}
     for path in paths:
+        acc: dict[tuple[str, str, str, str], dict[str, float]] = defaultdict(lambda: defaultdict(float))
         with open(path, newline="") as f:
             reader = csv.DictReader(f)
             fields = reader.fieldnames or []
@@ -73,11 +77,10 @@ def read_sums(paths: list[Path]) -> list[SuiteSums]:
                 sums["floor"] += count * float(row["floor_ms"])
                 for b in backends:
                     sums[b] += count * _ms(row[b + "_ms"])  # nan stays nan: a missing layer spoils the sum
-    out = []
-    for (suite, dtype, layout, mode), sums in acc.items():
-        floor = sums.pop("floor")
-        out.append(SuiteSums(suite, dtype, layout, mode, dict(sums), floor))
-    return out
+        for key, sums in acc.items():
+            floor = sums.pop("floor")
+            out[key] = SuiteSums(*key, dict(sums), floor, Path(path).name)
+    return list(out.values())
 
 
 def _cell(sums: dict[tuple[str, str, str, str], SuiteSums], suite: str, dtype: str, layout: str, custom: str) -> str:
@@ -108,4 +111,9 @@ def markdown(all_sums: list[SuiteSums], custom: str = "custom") -> str:
               if s.layout == "nhwc" and s.mode == "fwdbwd" and not math.isnan(s.over_floor(custom))]
     if floors:
         lines.append(f"channels_last forward+backward, {custom} over the HBM floor: " + ", ".join(floors) + ".")
+    sources: dict[str, dict[str, None]] = defaultdict(dict)
+    for s in all_sums:
+        sources[s.source][f"{s.suite} {s.layout.upper()}"] = None
+    if len(sources) > 1:  # a table merged from runs of different files (commits) says which cell is whose
+        lines += ["", "Sums by file:"] + [f"- {src}: {', '.join(cells)}" for src, cells in sources.items()]
     return "\n".join(lines) + "\n"
