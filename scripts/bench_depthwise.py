@@ -56,6 +56,7 @@ sys.path.insert(0, str(ROOT))
 
 from mobilenet.bench.depthwise_suites import DEFAULT_SUITE, SUITES, Layer, floor_bytes, weighted_sum  # noqa: E402
 from mobilenet.bench.dtypes import DTYPES  # noqa: E402
+from mobilenet.bench.suite_acceptance import SuiteSums  # noqa: E402
 from mobilenet.bench.timing import device_copy_bandwidth, time_case  # noqa: E402
 from mobilenet.depthwise import get_backend  # noqa: E402
 from mobilenet.reporting import environment, gpu_slug  # noqa: E402
@@ -367,10 +368,10 @@ def acceptance_lines(summary, others, custom="custom") -> list[str]:
            f"(>= 1.00: {custom} at least as fast)", ""]
     by_case = {}
     for dname, lname, mode, sums, _, _, _ in summary:
-        best = min(others, key=lambda b: sums[b] if sums[b] == sums[b] else float("inf"))
-        sp = sums[best] / sums[custom] if sums[custom] == sums[custom] else float("nan")
+        sp, best = SuiteSums("", dname, lname, mode, {b: sums[b] for b in (*others, custom)}, 0.0).speed_up(custom)
         by_case.setdefault((dname, lname), []).append(
-            f"{MODE_TITLE[mode]} {sp:.2f}x ({best} {fmt_ms(sums[best])} ms / {custom} {fmt_ms(sums[custom])} ms)")
+            f"{MODE_TITLE[mode]} {sp:.2f}x ({best} {fmt_ms(sums[best])} ms / {custom} {fmt_ms(sums[custom])} ms)"
+            if best else f"{MODE_TITLE[mode]} - (no sum to compare)")
     out += [f"- {dname} {lname.upper()}: " + "; ".join(parts) for (dname, lname), parts in by_case.items()]
     return out
 

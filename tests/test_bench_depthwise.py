@@ -154,3 +154,16 @@ def test_single_gradient_passes_get_tables_and_acceptance_lines_of_their_own(tmp
     assert "| fp16 | NHWC | forward+weight gradient | 0.400 | 0.200 |" in md
     assert ("- fp16 NHWC: forward 0.90x (cudnn 0.135 ms / custom 0.150 ms); "
             "forward+weight gradient 2.00x (cudnn 0.400 ms / custom 0.200 ms)") in md
+
+
+def test_a_pass_custom_did_not_run_says_so_in_its_acceptance_line(tmp_path):
+    # custom has no time for the forward (nan, as a case it could not run writes): the line says there is nothing
+    # to compare rather than printing a nan speed-up against an arbitrary backend
+    args = bench.parse_args(["--dtypes", "fp16", "--layouts", "nhwc", "--backends", "cudnn,custom", "--layers", "0",
+                             "--modes", "fwd,fwd_wgrad", "--out", str(tmp_path / "dw")])
+    rows = [_row(0, "fwd", 0.135, float("nan")), _row(0, "fwd_wgrad", 0.40, 0.20)]
+    bench.write_results(rows, {"cudnn": None, "custom": None}, ["fp16"], ["nhwc"], ["fwd", "fwd_wgrad"], INFO, 4.0e12,
+                        args)
+    md = (tmp_path / "dw.md").read_text()
+    assert ("- fp16 NHWC: forward - (no sum to compare); "
+            "forward+weight gradient 2.00x (cudnn 0.400 ms / custom 0.200 ms)") in md
