@@ -8,8 +8,8 @@ then one pair between cudaProfilerStart and cudaProfilerStop, which `ncu --profi
         --section Occupancy --section LaunchStats --section WarpStateStats \\
         python scripts/experiments/ncu_depthwise_layer.py --backend custom --dtype fp16 --channels 512 --size 14 --stride 1
 
-NHWC (channels_last), batch 256, 3x3, padding 1; cuDNN autotuned as in train.py and infer.py. The custom kernels'
-launch knobs come from the environment (MDW_..., docs/kernel_notes.md).
+NHWC (channels_last), batch 256, a k x k kernel (--kernel, 3 by default), padding k // 2; cuDNN autotuned as in
+train.py and infer.py. The custom kernels' launch knobs come from the environment (MDW_..., docs/kernel_notes.md).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--size", type=int, required=True, help="input height = width")
     p.add_argument("--stride", type=int, choices=(1, 2), default=1)
     p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--kernel", type=int, choices=(3, 5, 7), default=3, help="kernel height = width")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU (torch.cuda.is_available() is False)")
@@ -44,12 +45,13 @@ def main(argv: list[str] | None = None) -> None:
     src = torch.randn(args.batch, args.channels, args.size, args.size, device="cuda", dtype=dtype)
     src = src.contiguous(memory_format=torch.channels_last)
     x = torch.empty_like(src)
-    w = torch.randn(args.channels, 1, 3, 3, device="cuda", dtype=dtype) / 3
+    k = args.kernel
+    w = torch.randn(args.channels, 1, k, k, device="cuda", dtype=dtype) / k
     stride = (args.stride, args.stride)
 
     def pair():
         torch.clamp(src, min=0, out=x)  # the producer: x's last-written part sits in L2
-        conv(x, w, None, stride, (1, 1), (1, 1))
+        conv(x, w, None, stride, (k // 2, k // 2), (1, 1))
 
     with torch.inference_mode():
         for _ in range(3):
