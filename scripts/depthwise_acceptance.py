@@ -6,6 +6,8 @@ and the channels_last forward+backward over its HBM floor.
 
     python scripts/depthwise_acceptance.py docs/results/depthwise_*_h200_c6d3f32.csv [--custom custom_ab] [--out F.md]
 
+A later file's sums replace an earlier one's for the same suite, dtype, layout and pass (a re-run of some layouts).
+
 Exit status 0; 2 when a file cannot be read as such a CSV (the message names it).
 """
 
@@ -22,7 +24,7 @@ from mobilenet.bench.suite_acceptance import markdown, read_sums  # noqa: E402
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("csvs", nargs="+", type=Path, metavar="CSV", help="bench_depthwise.py result files, one per suite")
+    p.add_argument("csvs", nargs="+", type=Path, metavar="CSV", help="bench_depthwise.py result files (later ones replace what they measure again)")
     p.add_argument("--custom", default="custom",
                    help="the backend column to judge (custom_ab: the --ab setting of a bench_depthwise.py run)")
     p.add_argument("--out", type=Path, help="also write the table to this file")

@@ -273,7 +273,7 @@ void launch_bwd_normed(const DepthwiseShape& g, DType dt, const void* go, const 
 //   outside the tiled kernels' cases (see tiled_fits)                   generic
 //   NHWC 3x3 s1, whole 32-bit words of channels, FWD_COLUMN >= 2        column walk, kernel rotated
 //   NCHW 5x5/7x7 s1, NCHW_COLUMN_K57 >= 2                               walk down the columns, kernel rotated
-//     (-1, the default: as the forward's rule, all but 5x5 on 7 rows or fewer)
+//     (-1, the default: the forward's rule on the rotated shape: all but 5x5 on grad_out of 7 rows or fewer)
 //   NCHW 3x3 s1 p1, 16-bit, rows of whole aligned 16-byte vectors       vector loads, kernel rotated (the launcher checks)
 //   the rest of the tiled cases                                          tiled
 void launch_dgrad(const DepthwiseShape& g, DType dt, const void* go, const void* w, void* gx, cudaStream_t stream) {

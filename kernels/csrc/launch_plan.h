@@ -127,7 +127,7 @@ enum class Knob {
   kFwdColumnK57,   // NHWC 5x5/7x7 column-walking forward (1), and the stride-1 input gradient too (2); 0: tiled;
                    // -1: by shape (depthwise_dispatch.cpp)
   kNchwColumnK57,  // NCHW 5x5/7x7 forward walking down the columns (1), and the stride-1 input gradient too (2);
-                   // 0: tiled; -1: the forward by shape
+                   // 0: tiled; -1: both by shape
   kWgradColumnK57,       // 5x5/7x7 weight gradient with a kernel row per lane (bit 0: NHWC column walk, bit 1: NCHW
                          // strips) or tiled (bit clear); -1: NHWC, and NCHW by shape
   kWgradK57BlocksPerSm,  // that walk's blocks per SM (its grid; each block a contiguous run of rows)
