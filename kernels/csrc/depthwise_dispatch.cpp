@@ -95,6 +95,28 @@ bool smem_wanted(const ConvShape& s, DType dt, int level) {
   return k5_16bit && s.H <= 28 && (level == 2 || s.H >= 14);
 }
 
+// The tensor-core tile (depthwise_mma.cu): 16-bit NHWC, square 3x3/5x5/7x7, stride 1, dilation 1, whole 16-byte
+// vectors of channels (C % 8, both tensors 16-byte aligned), and a tile of the shape that fits shared memory.
+bool mma_fits(const ConvShape& s, DType dt, const void* in, const void* out) {
+  return (dt == DType::F16 || dt == DType::BF16) && s.channels_last && s.KH == s.KW &&
+         (s.KH == 3 || s.KH == 5 || s.KH == 7) && s.SH == 1 && s.SW == 1 && s.DH == 1 && s.DW == 1 && s.C % 8 == 0 &&
+         aligned(in, 16) && aligned(out, 16) && mma_tile_fits(s, s.KH);
+}
+
+bool input_grad_mma_fits(const ConvShape& s, DType dt, const void* grad_out, const void* grad_input) {
+  return input_grad_as_forward_fits(s) && mma_fits(input_grad_as_forward(s), dt, grad_out, grad_input);
+}
+
+// FWD_MMA: 1 the forward, 2 the stride-1 input gradient too, 0 neither; -1 (the default) by shape, as the H200
+// suites measured the tile against the shared-memory tile and the walks (docs/kernels.md, "The tensor-core tile"):
+// 5x5 on inputs of 14 to 28 rows, forward and input gradient alike (0.89-0.99x the time there); on 7 rows and on
+// every 3x3 layer it was slower (1.4-2.4x).
+bool mma_wanted(const ConvShape& s, DType dt, int level) {
+  const int v = knob(Knob::kFwdMma, dt);
+  if (v >= 0) return v >= level;
+  return s.KH == 5 && s.H >= 14 && s.H <= 28;
+}
+
 enum class WgradTechnique { kColumn, kColumnK57, kTiled, kGeneric };
 
 // Weight gradient: the technique both the workspace size and the launch follow.
@@ -155,6 +177,8 @@ bool k57_nchw_walk(const ConvShape& s, DType dt, int level) {
 
 // Forward (depthwise_forward.cu):
 //   outside narrow_shape's domain                                       generic
+//   NHWC 16-bit 3x3/5x5/7x7 s1, whole 16-byte vectors of channels, FWD_MMA >= 1   tensor-core tile
+//     (-1, the default: 5x5 on inputs of 14 to 28 rows)
 //   NHWC 3x3/5x5/7x7 s1/s2, whole 32-bit words of channels, FWD_SMEM >= 1     shared-memory tile
 //     (-1, the default: 16-bit 5x5 stride 1 on inputs of 14 to 28 rows)
 //   NHWC 5x5/7x7 s1/s2, whole 32-bit words of channels, FWD_COLUMN_K57 >= 1   column walk, partial sums (K = 5, 7)
@@ -169,6 +193,7 @@ void launch_forward(const DepthwiseShape& g, DType dt, const void* x, const void
                     cudaStream_t stream) {
   ConvShape s;
   if (!narrow_shape(g, &s)) return forward_generic(g, dt, x, w, bias, y, stream);
+  if (mma_wanted(s, dt, 1) && mma_fits(s, dt, x, y)) return forward_nhwc_mma(s, dt, x, w, bias, y, stream);
   if (smem_wanted(s, dt, 1) && smem_fits(s, dt, x, y)) return forward_nhwc_smem(s, dt, x, w, bias, y, stream);
   if (k57_nhwc_walk(s, dt, 1) && column_k57_fits(s, dt, x, y))
     return forward_nhwc_column_k57(s, dt, x, w, bias, y, stream);
@@ -266,6 +291,8 @@ void launch_bwd_normed(const DepthwiseShape& g, DType dt, const void* go, const 
 
 // Input gradient (depthwise_input_grad.cu):
 //   outside narrow_shape's domain                                       generic
+//   NHWC 16-bit 3x3/5x5/7x7 s1, whole 16-byte vectors, FWD_MMA >= 2     tensor-core tile, kernel rotated
+//     (-1, the default: 5x5 on grad_out of 14 to 28 rows)
 //   NHWC 3x3/5x5/7x7 s1, whole 32-bit words of channels, FWD_SMEM >= 2  shared-memory tile, kernel rotated
 //     (-1, the default: 16-bit 5x5 on inputs of 28 rows or fewer)
 //   NHWC 5x5/7x7 s1, whole 32-bit words of channels, FWD_COLUMN_K57 >= 2   column walk, partial sums, kernel rotated
@@ -279,6 +306,7 @@ void launch_bwd_normed(const DepthwiseShape& g, DType dt, const void* go, const 
 void launch_dgrad(const DepthwiseShape& g, DType dt, const void* go, const void* w, void* gx, cudaStream_t stream) {
   ConvShape s;
   if (!narrow_shape(g, &s)) return input_grad_generic(g, dt, go, w, gx, stream);
+  if (mma_wanted(s, dt, 2) && input_grad_mma_fits(s, dt, go, gx)) return input_grad_nhwc_mma(s, dt, go, w, gx, stream);
   if (smem_wanted(s, dt, 2) && input_grad_smem_fits(s, dt, go, gx))
     return input_grad_nhwc_smem(s, dt, go, w, gx, stream);
   if (k57_nhwc_walk(s, dt, 2) && input_grad_column_k57_fits(s, dt, go, gx))

@@ -30,6 +30,11 @@ void forward_nhwc_column_k57(const ConvShape& s, DType dt, const void* x, const 
 // memory once (depthwise_smem.cu).
 void forward_nhwc_smem(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                        cudaStream_t stream);
+// NHWC 3x3, 5x5 or 7x7, stride 1, 16-bit, C a multiple of 8, 16-byte aligned: tensor-core products on a
+// shared-memory tile (depthwise_mma.cu); mma_tile_fits says whether a tile of that shape fits shared memory.
+void forward_nhwc_mma(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
+                      cudaStream_t stream);
+bool mma_tile_fits(const ConvShape& s, int K);
 // NCHW 5x5 or 7x7, stride 1 or 2, 16/32-bit: a lane walks down TW columns carrying partial sums.
 void forward_nchw_column_k57(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                              cudaStream_t stream);
@@ -57,6 +62,9 @@ void input_grad_nchw_column_k57(const ConvShape& s, DType dt, const void* grad_o
 // NHWC 3x3, 5x5 or 7x7, stride 1: the shared-memory tile with the kernel rotated, on input_grad_as_forward(s).
 void input_grad_nhwc_smem(const ConvShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,
                           cudaStream_t stream);
+// NHWC 3x3, 5x5 or 7x7, stride 1, 16-bit: the tensor-core tile with the kernel rotated, on input_grad_as_forward(s).
+void input_grad_nhwc_mma(const ConvShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,
+                         cudaStream_t stream);
 // NCHW 3x3, stride 1, padding 1, 16-bit: the forward's vector stencil with the kernel rotated.
 bool input_grad_nchw_vec3x3(const ConvShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,
                             cudaStream_t stream);

@@ -145,6 +145,8 @@ enum class Knob {
                            // in place of FWD_COLUMN_DEEP (1) or not (0) (column_walk, stencil_3x3.cuh)
   kS2WalkPairs,  // the stride-2 normalizing backward walk: column pairs whose loads are issued together (2 or 4;
                  // 4 for 16-bit, 2 for fp32, where 4 was not measured)
+  kFwdMma,  // NHWC 16-bit 3x3/5x5/7x7 stride-1 tensor-core tile (depthwise_mma.cu): forward (1), and the stride-1
+            // input gradient too (2); 0: off; -1: by shape (depthwise_dispatch.cpp)
   kCount
 };
 int knob(Knob k, DType dt);
