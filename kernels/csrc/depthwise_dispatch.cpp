@@ -87,7 +87,8 @@ bool input_grad_smem_fits(const ConvShape& s, DType dt, const void* grad_out, co
 // FWD_SMEM at -1 (its default) chooses by shape, as the H200 suites measured the tile against the walks and tiled
 // kernels (docs/kernels.md, "The NHWC shared-memory tile"): 16-bit 5x5 at stride 1, the forward on inputs of 14 to
 // 28 rows (0.79-0.95x the time there, slower on 7 rows) and the input gradient up to 28 rows. Everywhere else it
-// was as fast or slower (3x3: 1.03-1.74x the column walks' time).
+// was as fast or slower (3x3: 1.03-1.74x the column walks' time). The tensor-core tile, tried first, now takes the
+// 16-bit 5x5 layers of 14 to 28 rows (mma_wanted), which leaves this tile the input gradient on fewer rows.
 bool smem_wanted(const ConvShape& s, DType dt, int level) {
   const int v = knob(Knob::kFwdSmem, dt);
   if (v >= 0) return v >= level;
@@ -292,7 +293,7 @@ void launch_bwd_normed(const DepthwiseShape& g, DType dt, const void* go, const 
 // Input gradient (depthwise_input_grad.cu):
 //   outside narrow_shape's domain                                       generic
 //   NHWC 16-bit 3x3/5x5/7x7 s1, whole 16-byte vectors, FWD_MMA >= 2     tensor-core tile, kernel rotated
-//     (-1, the default: 5x5 on grad_out of 14 to 28 rows)
+//     (-1, the default: 5x5 on inputs of 14 to 28 rows)
 //   NHWC 3x3/5x5/7x7 s1, whole 32-bit words of channels, FWD_SMEM >= 2  shared-memory tile, kernel rotated
 //     (-1, the default: 16-bit 5x5 on inputs of 28 rows or fewer)
 //   NHWC 5x5/7x7 s1, whole 32-bit words of channels, FWD_COLUMN_K57 >= 2   column walk, partial sums, kernel rotated
