@@ -1,6 +1,6 @@
 """The tensor-core tile (FWD_MMA, kernels/csrc/depthwise_mma.cu): 16-bit NHWC stride-1 3x3/5x5/7x7 forward and input
 gradient by mma.sync. GPU tests: against float64 F.conv2d on fresh random inputs with outputs poisoned, over the
-ways the planner cuts a tile (channel groups of 8, 16 and 32, several whole images per block, rows in tiles, rows
+ways the planner cuts a tile (channel counts that allow groups of 8, 16 and 32, several whole images per block, rows in tiles, rows
 wider than one tile, a last tile the image does not fill, padding 0 to past K - 1, per dimension), bias and
 activations, bitwise repeatability, and the profiler showing the tile ran (forward and rotated input gradient)."""
 
@@ -80,7 +80,8 @@ def _check(dw, dtype, n, c, h, w, k, padding, bias, activation, gen):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_mma_tile_against_float64(mma, dtype):
     gen = torch.Generator(device="cuda").manual_seed(random.randrange(1 << 30))
-    # (n, c, h, w): channel groups of 8 (C = 24, 40), 16 (48, 144) and 32 (64); images of 3 to 7 rows stacked
+    # (n, c, h, w): C allowing channel groups of 8 only (24, 40), up to 16 (48, 144) and up to 32 (64; the planner
+    # picks among them); images of 3 to 7 rows stacked
     # several per block, 14 and 28 rows (whole images or tiles), 57 columns (rows wider than a tile, a last
     # 8-column block the image does not fill), odd image counts (a last block of images the batch does not fill)
     sizes = [(3, 24, 7, 7), (5, 48, 14, 14), (2, 64, 28, 28), (1, 144, 15, 57), (3, 40, 3, 5), (2, 16, 40, 33)]

@@ -96,12 +96,10 @@ bool smem_wanted(const ConvShape& s, DType dt, int level) {
   return k5_16bit && s.H <= 28 && (level == 2 || s.H >= 14);
 }
 
-// The tensor-core tile (depthwise_mma.cu): 16-bit NHWC, square 3x3/5x5/7x7, stride 1, dilation 1, whole 16-byte
-// vectors of channels (C % 8, both tensors 16-byte aligned), and a tile of the shape that fits shared memory.
+// The tensor-core tile (depthwise_mma.cu): the NHWC tiled kernels' cases (square 3x3/5x5/7x7, dilation 1, whole
+// 16-byte vectors of channels, both tensors aligned to one) in 16-bit at stride 1.
 bool mma_fits(const ConvShape& s, DType dt, const void* in, const void* out) {
-  return (dt == DType::F16 || dt == DType::BF16) && s.channels_last && s.KH == s.KW &&
-         (s.KH == 3 || s.KH == 5 || s.KH == 7) && s.SH == 1 && s.SW == 1 && s.DH == 1 && s.DW == 1 && s.C % 8 == 0 &&
-         aligned(in, 16) && aligned(out, 16) && mma_tile_fits(s, s.KH);
+  return (dt == DType::F16 || dt == DType::BF16) && s.channels_last && s.SH == 1 && tiled_fits(s, dt, in, out, 8);
 }
 
 bool input_grad_mma_fits(const ConvShape& s, DType dt, const void* grad_out, const void* grad_input) {

@@ -31,10 +31,9 @@ void forward_nhwc_column_k57(const ConvShape& s, DType dt, const void* x, const 
 void forward_nhwc_smem(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                        cudaStream_t stream);
 // NHWC 3x3, 5x5 or 7x7, stride 1, 16-bit, C a multiple of 8, 16-byte aligned: tensor-core products on a
-// shared-memory tile (depthwise_mma.cu); mma_tile_fits says whether a tile of that shape fits shared memory.
+// shared-memory tile (depthwise_mma.cu).
 void forward_nhwc_mma(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                       cudaStream_t stream);
-bool mma_tile_fits(const ConvShape& s, int K);
 // NCHW 5x5 or 7x7, stride 1 or 2, 16/32-bit: a lane walks down TW columns carrying partial sums.
 void forward_nchw_column_k57(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                              cudaStream_t stream);

@@ -24,7 +24,6 @@
 // In a file of its own so that the other pass files are compiled from unchanged source and keep their machine code.
 #include <c10/cuda/CUDAException.h>
 
-#include <algorithm>
 #include <atomic>
 #include <type_traits>
 
@@ -279,6 +278,8 @@ size_t mma_smem_bytes(const MmaTile& t, int K) {
 // and the pitch's spare columns: about 1.75 per element, plus 32 / cg for the memory requests of a narrow group),
 // the products (K mma, K ldmatrix and 2K weight loads per 16 x 8 block of a channel, a block counted whole where the
 // image does not fill it, and its share of the epilogue) and the copy out (about 1.5 per element of the tile).
+// Every shape the dispatch sends has a tile under the first budget: 8 channels, 8 columns and 8 rows (or one image
+// of at most 32 rows) take under 30 KB.
 MmaTile plan_mma_tile(const ConvShape& s, int K) {
   MmaTile best{};
   double best_cost = 0;
@@ -328,30 +329,11 @@ MmaTile plan_mma_tile(const ConvShape& s, int K) {
   return best;
 }
 
-// The planner weighs a few hundred candidate tiles, and the dispatch asks for a plan twice per launch (mma_fits,
-// then the launch) with the same few shapes every step; the last 16 plans are kept, per host thread.
-MmaTile cached_plan(const ConvShape& s, int K) {
-  struct Entry {
-    int key[7];
-    MmaTile plan;
-  };
-  thread_local Entry entries[16];
-  thread_local int used = 0, next = 0;
-  const int key[7] = {s.N, s.C, s.H, s.W, s.OH, s.OW, K};
-  for (int i = 0; i < used; ++i)
-    if (std::equal(key, key + 7, entries[i].key)) return entries[i].plan;
-  Entry& e = entries[next];
-  std::copy(key, key + 7, e.key);
-  e.plan = plan_mma_tile(s, K);
-  next = (next + 1) % 16;
-  if (used < 16) ++used;
-  return e.plan;
-}
-
 template <class TT, int K, bool FLIP>
 void launch_mma(const ConvShape& s, const void* x, const void* w, const void* bias, void* y, cudaStream_t stream) {
-  const MmaTile t = cached_plan(s, K);
-  TORCH_CHECK(t.cg != 0, "depthwise FWD_MMA: no tile fits the shape (mma_fits should have refused it)");
+  const MmaTile t = plan_mma_tile(s, K);
+  TORCH_CHECK(t.cg != 0, "depthwise FWD_MMA: the planner found no tile for this shape; the smallest (8 channels, 8 "
+              "rows or one short image, 8 columns) always fits, so this is a bug");
   // Above 48 KB of shared memory a kernel must opt in, per instantiation and device, to the largest tile the
   // planner may pick.
   static std::atomic<uint64_t> opted_in{0};
@@ -385,8 +367,6 @@ void mma_by_dtype(const ConvShape& s, DType dt, const void* x, const void* w, co
 }
 
 }  // namespace
-
-bool mma_tile_fits(const ConvShape& s, int K) { return cached_plan(s, K).cg != 0; }
 
 void forward_nhwc_mma(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                       cudaStream_t stream) {
