@@ -229,17 +229,18 @@ def test_large_kernel_shapes(dw, dtype, layout):
 _NCHW_WALK_ROTATED = re.compile(r", (?:true|false), true>|Lb[01]ELb1EE")
 
 
-def _kernels_of_passes(dw, cases, size: int = 20) -> list[str]:
-    """The CUDA kernels a forward and both gradients run, for each (dtype, k, layout) on a 2 x 16 x size x size input
-    with 'same' padding at stride 1, by name as the profiler reports them."""
+def _kernels_of_passes(dw, cases, size: int = 20, weight_grad: bool = True) -> list[str]:
+    """The CUDA kernels a forward and both gradients (the input's alone without `weight_grad`) run, for each
+    (dtype, k, layout) on a 2 x 16 x size x size input with 'same' padding at stride 1, by name as the profiler
+    reports them."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for dtype, k, layout in cases:
             x = _make_input(2, 16, size, size, dtype, layout, None).requires_grad_()
-            w = torch.randn(16, 1, k, k, device="cuda", dtype=dtype, requires_grad=True)
+            w = torch.randn(16, 1, k, k, device="cuda", dtype=dtype, requires_grad=weight_grad)
             y = dw(x, w, None, 1, k // 2, 1)
-            torch.autograd.grad(y, (x, w), torch.ones_like(y))
+            torch.autograd.grad(y, (x, w) if weight_grad else (x,), torch.ones_like(y))
         torch.cuda.synchronize()
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
@@ -300,8 +301,9 @@ def test_input_gradient_walk_follows_its_knob(dw):
     # DGRAD_COLUMN_ROWS = 0 (the default): the 3x3 stride-1 input gradient walks as the forward's rule picks (on these
     # 20-wide rows two output rows per lane, with FWD_COLUMN_DEEP 4 steps of them); 1: one row per lane. The walk's
     # template arguments <TT, S, U, FLIP, R, ...> appear in its name, demangled or not.
+    # The input gradient alone: with the weight's too, these cases take the one-walk backward (BWD_WALK).
     setting = int(os.environ.get("MDW_DGRAD_COLUMN_ROWS", "0"))
-    names = _kernels_of_passes(dw, itertools.product(DTYPES, (3,), ("nhwc",)))
+    names = _kernels_of_passes(dw, itertools.product(DTYPES, (3,), ("nhwc",)), weight_grad=False)
     rotated = [n for n in names if "fwd_nhwc_column_kernel" in n and (", true, " in n or "ELb1E" in n)]
     two_rows = [n for n in rotated if re.search(r"true, 2,|ELb1ELi2E", n)]
     assert len(rotated) == 3, names
@@ -429,6 +431,73 @@ def test_large_kernel_column_walks_keep_results(knobs):
     _run_with_knobs(knobs, tests, "8 passed", MDW_FWD_SMEM="0", MDW_FWD_MMA="0")
 
 
+def _set_backward_walk(monkeypatch, value: str) -> None:
+    monkeypatch.setenv("MDW_BWD_WALK", value)
+    for dt in ("F32", "F16", "BF16"):
+        monkeypatch.delenv(f"MDW_BWD_WALK_{dt}", raising=False)
+    torch.ops.mobilenet_dw.reload_knobs()
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_walk_against_float64_and_the_two_kernels(dw, dtype, monkeypatch):
+    # BWD_WALK=2 (the fp16 default; 1, stride 1 only, in fp32 and bf16): the NHWC 3x3 padding-1 backward as one
+    # input-row walk at stride 1 and 2. Against float64 with poisoned outputs (bias too: its gradient is the walk's
+    # bias slot), on channel counts of 1-72 words (odd ones, a partial last group), short and long rows, odd heights
+    # and widths, one row, one image; then against the two kernels it replaces (BWD_WALK=0): at stride 1 grad_input
+    # bit for bit (the same tap order), at stride 2 to its summation order, and the weight's and bias's gradients to
+    # theirs.
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = torch.Generator(device="cuda").manual_seed(random.randrange(1 << 30))
+    shapes = [(4, 32, 28, 28), (2, 6, 15, 57), (3, 34, 7, 9), (1, 144, 14, 14), (2, 2, 1, 70), (1, 96, 30, 3)]
+    try:
+        _set_backward_walk(monkeypatch, "2")
+        for i, (n, c, h, w) in enumerate(shapes):
+            for stride in (1, 2):
+                _check_case(dw, dtype, "nhwc", 3, stride, 1, 1, i % 2 == stride - 1, n, c, h, w, gen)
+        x = _make_input(4, 64, 21, 20, dtype, "nhwc", gen).requires_grad_()
+        wt = (torch.randn(64, 1, 3, 3, device="cuda", dtype=dtype, generator=gen) / 3).requires_grad_()
+        b = torch.randn(64, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+
+        def grads():
+            out, names = [], []
+            for stride in (1, 2):
+                y = dw(x, wt, b, stride, 1, 1)
+                go = torch.randn(y.shape, device="cuda", dtype=dtype, generator=torch.Generator(device="cuda").manual_seed(stride))
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    out.append(torch.autograd.grad(y, (x, wt, b), go.contiguous(memory_format=torch.channels_last)))
+                    torch.cuda.synchronize()
+                names.append([e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA])
+            return out, names
+
+        walk, walk_names = grads()
+        _set_backward_walk(monkeypatch, "0")
+        apart, apart_names = grads()
+    finally:
+        monkeypatch.undo()
+        torch.ops.mobilenet_dw.reload_knobs()
+    for stride, kernel, names in ((1, "wgrad_nhwc_input_row_kernel", walk_names[0]),
+                                  (2, "bwd_nhwc_input_row_s2_kernel", walk_names[1])):
+        assert [n for n in names if kernel in n], (stride, names)
+        assert not [n for n in names if "wgrad_nhwc_column_kernel" in n], (stride, names)
+    for names in apart_names:
+        assert [n for n in names if "wgrad_nhwc_column_kernel" in n], names
+        assert not [n for n in names if "input_row" in n], names
+    assert torch.equal(walk[0][0], apart[0][0])
+    for stride in (1, 2):
+        for name, a, r in zip(("grad_input", "grad_weight", "grad_bias"), walk[stride - 1], apart[stride - 1]):
+            assert _rel(a, r) <= TOL[dtype], (stride, name)
+
+
+@pytest.mark.gpu
+@cuda
+def test_backward_walk_off_keeps_results():
+    # BWD_WALK=0 (read once per process): the MobileNet shapes and the coverage grid through the two kernels.
+    _run_with_knobs("MDW_BWD_WALK=0", ["test_mobilenet_shapes", "test_coverage_grid_against_float64"], "7 passed")
+
+
 @pytest.mark.gpu
 @cuda
 def test_gradcheck_fp64(dw):
@@ -511,9 +580,9 @@ def test_profiler_shows_our_kernels_and_no_cudnn(dw):
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     ours = [n for n in names if "mdw::" in n]
-    # NHWC 3x3 stride 1: the column-walking kernels (column.cu, wgrad.cu) for every pass, in both dtypes
-    assert sum("fwd_nhwc_column_kernel" in n for n in ours) >= 4, names  # forward, and the rotated one as dgrad
-    assert sum("wgrad_nhwc_column_kernel" in n for n in ours) >= 2, names
+    # NHWC 3x3 stride 1 padding 1, in both dtypes: the forward's column walk, and both gradients in the input-row walk
+    assert sum("fwd_nhwc_column_kernel" in n for n in ours) == 2, names
+    assert sum("wgrad_nhwc_input_row_kernel" in n for n in ours) == 2, names
     assert not [n for n in names if "cudnn" in n.lower() or "conv" in n.lower() and "mdw::" not in n], names
 
 

@@ -101,6 +101,14 @@ void launch_bwd_normed(const DepthwiseShape& s, DType dt, const void* grad_out, 
                        const InputNorm& norm, void* grad_input, void* workspace, void* grad_weight, float* sums,
                        const OutputGradNorm* out_norm, cudaStream_t stream);
 
+// Both gradients in one walk where bwd_walk_fits (NHWC 3x3, stride 1, padding 1, dilation 1, whole 32-bit words of
+// channels, 4-byte pointers, no depth multiplier, BWD_WALK on): grad_input, and grad_weight and/or grad_bias (either
+// may be null) through a workspace of bwd_walk_workspace_elems floats.
+bool bwd_walk_fits(const DepthwiseShape& s, DType dt, const void* grad_out, const void* x, const void* grad_input);
+size_t bwd_walk_workspace_elems(const DepthwiseShape& s, DType dt);
+void launch_bwd_walk(const DepthwiseShape& s, DType dt, const void* grad_out, const void* x, const void* w,
+                     void* grad_input, void* workspace, void* grad_weight, void* grad_bias, cudaStream_t stream);
+
 // grad_input from grad_out (gather over the taps that touch each input pixel).
 void launch_dgrad(const DepthwiseShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,
                   cudaStream_t stream);

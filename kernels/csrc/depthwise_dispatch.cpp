@@ -262,6 +262,7 @@ static bool bwd_normed_s2_walk(const DepthwiseShape& g) {
   return g.SH == 2 && g.SW == 2 && g.PH == 1 && g.PW == 1 && g.KH == 3 && g.KW == 3;
 }
 
+
 size_t bwd_normed_workspace_elems(const DepthwiseShape& g, DType dt, bool sums) {
   ConvShape s;
   if (!narrow_shape(g, &s)) return 0;
@@ -286,6 +287,33 @@ void launch_bwd_normed(const DepthwiseShape& g, DType dt, const void* go, const 
   }
   launch_dgrad(g, dt, go, w, gx, stream);
   launch_wgrad_normed(g, dt, go, y, norm, ws, gw, stream);
+}
+
+// Both gradients of the NHWC 3x3 convolution with padding 1 in one walk: the normalizing backward's input-row walks on
+// x itself (backward_input_row, depthwise_weight_grad.cu), at stride 1 (BWD_WALK >= 1) and stride 2 (BWD_WALK >= 2).
+// They read grad_out once for both gradients where the two kernels below read it twice. The stride-1 walk's input
+// gradient has the rotated column walk's bits; the stride-2 walk sums its taps in an order of its own. Whole 32-bit
+// words of channels, 4-byte pointers, no depth multiplier; the weight gradient's partials then take the finalize of
+// every technique.
+bool bwd_walk_fits(const DepthwiseShape& g, DType dt, const void* go, const void* x, const void* gx) {
+  ConvShape s;
+  const int level = knob(Knob::kBwdWalk, dt);
+  const bool walk = (level >= 1 && bwd_normed_one_walk(g)) || (level >= 2 && bwd_normed_s2_walk(g));
+  return walk && narrow_shape(g, &s) && column_fits(s, dt, go, x) && aligned(gx, 4);
+}
+
+size_t bwd_walk_workspace_elems(const DepthwiseShape& g, DType dt) {
+  ConvShape s;
+  if (!narrow_shape(g, &s)) return 0;
+  return static_cast<size_t>(backward_input_row_normed_chunks(s, dt)) * g.C * (g.KH * g.KW + 1);
+}
+
+void launch_bwd_walk(const DepthwiseShape& g, DType dt, const void* go, const void* x, const void* w, void* gx,
+                     void* ws, void* gw, void* gb, cudaStream_t stream) {
+  ConvShape s;
+  if (!narrow_shape(g, &s)) return;
+  const int chunks = backward_input_row(s, dt, go, x, w, gx, ws, stream);
+  weight_grad_finalize(s, dt, ws, chunks, gw, gb, stream);
 }
 
 // Input gradient (depthwise_input_grad.cu):

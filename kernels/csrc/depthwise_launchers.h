@@ -94,6 +94,10 @@ int backward_input_row_normed_chunks(const ConvShape& s, DType dt);
 int backward_input_row_normed(const ConvShape& s, DType dt, const void* grad_out, const void* y, const void* w,
                               const InputNorm& norm, void* grad_input, void* ws, float* sums,
                               const OutputGradNorm* out_norm, cudaStream_t stream);
+// The same stride-1 walk on the convolution's own input (no BatchNorm): both gradients of the plain op from one read
+// of grad_out, the bias gradient in stage 1's bias slot; chunks as backward_input_row_normed_chunks.
+int backward_input_row(const ConvShape& s, DType dt, const void* grad_out, const void* x, const void* w,
+                       void* grad_input, void* ws, cudaStream_t stream);
 // 5x5 or 7x7, stride 1 or 2, 16/32-bit, one kernel row per lane. NHWC (whole 32-bit words of channels): a lane walks
 // one output row; NCHW (16-bit: W and OW even): a lane takes 4 columns of one output row.
 int weight_grad_column_k57_chunks(const ConvShape& s, DType dt);

@@ -302,25 +302,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_bwd(const at::Tensor& g
   const at::Tensor w = w_in.contiguous();
   const bool empty = go.numel() == 0 || x.numel() == 0;
 
-  at::Tensor grad_input, grad_weight, grad_bias;
-  if (output_mask[0]) {
-    grad_input = empty ? at::zeros(x.sizes(), x.options().memory_format(fmt))
-                       : at::empty(x.sizes(), x.options().memory_format(fmt));
-    if (!empty) launch_dgrad(s, dt, go.const_data_ptr(), w.const_data_ptr(), grad_input.mutable_data_ptr(), stream);
-  } else {
-    grad_input = at::empty({0}, x.options());
+  auto alloc = [empty](at::IntArrayRef sizes, const at::TensorOptions& opt) {
+    return empty ? at::zeros(sizes, opt) : at::empty(sizes, opt);
+  };
+  const at::Tensor grad_input = output_mask[0] ? alloc(x.sizes(), x.options().memory_format(fmt)) : at::empty({0}, x.options());
+  const at::Tensor grad_weight = output_mask[1] ? alloc(w.sizes(), w.options()) : at::empty({0}, w.options());
+  const at::Tensor grad_bias = output_mask[2] ? alloc({s.C * s.M}, w.options()) : at::empty({0}, w.options());
+  if (empty) return {grad_input, grad_weight, grad_bias};
+  void* gw = output_mask[1] ? grad_weight.mutable_data_ptr() : nullptr;
+  void* gb = output_mask[2] ? grad_bias.mutable_data_ptr() : nullptr;
+  const bool weight_or_bias = output_mask[1] || output_mask[2];
+  if (output_mask[0] && weight_or_bias &&
+      bwd_walk_fits(s, dt, go.const_data_ptr(), x.const_data_ptr(), grad_input.const_data_ptr())) {
+    const at::Tensor workspace =
+        at::empty({static_cast<int64_t>(bwd_walk_workspace_elems(s, dt))}, x.options().dtype(at::kFloat));
+    launch_bwd_walk(s, dt, go.const_data_ptr(), x.const_data_ptr(), w.const_data_ptr(), grad_input.mutable_data_ptr(),
+                    workspace.mutable_data_ptr(), gw, gb, stream);
+    return {grad_input, grad_weight, grad_bias};
   }
-  grad_weight = output_mask[1] ? (empty ? at::zeros(w.sizes(), w.options()) : at::empty(w.sizes(), w.options()))
-                               : at::empty({0}, w.options());
-  grad_bias = output_mask[2] ? (empty ? at::zeros({s.C * s.M}, w.options()) : at::empty({s.C * s.M}, w.options()))
-                             : at::empty({0}, w.options());
-  if ((output_mask[1] || output_mask[2]) && !empty) {
+  if (output_mask[0]) launch_dgrad(s, dt, go.const_data_ptr(), w.const_data_ptr(), grad_input.mutable_data_ptr(), stream);
+  if (weight_or_bias) {
     const size_t elems = wgrad_workspace_elems(s, dt, go.const_data_ptr(), x.const_data_ptr());
     const at::Tensor workspace = at::empty({static_cast<int64_t>(elems)},
                                            x.options().dtype(dt == DType::F64 ? at::kDouble : at::kFloat));
-    launch_wgrad(s, dt, go.const_data_ptr(), x.const_data_ptr(), workspace.mutable_data_ptr(),
-                 output_mask[1] ? grad_weight.mutable_data_ptr() : nullptr,
-                 output_mask[2] ? grad_bias.mutable_data_ptr() : nullptr, stream);
+    launch_wgrad(s, dt, go.const_data_ptr(), x.const_data_ptr(), workspace.mutable_data_ptr(), gw, gb, stream);
   }
   return {grad_input, grad_weight, grad_bias};
 }

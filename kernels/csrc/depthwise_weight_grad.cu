@@ -521,10 +521,13 @@ struct InputRowLane {
 // GNORM (with SUMS): go is the gradient of the BatchNorm + ReLU after the convolution (out_norm), and each grad_out
 // word is computed from it and that BatchNorm's input as it is loaded (WordGradNorm): the same grad_out bits as that
 // BatchNorm's input-gradient pass, which then does not run.
+// NORM false (with DGRAD, without SUMS): x is the convolution's own input, loaded as it is, and the bias slot sums
+// grad_out (the word of output row ih at column iw, held[1][0] at step iw: each word once): the plain op's backward
+// (backward_input_row), both gradients from one read of grad_out.
 template <bool DGRAD, int V>
 constexpr int kInputRowMinBlocks = DGRAD ? (V == 1 ? 3 : 2) : kWgradColumnMinBlocks<true, V>;
 
-template <class TT, int U, int V, bool DGRAD = false, bool SUMS = false, bool GNORM = false>
+template <class TT, int U, int V, bool DGRAD = false, bool SUMS = false, bool GNORM = false, bool NORM = true>
 __global__ void __launch_bounds__(256, kInputRowMinBlocks<DGRAD, V>)
     wgrad_nhwc_input_row_kernel(const uint32_t* __restrict__ go, const uint32_t* __restrict__ x,
                                 float* __restrict__ ws, ConvShape s, Tiling t, InputNorm input_norm,
@@ -532,6 +535,7 @@ __global__ void __launch_bounds__(256, kInputRowMinBlocks<DGRAD, V>)
                                 float* __restrict__ sums, OutputGradNorm out_norm) {
   static_assert(DGRAD || !SUMS, "the sums are of the input gradient the walk writes");
   static_assert(SUMS || !GNORM, "the walk that applies the BatchNorm after the convolution is the sums walk");
+  static_assert(NORM || !SUMS, "the sums are the BatchNorm's, which the plain walk has not");
   constexpr int K = 3, KK = K * K;
   extern __shared__ float red[];  // [warps][lanes_c][(KK + 1) * V]
 
@@ -544,7 +548,7 @@ __global__ void __launch_bounds__(256, kInputRowMinBlocks<DGRAD, V>)
   fill(acc, 0.f);
   float bn_sums[2][V];  // SUMS: sum(g), sum(g * (y - mean))
   fill(bn_sums, 0.f);
-  WordNorm<TT, V, true> norm;
+  WordNorm<TT, V, NORM> norm;
   WordGradNorm<TT, V, GNORM> gnorm;
   float wr[DGRAD ? KK : 1][V];  // DGRAD: the lane's weights, fp32
   if (active) {
@@ -654,6 +658,10 @@ __global__ void __launch_bounds__(256, kInputRowMinBlocks<DGRAD, V>)
             if (in_row) asm volatile("st.global.b32 [%0], %1;" ::"l"(gxp + iw * words), "r"(stored));
             if constexpr (SUMS) add_grad_sums<TT, V>(stored, xraw[u], xv, in_row, norm.mean, bn_sums);
           }
+          if constexpr (!NORM) {  // the bias gradient: grad_out(ih, iw), zero past the row's end
+#pragma unroll
+            for (int v = 0; v < V; ++v) acc[KK][v] += held[1][0][v];
+          }
 #pragma unroll
           for (int kh = 0; kh < K; ++kh) {
 #pragma unroll
@@ -676,7 +684,7 @@ __global__ void __launch_bounds__(256, kInputRowMinBlocks<DGRAD, V>)
   }
 }
 
-template <class TT, bool DGRAD = false, bool SUMS = false, bool GNORM = false>
+template <class TT, bool DGRAD = false, bool SUMS = false, bool GNORM = false, bool NORM = true>
 void run_wgrad_input_row(const ConvShape& s, const WgradPlan& p, const void* go, const void* y, float* ws,
                          cudaStream_t stream, const InputNorm& norm, const void* w = nullptr, void* gx = nullptr,
                          float* sums = nullptr, const OutputGradNorm& out_norm = {}) {
@@ -685,7 +693,7 @@ void run_wgrad_input_row(const ConvShape& s, const WgradPlan& p, const void* go,
   const Tiling& t = p.tiling;
   const size_t smem = partials_smem_bytes(t, K * K, VW);
   const dim3 grid(t.groups * p.chunks);
-  wgrad_nhwc_input_row_kernel<TT, GNORM ? 2 : 4, VW, DGRAD, SUMS, GNORM><<<grid, t.block, smem, stream>>>(
+  wgrad_nhwc_input_row_kernel<TT, GNORM ? 2 : 4, VW, DGRAD, SUMS, GNORM, NORM><<<grid, t.block, smem, stream>>>(
       static_cast<const uint32_t*>(go), static_cast<const uint32_t*>(y), ws, s, t, norm,
       static_cast<const typename TT::S*>(w), static_cast<uint32_t*>(gx), sums, out_norm);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -701,10 +709,12 @@ void run_wgrad_input_row(const ConvShape& s, const WgradPlan& p, const void* go,
 // input gradient again. NS: the row's kernel rows, 2 (kh 0 and 2: ih odd) or 1 (kh 1: ih even), a branch that is
 // uniform in a warp whenever a warp is one row (32 words of channels or more: every MobileNetV1 layer). U: the column
 // pairs whose loads are issued together (S2_WALK_PAIRS).
-template <class TT, int V, int NS, int U, bool GNORM>
+// NORM false: x is the convolution's own input, there are no sums, and the bias slot sums grad_out: output row oh is
+// kernel row 1 of input row 2 oh alone (NS = 1), whose held column q is grad_out(oh, q) at step q (zero past OW).
+template <class TT, int V, int NS, int U, bool GNORM, bool NORM>
 __device__ __forceinline__ void walk_row_s2(const uint32_t* xp, const uint32_t* gn, const uint32_t* zn, uint32_t* gxp,
                                             const int (&g_off)[2], int words, const ConvShape& s,
-                                            const WordNorm<TT, V, true>& norm, const WordGradNorm<TT, V, GNORM>& gnorm,
+                                            const WordNorm<TT, V, NORM>& norm, const WordGradNorm<TT, V, GNORM>& gnorm,
                                             const float (&wr)[9][V], float (&acc)[10][V], float (&bn_sums)[2][V]) {
   constexpr int K = 3;
   auto kernel_row = [](int slot) { return NS == 2 ? 2 * slot : 1; };
@@ -761,7 +771,11 @@ __device__ __forceinline__ void walk_row_s2(const uint32_t* xp, const uint32_t* 
         const uint32_t stored = narrow_word<TT, V>(d[i]);
         gxp[iw * words] = stored;
         widen_word<TT, V>(norm(yraw[u][i]), xv[i]);
-        add_grad_sums<TT, V>(stored, yraw[u][i], xv[i], true, norm.mean, bn_sums);
+        if constexpr (NORM) add_grad_sums<TT, V>(stored, yraw[u][i], xv[i], true, norm.mean, bn_sums);
+      }
+      if constexpr (!NORM && NS == 1) {
+#pragma unroll
+        for (int v = 0; v < V; ++v) acc[9][v] += held[0][v];
       }
 #pragma unroll
       for (int sl = 0; sl < NS; ++sl) {
@@ -785,8 +799,9 @@ __device__ __forceinline__ void walk_row_s2(const uint32_t* xp, const uint32_t* 
 template <int V>
 constexpr int kInputRowS2MinBlocks = V == 1 ? 3 : 2;
 
-// GNORM: go is the gradient of the BatchNorm + ReLU after the convolution, as in the stride-1 walk.
-template <class TT, int V, int U, bool GNORM = false>
+// GNORM: go is the gradient of the BatchNorm + ReLU after the convolution, as in the stride-1 walk. NORM false: the
+// plain op's backward (walk_row_s2), sums unused.
+template <class TT, int V, int U, bool GNORM = false, bool NORM = true>
 __global__ void __launch_bounds__(256, kInputRowS2MinBlocks<V>)
     bwd_nhwc_input_row_s2_kernel(const uint32_t* __restrict__ go, const uint32_t* __restrict__ x,
                                  float* __restrict__ ws, ConvShape s, Tiling t, InputNorm input_norm,
@@ -797,9 +812,10 @@ __global__ void __launch_bounds__(256, kInputRowS2MinBlocks<V>)
   const InputRowLane<V> lane(s, t);
   const int words = lane.words, cw = lane.cw;
   float acc[KK + 1][V], bn_sums[2][V], wr[KK][V];  // weight gradient, BatchNorm sums, the lane's fp32 weights
+  static_assert(NORM || !GNORM, "the plain walk applies no BatchNorm");
   fill(acc, 0.f);
   fill(bn_sums, 0.f);
-  WordNorm<TT, V, true> norm;
+  WordNorm<TT, V, NORM> norm;
   WordGradNorm<TT, V, GNORM> gnorm;
   if (lane.active) {
     norm.setup(input_norm, cw * V);
@@ -825,15 +841,17 @@ __global__ void __launch_bounds__(256, kInputRowS2MinBlocks<V>)
         g_off[sl] = kh < 3 && ih + 1 - kh >= 0 && oh < s.OH ? oh * s.OW * words : -1;
       }
       if (kh0 == 0) {
-        walk_row_s2<TT, V, 2, U, GNORM>(xp, gn, zn, gxp, g_off, words, s, norm, gnorm, wr, acc, bn_sums);
+        walk_row_s2<TT, V, 2, U, GNORM, NORM>(xp, gn, zn, gxp, g_off, words, s, norm, gnorm, wr, acc, bn_sums);
       } else {
-        walk_row_s2<TT, V, 1, U, GNORM>(xp, gn, zn, gxp, g_off, words, s, norm, gnorm, wr, acc, bn_sums);
+        walk_row_s2<TT, V, 1, U, GNORM, NORM>(xp, gn, zn, gxp, g_off, words, s, norm, gnorm, wr, acc, bn_sums);
       }
     }
   }
   reduce_nhwc_partials<KK, V>(acc, red, ws, s, t, lane.blk.group, lane.blk.chunk);
-  __syncthreads();  // red is reused
-  reduce_nhwc_partials<1, V, true>(bn_sums, red, sums, s, t, lane.blk.group, lane.blk.chunk);
+  if constexpr (NORM) {
+    __syncthreads();  // red is reused
+    reduce_nhwc_partials<1, V, true>(bn_sums, red, sums, s, t, lane.blk.group, lane.blk.chunk);
+  }
 }
 
 // Column walk: one 32-bit word per lane (2 channels of 16-bit data, 1 of fp32). Tiling with one strip per
@@ -1117,15 +1135,15 @@ static WgradPlan plan_input_row_backward(const ConvShape& s, DType dt) {
 
 int backward_input_row_normed_chunks(const ConvShape& s, DType dt) { return plan_input_row_backward(s, dt).chunks; }
 
-template <class TT, bool GNORM>
+template <class TT, bool GNORM, bool NORM = true>
 void run_bwd_input_row_s2(const ConvShape& s, DType dt, const WgradPlan& p, const void* go, const void* y,
                           const void* w, const InputNorm& norm, void* gx, float* ws, float* sums,
                           const OutputGradNorm& out_norm, cudaStream_t stream) {
   constexpr int VW = 4 / sizeof(typename TT::S);
   const Tiling& t = p.tiling;
   const size_t smem = partials_smem_bytes(t, 9, VW);
-  auto kernel = knob(Knob::kS2WalkPairs, dt) == 4 ? bwd_nhwc_input_row_s2_kernel<TT, VW, 4, GNORM>
-                                                        : bwd_nhwc_input_row_s2_kernel<TT, VW, 2, GNORM>;
+  auto kernel = knob(Knob::kS2WalkPairs, dt) == 4 ? bwd_nhwc_input_row_s2_kernel<TT, VW, 4, GNORM, NORM>
+                                                        : bwd_nhwc_input_row_s2_kernel<TT, VW, 2, GNORM, NORM>;
   kernel<<<dim3(t.groups * p.chunks), t.block, smem, stream>>>(
       static_cast<const uint32_t*>(go), static_cast<const uint32_t*>(y), ws, s, t, norm,
       static_cast<const typename TT::S*>(w), static_cast<uint32_t*>(gx), sums, out_norm);
@@ -1159,6 +1177,26 @@ int backward_input_row_normed(const ConvShape& s, DType dt, const void* go, cons
     case DType::F16: backward_input_row_t<F16T>(s, dt, p, go, y, w, norm, gx, wsf, sums, out_norm, stream); break;
     case DType::BF16: backward_input_row_t<BF16T>(s, dt, p, go, y, w, norm, gx, wsf, sums, out_norm, stream); break;
     default: break;  // normed_fits excludes fp64
+  }
+  return p.chunks;
+}
+
+template <class TT>
+void backward_input_row_plain_t(const ConvShape& s, DType dt, const WgradPlan& p, const void* go, const void* x,
+                                const void* w, void* gx, float* ws, cudaStream_t st) {
+  if (s.SH == 2) return run_bwd_input_row_s2<TT, false, false>(s, dt, p, go, x, w, InputNorm{}, gx, ws, nullptr, {}, st);
+  run_wgrad_input_row<TT, true, false, false, false>(s, p, go, x, ws, st, InputNorm{}, w, gx);
+}
+
+int backward_input_row(const ConvShape& s, DType dt, const void* go, const void* x, const void* w, void* gx, void* ws,
+                       cudaStream_t stream) {
+  const WgradPlan p = plan_input_row_backward(s, dt);
+  float* wsf = static_cast<float*>(ws);
+  switch (dt) {
+    case DType::F32: backward_input_row_plain_t<F32T>(s, dt, p, go, x, w, gx, wsf, stream); break;
+    case DType::F16: backward_input_row_plain_t<F16T>(s, dt, p, go, x, w, gx, wsf, stream); break;
+    case DType::BF16: backward_input_row_plain_t<BF16T>(s, dt, p, go, x, w, gx, wsf, stream); break;
+    default: break;  // bwd_walk_fits excludes fp64
   }
   return p.chunks;
 }

@@ -42,7 +42,7 @@ int knob(Knob k, DType dt) {
                                       "FWD_COLUMN_K57", "NCHW_COLUMN_K57", "WGRAD_COLUMN_K57",
                                       "WGRAD_K57_BLOCKS_PER_SM", "FWD_SMEM", "COLUMN_SECTORS", "DGRAD_COLUMN_ROWS",
                                       "NCHW_COLUMN_K57_PREFETCH", "FWD_COLUMN_K57_PREFETCH", "FWD_COLUMN_PREFETCH",
-                                      "S2_WALK_PAIRS", "FWD_MMA"};
+                                      "S2_WALK_PAIRS", "FWD_MMA", "BWD_WALK"};
   static const char* suffix[] = {"F32", "F16", "BF16", "F64"};
   static int cache[kKnobs][4];
   const int ki = static_cast<int>(k), di = static_cast<int>(dt);
@@ -75,6 +75,9 @@ int knob(Knob k, DType dt) {
                           // in fp16 only, docs/kernels.md)
         {-1, -1, -1, 0},  // FWD_MMA (NHWC 16-bit stride-1 tensor-core tile; 2: also the stride-1 input gradient;
                           // -1: by shape, see depthwise_dispatch.cpp; fp32 and fp64 it never takes)
+        {1, 2, 1, 0},     // BWD_WALK (NHWC 3x3 padding-1 backward: both gradients in one walk, 1 at stride 1, 2 at
+                          // strides 1 and 2; the stride-2 walk measured faster in fp16 only, docs/kernels.md; fp64
+                          // has no walk)
     };
     const std::string base = std::string("MDW_") + names[ki];
     int v = env_int(base.c_str(), defaults[ki][di]);

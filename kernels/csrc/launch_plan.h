@@ -147,6 +147,9 @@ enum class Knob {
                  // 4 for 16-bit, 2 for fp32, where 4 was not measured)
   kFwdMma,  // NHWC 16-bit 3x3/5x5/7x7 stride-1 tensor-core tile (depthwise_mma.cu): forward (1), and the stride-1
             // input gradient too (2); 0: off; -1: by shape (depthwise_dispatch.cpp)
+  kBwdWalk,  // NHWC 3x3 padding-1 backward: both gradients in one input-row walk at stride 1 (1), at strides 1 and 2
+             // (2), or the input gradient's and weight gradient's kernels one after the other (0)
+             // (depthwise_dispatch.cpp)
   kCount
 };
 int knob(Knob k, DType dt);
