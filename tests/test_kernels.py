@@ -465,7 +465,8 @@ def test_backward_walk_against_float64_and_the_two_kernels(dw, dtype, monkeypatc
             out, names = [], []
             for stride in (1, 2):
                 y = dw(x, wt, b, stride, 1, 1)
-                go = torch.randn(y.shape, device="cuda", dtype=dtype, generator=torch.Generator(device="cuda").manual_seed(stride))
+                go = torch.randn(y.shape, device="cuda", dtype=dtype,
+                                 generator=torch.Generator(device="cuda").manual_seed(stride))
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     out.append(torch.autograd.grad(y, (x, wt, b), go.contiguous(memory_format=torch.channels_last)))
                     torch.cuda.synchronize()

@@ -305,7 +305,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_bwd(const at::Tensor& g
   auto alloc = [empty](at::IntArrayRef sizes, const at::TensorOptions& opt) {
     return empty ? at::zeros(sizes, opt) : at::empty(sizes, opt);
   };
-  const at::Tensor grad_input = output_mask[0] ? alloc(x.sizes(), x.options().memory_format(fmt)) : at::empty({0}, x.options());
+  const at::Tensor grad_input =
+      output_mask[0] ? alloc(x.sizes(), x.options().memory_format(fmt)) : at::empty({0}, x.options());
   const at::Tensor grad_weight = output_mask[1] ? alloc(w.sizes(), w.options()) : at::empty({0}, w.options());
   const at::Tensor grad_bias = output_mask[2] ? alloc({s.C * s.M}, w.options()) : at::empty({0}, w.options());
   if (empty) return {grad_input, grad_weight, grad_bias};
@@ -320,7 +321,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_bwd(const at::Tensor& g
                     workspace.mutable_data_ptr(), gw, gb, stream);
     return {grad_input, grad_weight, grad_bias};
   }
-  if (output_mask[0]) launch_dgrad(s, dt, go.const_data_ptr(), w.const_data_ptr(), grad_input.mutable_data_ptr(), stream);
+  if (output_mask[0])
+    launch_dgrad(s, dt, go.const_data_ptr(), w.const_data_ptr(), grad_input.mutable_data_ptr(), stream);
   if (weight_or_bias) {
     const size_t elems = wgrad_workspace_elems(s, dt, go.const_data_ptr(), x.const_data_ptr());
     const at::Tensor workspace = at::empty({static_cast<int64_t>(elems)},

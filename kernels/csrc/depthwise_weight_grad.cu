@@ -1184,7 +1184,8 @@ int backward_input_row_normed(const ConvShape& s, DType dt, const void* go, cons
 template <class TT>
 void backward_input_row_plain_t(const ConvShape& s, DType dt, const WgradPlan& p, const void* go, const void* x,
                                 const void* w, void* gx, float* ws, cudaStream_t st) {
-  if (s.SH == 2) return run_bwd_input_row_s2<TT, false, false>(s, dt, p, go, x, w, InputNorm{}, gx, ws, nullptr, {}, st);
+  if (s.SH == 2)
+    return run_bwd_input_row_s2<TT, false, false>(s, dt, p, go, x, w, InputNorm{}, gx, ws, nullptr, {}, st);
   run_wgrad_input_row<TT, true, false, false, false>(s, p, go, x, ws, st, InputNorm{}, w, gx);
 }
 
