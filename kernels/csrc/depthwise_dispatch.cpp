@@ -262,12 +262,16 @@ static bool bwd_normed_s2_walk(const DepthwiseShape& g) {
   return g.SH == 2 && g.SW == 2 && g.PH == 1 && g.PW == 1 && g.KH == 3 && g.KW == 3;
 }
 
+// The weight-gradient partials of the input-row walks, plain or normalizing: [chunks][C][KH * KW + 1] floats.
+static size_t input_row_workspace_elems(const ConvShape& s, DType dt) {
+  return static_cast<size_t>(backward_input_row_normed_chunks(s, dt)) * s.C * (s.KH * s.KW + 1);
+}
 
 size_t bwd_normed_workspace_elems(const DepthwiseShape& g, DType dt, bool sums) {
   ConvShape s;
   if (!narrow_shape(g, &s)) return 0;
   if (!bwd_normed_one_walk(g) && !(sums && bwd_normed_s2_walk(g))) return wgrad_normed_workspace_elems(g, dt);
-  return static_cast<size_t>(backward_input_row_normed_chunks(s, dt)) * g.C * (g.KH * g.KW + 1);
+  return input_row_workspace_elems(s, dt);
 }
 
 int bwd_normed_sums_chunks(const DepthwiseShape& g, DType dt) {
@@ -304,8 +308,7 @@ bool bwd_walk_fits(const DepthwiseShape& g, DType dt, const void* go, const void
 
 size_t bwd_walk_workspace_elems(const DepthwiseShape& g, DType dt) {
   ConvShape s;
-  if (!narrow_shape(g, &s)) return 0;
-  return static_cast<size_t>(backward_input_row_normed_chunks(s, dt)) * g.C * (g.KH * g.KW + 1);
+  return narrow_shape(g, &s) ? input_row_workspace_elems(s, dt) : 0;
 }
 
 void launch_bwd_walk(const DepthwiseShape& g, DType dt, const void* go, const void* x, const void* w, void* gx,

@@ -1150,56 +1150,52 @@ void run_bwd_input_row_s2(const ConvShape& s, DType dt, const WgradPlan& p, cons
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// norm null: the plain op's walks (NORM false, no sums); else the normalizing ones, with the sums and the BatchNorm
+// after the convolution where asked.
 template <class TT>
 void backward_input_row_t(const ConvShape& s, DType dt, const WgradPlan& p, const void* go, const void* y,
-                          const void* w, const InputNorm& norm, void* gx, float* ws, float* sums,
+                          const void* w, const InputNorm* norm, void* gx, float* ws, float* sums,
                           const OutputGradNorm* out_norm, cudaStream_t st) {
-  if (s.SH == 2 && out_norm != nullptr) {
-    run_bwd_input_row_s2<TT, true>(s, dt, p, go, y, w, norm, gx, ws, sums, *out_norm, st);
+  if (norm == nullptr && s.SH == 2) {
+    run_bwd_input_row_s2<TT, false, false>(s, dt, p, go, y, w, InputNorm{}, gx, ws, nullptr, {}, st);
+  } else if (norm == nullptr) {
+    run_wgrad_input_row<TT, true, false, false, false>(s, p, go, y, ws, st, InputNorm{}, w, gx);
+  } else if (s.SH == 2 && out_norm != nullptr) {
+    run_bwd_input_row_s2<TT, true>(s, dt, p, go, y, w, *norm, gx, ws, sums, *out_norm, st);
   } else if (s.SH == 2) {
-    run_bwd_input_row_s2<TT, false>(s, dt, p, go, y, w, norm, gx, ws, sums, {}, st);
+    run_bwd_input_row_s2<TT, false>(s, dt, p, go, y, w, *norm, gx, ws, sums, {}, st);
   } else if (out_norm != nullptr) {
-    run_wgrad_input_row<TT, true, true, true>(s, p, go, y, ws, st, norm, w, gx, sums, *out_norm);
+    run_wgrad_input_row<TT, true, true, true>(s, p, go, y, ws, st, *norm, w, gx, sums, *out_norm);
   } else if (sums != nullptr) {
-    run_wgrad_input_row<TT, true, true>(s, p, go, y, ws, st, norm, w, gx, sums);
+    run_wgrad_input_row<TT, true, true>(s, p, go, y, ws, st, *norm, w, gx, sums);
   } else {
-    run_wgrad_input_row<TT, true>(s, p, go, y, ws, st, norm, w, gx);
+    run_wgrad_input_row<TT, true>(s, p, go, y, ws, st, *norm, w, gx);
   }
 }
 
-int backward_input_row_normed(const ConvShape& s, DType dt, const void* go, const void* y, const void* w,
-                              const InputNorm& norm, void* gx, void* ws, float* sums, const OutputGradNorm* out_norm,
-                              cudaStream_t stream) {
+static int run_backward_input_row(const ConvShape& s, DType dt, const void* go, const void* y, const void* w,
+                                  const InputNorm* norm, void* gx, void* ws, float* sums,
+                                  const OutputGradNorm* out_norm, cudaStream_t stream) {
   const WgradPlan p = plan_input_row_backward(s, dt);
   float* wsf = static_cast<float*>(ws);
   switch (dt) {
     case DType::F32: backward_input_row_t<F32T>(s, dt, p, go, y, w, norm, gx, wsf, sums, out_norm, stream); break;
     case DType::F16: backward_input_row_t<F16T>(s, dt, p, go, y, w, norm, gx, wsf, sums, out_norm, stream); break;
     case DType::BF16: backward_input_row_t<BF16T>(s, dt, p, go, y, w, norm, gx, wsf, sums, out_norm, stream); break;
-    default: break;  // normed_fits excludes fp64
+    default: break;  // normed_fits and bwd_walk_fits exclude fp64
   }
   return p.chunks;
 }
 
-template <class TT>
-void backward_input_row_plain_t(const ConvShape& s, DType dt, const WgradPlan& p, const void* go, const void* x,
-                                const void* w, void* gx, float* ws, cudaStream_t st) {
-  if (s.SH == 2)
-    return run_bwd_input_row_s2<TT, false, false>(s, dt, p, go, x, w, InputNorm{}, gx, ws, nullptr, {}, st);
-  run_wgrad_input_row<TT, true, false, false, false>(s, p, go, x, ws, st, InputNorm{}, w, gx);
+int backward_input_row_normed(const ConvShape& s, DType dt, const void* go, const void* y, const void* w,
+                              const InputNorm& norm, void* gx, void* ws, float* sums, const OutputGradNorm* out_norm,
+                              cudaStream_t stream) {
+  return run_backward_input_row(s, dt, go, y, w, &norm, gx, ws, sums, out_norm, stream);
 }
 
 int backward_input_row(const ConvShape& s, DType dt, const void* go, const void* x, const void* w, void* gx, void* ws,
                        cudaStream_t stream) {
-  const WgradPlan p = plan_input_row_backward(s, dt);
-  float* wsf = static_cast<float*>(ws);
-  switch (dt) {
-    case DType::F32: backward_input_row_plain_t<F32T>(s, dt, p, go, x, w, gx, wsf, stream); break;
-    case DType::F16: backward_input_row_plain_t<F16T>(s, dt, p, go, x, w, gx, wsf, stream); break;
-    case DType::BF16: backward_input_row_plain_t<BF16T>(s, dt, p, go, x, w, gx, wsf, stream); break;
-    default: break;  // bwd_walk_fits excludes fp64
-  }
-  return p.chunks;
+  return run_backward_input_row(s, dt, go, x, w, nullptr, gx, ws, nullptr, nullptr, stream);
 }
 
 int weight_grad_column(const ConvShape& s, DType dt, const void* go, const void* x, void* ws, cudaStream_t stream) {
