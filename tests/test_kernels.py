@@ -192,12 +192,15 @@ def _run_with_knobs(knobs: str, tests: list[str], expected: str, **env) -> None:
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("knobs", ["MDW_FWD_COLUMN_ROWS=1", "MDW_FWD_COLUMN_ROWS=2",
-                                   "MDW_FWD_COLUMN_DEEP=0 MDW_FWD_COLUMN_ROWS=1", "MDW_COLUMN_REVERSE=0",
-                                   "MDW_FWD_COLUMN=1", "MDW_FWD_COLUMN=0 MDW_WGRAD_COLUMN=0"])
+@pytest.mark.parametrize("knobs", ["MDW_FWD_RING=0 MDW_FWD_COLUMN_ROWS=1", "MDW_FWD_RING=0 MDW_FWD_COLUMN_ROWS=2",
+                                   "MDW_FWD_RING=0 MDW_FWD_COLUMN_DEEP=0 MDW_FWD_COLUMN_ROWS=1",
+                                   "MDW_FWD_RING=0 MDW_COLUMN_REVERSE=0", "MDW_FWD_RING=0 MDW_FWD_COLUMN=1",
+                                   "MDW_FWD_RING=0 MDW_FWD_COLUMN=0 MDW_WGRAD_COLUMN=0",
+                                   "MDW_FWD_RING=1 MDW_RING_ROWS=1"])
 def test_launch_knobs_keep_results(knobs):
     # The launch knobs (kernels/csrc/launch_plan.h) pick other kernels or launch shapes and are read once per
-    # process, so each setting runs the MobileNet-shape checks in a process of its own.
+    # process, so each setting runs the MobileNet-shape checks in a process of its own. FWD_RING=0 gives the
+    # stride-1 forward back to the column walk whose launch shapes the other knobs set.
     _run_with_knobs(knobs, ["test_mobilenet_shapes"], "6 passed")
 
 
@@ -431,10 +434,12 @@ def test_large_kernel_column_walks_keep_results(knobs):
     _run_with_knobs(knobs, tests, "8 passed", MDW_FWD_SMEM="0", MDW_FWD_MMA="0")
 
 
-def _set_backward_walk(monkeypatch, value: str) -> None:
-    monkeypatch.setenv("MDW_BWD_WALK", value)
-    for dt in ("F32", "F16", "BF16"):
-        monkeypatch.delenv(f"MDW_BWD_WALK_{dt}", raising=False)
+def _set_knobs(monkeypatch, **knobs) -> None:
+    """Sets MDW_<name> for every dtype (dropping per-dtype overrides) and makes the kernels read them again."""
+    for name, value in knobs.items():
+        monkeypatch.setenv(f"MDW_{name}", str(value))
+        for dt in ("F32", "F16", "BF16"):
+            monkeypatch.delenv(f"MDW_{name}_{dt}", raising=False)
     torch.ops.mobilenet_dw.reload_knobs()
 
 
@@ -453,7 +458,7 @@ def test_backward_walk_against_float64_and_the_two_kernels(dw, dtype, monkeypatc
     gen = torch.Generator(device="cuda").manual_seed(random.randrange(1 << 30))
     shapes = [(4, 32, 28, 28), (2, 6, 15, 57), (3, 34, 7, 9), (1, 144, 14, 14), (2, 2, 1, 70), (1, 96, 30, 3)]
     try:
-        _set_backward_walk(monkeypatch, "2")
+        _set_knobs(monkeypatch, BWD_WALK=2)
         for i, (n, c, h, w) in enumerate(shapes):
             for stride in (1, 2):
                 _check_case(dw, dtype, "nhwc", 3, stride, 1, 1, i % 2 == stride - 1, n, c, h, w, gen)
@@ -474,7 +479,7 @@ def test_backward_walk_against_float64_and_the_two_kernels(dw, dtype, monkeypatc
             return out, names
 
         walk, walk_names = grads()
-        _set_backward_walk(monkeypatch, "0")
+        _set_knobs(monkeypatch, BWD_WALK=0)
         apart, apart_names = grads()
     finally:
         monkeypatch.undo()
@@ -490,6 +495,65 @@ def test_backward_walk_against_float64_and_the_two_kernels(dw, dtype, monkeypatc
     for stride in (1, 2):
         for name, a, r in zip(("grad_input", "grad_weight", "grad_bias"), walk[stride - 1], apart[stride - 1]):
             assert _rel(a, r) <= TOL[dtype], (stride, name)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ring_forward_against_float64_and_the_column_walk(dw, dtype, monkeypatch):
+    # FWD_RING=1: the NHWC 3x3 forward whose input rows bulk copies stream into a shared-memory ring. Against float64
+    # with poisoned outputs, then bit for bit against the column walk (FWD_RING=0), whose FMA order it keeps: one and
+    # two output rows per lane, blocks of 3 or 5 rows (halo rows read by two blocks of an image, a ring that wraps
+    # many times) and of whole images, strides 1 and 2, padding 0-2, bias, 4-256 channel words (48: a block with
+    # idle lanes), widths that are no multiple of the unroll or the segments, one row.
+    from torch.profiler import ProfilerActivity, profile
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the ring's bulk copies need compute capability 9.0")
+    gen = torch.Generator(device="cuda").manual_seed(random.randrange(1 << 30))
+    per_word = 1 if dtype == torch.float32 else 2
+    shapes = [(4, 16, 28, 28), (2, 32, 15, 57), (3, 8, 7, 9), (1, 64, 14, 14), (2, 4, 1, 70), (1, 48, 30, 3),
+              (2, 256, 9, 5)]
+    cases = []
+    for i, (n, words, h, w) in enumerate(shapes):
+        c = words * per_word
+        x = _make_input(n, c, h, w, dtype, "nhwc", gen)
+        wt = torch.randn(c, 1, 3, 3, device="cuda", dtype=dtype, generator=gen) / 3
+        b = torch.randn(c, device="cuda", dtype=dtype, generator=gen) if i % 2 else None
+        for stride, padding in ((1, 1), (2, 1), (1, 0), (2, 2)):
+            if (h + 2 * padding - 3) < 0 or (w + 2 * padding - 3) < 0:
+                continue
+            cases.append((x, wt, b, stride, padding))
+
+    def forwards():
+        out = []
+        for x, wt, b, stride, padding in cases:
+            _poison_allocator(2 * x.numel() * x.element_size())
+            out.append(dw(x, wt, b, stride, padding, 1))
+        return out
+
+    try:
+        ring = {}
+        for rows, block_rows in ((1, 3), (2, 3), (1, 0), (2, 0), (2, 5)):
+            _set_knobs(monkeypatch, FWD_RING=1, RING_ROWS=rows, RING_BLOCK_ROWS=block_rows)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                ring[rows, block_rows] = forwards()
+                torch.cuda.synchronize()
+            names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            assert sum("fwd_nhwc_ring_kernel" in n for n in names) == len(cases), (rows, block_rows)
+            assert not [n for n in names if "fwd_nhwc_column_kernel" in n], (rows, block_rows)
+        _set_knobs(monkeypatch, FWD_RING=0)
+        walk = forwards()
+    finally:
+        monkeypatch.undo()
+        torch.ops.mobilenet_dw.reload_knobs()
+    for (x, wt, b, stride, padding), y_walk, *ys in zip(cases, walk, *ring.values()):
+        what = f"{dtype} x={tuple(x.shape)} s={stride} p={padding} bias={b is not None}"
+        ref = F.conv2d(x.double(), wt.double(), None if b is None else b.double(), stride, padding, 1, x.shape[1])
+        for setting, y in zip(ring, ys):
+            assert torch.isfinite(y).all(), f"unwritten (NaN) outputs, {setting}: {what}"
+            assert _rel(y, ref) <= TOL[dtype], (setting, what)
+            assert torch.equal(y, y_walk), (setting, what)
 
 
 @pytest.mark.gpu
@@ -581,8 +645,10 @@ def test_profiler_shows_our_kernels_and_no_cudnn(dw):
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     ours = [n for n in names if "mdw::" in n]
-    # NHWC 3x3 stride 1 padding 1, in both dtypes: the forward's column walk, and both gradients in the input-row walk
-    assert sum("fwd_nhwc_column_kernel" in n for n in ours) == 2, names
+    # NHWC 3x3 stride 1 padding 1, in both dtypes: the forward from the ring of input rows (compute capability 9.0 and
+    # later; the column walk before), and both gradients in the input-row walk
+    forward = "fwd_nhwc_ring_kernel" if torch.cuda.get_device_capability()[0] >= 9 else "fwd_nhwc_column_kernel"
+    assert sum(forward in n for n in ours) == 2, names
     assert sum("wgrad_nhwc_input_row_kernel" in n for n in ours) == 2, names
     assert not [n for n in names if "cudnn" in n.lower() or "conv" in n.lower() and "mdw::" not in n], names
 

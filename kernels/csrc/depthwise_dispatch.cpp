@@ -116,6 +116,17 @@ bool mma_wanted(const ConvShape& s, DType dt, int level) {
   return s.KH == 5 && s.H >= 14 && s.H <= 28;
 }
 
+// FWD_RING: 1 the ring wherever it fits, 0 never, -1 (the default) by shape, as the H200 suites measured it against
+// the column walk (docs/kernels.md, "The forward from a ring of input rows"): at stride 1 where the channel words fill
+// at least 7/8 of a block's 256 lanes (a lane per word and row group); on MobileNetV3's 184- and 200-channel 14x14
+// layers, whose words fill 72-78% of them, it was slower. At stride 2 the ring rarely fits two blocks per SM.
+bool ring_wanted(const ConvShape& s, DType dt) {
+  const int v = knob(Knob::kFwdRing, dt);
+  if (v >= 0) return v == 1;
+  const int words = s.C * elem_size(dt) / 4;
+  return s.SH == 1 && words > 0 && words <= 256 && (256 / words) * words >= 224;
+}
+
 enum class WgradTechnique { kColumn, kColumnK57, kTiled, kGeneric };
 
 // Weight gradient: the technique both the workspace size and the launch follow.
@@ -183,6 +194,8 @@ bool k57_nchw_walk(const ConvShape& s, DType dt, int level) {
 //   NHWC 5x5/7x7 s1/s2, whole 32-bit words of channels, FWD_COLUMN_K57 >= 1   column walk, partial sums (K = 5, 7)
 //     (-1, the default: inputs of 28 rows or more)
 //   outside the tiled kernels' cases (see tiled_fits)                   generic
+//   NHWC 3x3 s1/s2, channels in 16-byte units, sm_90+, FWD_RING >= 1   ring of input rows (the launcher checks)
+//     (-1, the default: stride 1, channel words that fill 7/8 of the block's lanes)
 //   NHWC 3x3 s1/s2, whole 32-bit words of channels, FWD_COLUMN >= 1     column walk
 //   NCHW 5x5/7x7 s1/s2, NCHW_COLUMN_K57 >= 1                            walk down the columns, partial sums
 //     (-1, the default: all but 5x5 on inputs of 7 rows or fewer)
@@ -197,6 +210,7 @@ void launch_forward(const DepthwiseShape& g, DType dt, const void* x, const void
   if (k57_nhwc_walk(s, dt, 1) && column_k57_fits(s, dt, x, y))
     return forward_nhwc_column_k57(s, dt, x, w, bias, y, stream);
   if (!tiled_fits(s, dt, x, y, nhwc_vec(dt))) return forward_generic(g, dt, x, w, bias, y, stream);
+  if (ring_wanted(s, dt) && column_fits(s, dt, x, y) && forward_nhwc_ring(s, dt, x, w, bias, y, stream)) return;
   if (knob(Knob::kFwdColumn, dt) >= 1 && column_fits(s, dt, x, y))
     return forward_nhwc_column(s, dt, x, w, bias, y, stream);
   if (!s.channels_last && s.KH >= 5 && k57_nchw_walk(s, dt, 1))

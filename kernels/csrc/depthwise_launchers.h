@@ -23,6 +23,11 @@ void forward_nhwc_column_stats(const ConvShape& s, DType dt, const void* x, cons
 // The same walk without bias or activation on relu(batch_norm(x)), applied to x's words as they are loaded.
 void forward_nhwc_column_normed(const ConvShape& s, DType dt, const void* x, const void* w, const InputNorm& norm,
                                 void* y, cudaStream_t stream);
+// NHWC 3x3, stride 1 or 2, channels in whole 16-byte units, x 16-byte aligned, compute capability 9.0 or later: the
+// column walk's arithmetic on input rows that bulk copies stream into a shared-memory ring (depthwise_ring.cu).
+// False, having launched nothing, where the case does not fit (the launcher checks).
+bool forward_nhwc_ring(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
+                       cudaStream_t stream);
 // NHWC 5x5 or 7x7, stride 1 or 2, whole 32-bit words of channels: a lane walks one output row carrying partial sums.
 void forward_nhwc_column_k57(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                              cudaStream_t stream);

@@ -106,6 +106,45 @@ __device__ __forceinline__ uint32_t narrow_word(const float (&in)[V]) {
   }
 }
 
+// One step of the 3x3 column walks (stencil_3x3.cuh's walk and depthwise_ring.cu's): the R output rows' V channels
+// from the bias b, the window held (K - S widened columns per input row) and the step's raw words (S new columns per
+// input row), each output's products added kernel row by kernel row, column by column; then the window slides S
+// columns on. Input row kh feeds output row q through kernel row kh - q * S. Both walks share it so that their
+// outputs are the same bits.
+template <class TT, int S, int R, int V>
+__device__ __forceinline__ void column_window_step(const float (&wr)[9][V], const float (&b)[V],
+                                                   float (&held)[3 + S * (R - 1)][3 - S][V],
+                                                   const uint32_t (&raw)[3 + S * (R - 1)][S], float (&acc)[R][V]) {
+  constexpr int K = 3, KR = K + S * (R - 1), KH = K - S;
+#pragma unroll
+  for (int q = 0; q < R; ++q)
+#pragma unroll
+    for (int v = 0; v < V; ++v) acc[q][v] = b[v];
+#pragma unroll
+  for (int kh = 0; kh < KR; ++kh) {
+    float fresh[S][V];
+#pragma unroll
+    for (int d = 0; d < S; ++d) widen_word<TT, V>(raw[kh][d], fresh[d]);
+#pragma unroll
+    for (int q = 0; q < R; ++q) {
+      const int kr = kh - q * S;
+      if (kr < 0 || kr >= K) continue;
+#pragma unroll
+      for (int kw = 0; kw < K; ++kw)
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+          const float xv = kw < KH ? held[kh][kw < KH ? kw : 0][v] : fresh[kw >= KH ? kw - KH : 0][v];
+          acc[q][v] = fmaf(wr[kr * K + kw][v], xv, acc[q][v]);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < KH; ++j)
+#pragma unroll
+      for (int v = 0; v < V; ++v)
+        held[kh][j][v] = j + S < KH ? held[kh][j + S < KH ? j + S : 0][v] : fresh[j + S >= KH ? j + S - KH : 0][v];
+  }
+}
+
 // --- BatchNorm + ReLU arithmetic, shared by its own kernels (batchnorm_relu.cu) and the depthwise kernels that apply
 // it to their input as they load it (InputNorm), so that both compute the same bits ------------------------------
 

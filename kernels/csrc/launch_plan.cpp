@@ -42,7 +42,8 @@ int knob(Knob k, DType dt) {
                                       "FWD_COLUMN_K57", "NCHW_COLUMN_K57", "WGRAD_COLUMN_K57",
                                       "WGRAD_K57_BLOCKS_PER_SM", "FWD_SMEM", "COLUMN_SECTORS", "DGRAD_COLUMN_ROWS",
                                       "NCHW_COLUMN_K57_PREFETCH", "FWD_COLUMN_K57_PREFETCH", "FWD_COLUMN_PREFETCH",
-                                      "S2_WALK_PAIRS", "FWD_MMA", "BWD_WALK"};
+                                      "S2_WALK_PAIRS", "FWD_MMA", "BWD_WALK", "FWD_RING", "RING_ROWS",
+                                      "RING_BLOCK_ROWS"};
   static const char* suffix[] = {"F32", "F16", "BF16", "F64"};
   static int cache[kKnobs][4];
   const int ki = static_cast<int>(k), di = static_cast<int>(dt);
@@ -78,6 +79,10 @@ int knob(Knob k, DType dt) {
         {1, 2, 1, 0},     // BWD_WALK (NHWC 3x3 padding-1 backward: both gradients in one walk, 1 at stride 1, 2 at
                           // strides 1 and 2; the stride-2 walk measured faster in fp16 only, docs/kernels.md; fp64
                           // has no walk)
+        {-1, -1, -1, 0},  // FWD_RING (NHWC 3x3 forward from a ring of input rows filled by bulk copies; -1: by shape,
+                          // see depthwise_dispatch.cpp)
+        {2, 2, 2, 2},     // RING_ROWS (that kernel's output rows per lane)
+        {28, 28, 28, 28}, // RING_BLOCK_ROWS (that kernel's output rows per block)
     };
     const std::string base = std::string("MDW_") + names[ki];
     int v = env_int(base.c_str(), defaults[ki][di]);

@@ -150,6 +150,10 @@ enum class Knob {
   kBwdWalk,  // NHWC 3x3 padding-1 backward: both gradients in one input-row walk at stride 1 (1), at strides 1 and 2
              // (2), or the input gradient's and weight gradient's kernels one after the other (0)
              // (depthwise_dispatch.cpp)
+  kFwdRing,       // NHWC 3x3 forward fed by bulk copies into a ring of input rows (depthwise_ring.cu): 1 on where it
+                  // fits, 0 off, -1 by shape (depthwise_dispatch.cpp)
+  kRingRows,      // that kernel's output rows per lane (1 or 2)
+  kRingBlockRows, // that kernel's output rows per block (rounded to whole bands; 0: the whole image)
   kCount
 };
 int knob(Knob k, DType dt);

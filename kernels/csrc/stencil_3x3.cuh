@@ -373,35 +373,7 @@ __global__ void __launch_bounds__(256, MINB)
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       float acc[R][V];
-#pragma unroll
-      for (int q = 0; q < R; ++q)
-#pragma unroll
-        for (int v = 0; v < V; ++v) acc[q][v] = b[v];
-#pragma unroll
-      for (int kh = 0; kh < KR; ++kh) {
-        float fresh[S][V];
-#pragma unroll
-        for (int d = 0; d < S; ++d) widen_word<TT, V>(raw[u][kh][d], fresh[d]);
-        // Input row kh feeds output row q through kernel row kh - q * S.
-#pragma unroll
-        for (int q = 0; q < R; ++q) {
-          const int kr = kh - q * S;
-          if (kr < 0 || kr >= K) continue;
-#pragma unroll
-          for (int kw = 0; kw < K; ++kw)
-#pragma unroll
-            for (int v = 0; v < V; ++v) {
-              const float xv = kw < KH ? held[kh][kw < KH ? kw : 0][v] : fresh[kw >= KH ? kw - KH : 0][v];
-              acc[q][v] = fmaf(wr[kr * K + kw][v], xv, acc[q][v]);
-            }
-        }
-        // Slide: the next step's window starts S columns on.
-#pragma unroll
-        for (int j = 0; j < KH; ++j)
-#pragma unroll
-          for (int v = 0; v < V; ++v)
-            held[kh][j][v] = j + S < KH ? held[kh][j + S < KH ? j + S : 0][v] : fresh[j + S >= KH ? j + S - KH : 0][v];
-      }
+      column_window_step<TT, S, R, V>(wr, b, held, raw[u], acc);
       if constexpr (!FLIP) {
 #pragma unroll
         for (int q = 0; q < R; ++q) activate(acc[q], s.act);
