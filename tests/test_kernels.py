@@ -279,9 +279,10 @@ def test_nhwc_channel_groups_and_wide_rows(dw, dtype):
 @pytest.mark.skipif("MDW_FWD_SMEM" not in os.environ, reason="run by test_smem_tile_keeps_results")
 def test_smem_tile_runs_where_the_knob_sends_it(dw):
     # FWD_SMEM >= 1: every NHWC 3x3/5x5/7x7 forward of whole 32-bit words of channels runs the tile; >= 2 the
-    # stride-1 input gradient too (the FLIP instantiation, its template's last argument).
+    # stride-1 input gradient too (the FLIP instantiation, its template's last argument). The input gradient alone:
+    # with the weight's too, the 3x3 cases take the one-walk backward (BWD_WALK).
     setting = int(os.environ["MDW_FWD_SMEM"])
-    names = _kernels_of_passes(dw, itertools.product(DTYPES, (3, 5, 7), ("nhwc",)))
+    names = _kernels_of_passes(dw, itertools.product(DTYPES, (3, 5, 7), ("nhwc",)), weight_grad=False)
     tiles = [n for n in names if "fwd_nhwc_smem_kernel" in n]
     rotated = [n for n in tiles if ", true>(" in n or "Lb1EEEv" in n]  # demangled or not
     assert len(tiles) == (18 if setting >= 2 else 9 if setting >= 1 else 0), names
@@ -447,7 +448,7 @@ def _set_knobs(monkeypatch, **knobs) -> None:
 @cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_backward_walk_against_float64_and_the_two_kernels(dw, dtype, monkeypatch):
-    # BWD_WALK=2 (the fp16 default; 1, stride 1 only, in fp32 and bf16): the NHWC 3x3 padding-1 backward as one
+    # BWD_WALK=2 (opt-in; the default 1 is stride 1 only): the NHWC 3x3 padding-1 backward as one
     # input-row walk at stride 1 and 2. Against float64 with poisoned outputs (bias too: its gradient is the walk's
     # bias slot), on channel counts of 1-72 words (odd ones, a partial last group), short and long rows, odd heights
     # and widths, one row, one image; then against the two kernels it replaces (BWD_WALK=0): at stride 1 grad_input

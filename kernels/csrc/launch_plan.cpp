@@ -76,8 +76,9 @@ int knob(Knob k, DType dt) {
                           // in fp16 only, docs/kernels.md)
         {-1, -1, -1, 0},  // FWD_MMA (NHWC 16-bit stride-1 tensor-core tile; 2: also the stride-1 input gradient;
                           // -1: by shape, see depthwise_dispatch.cpp; fp32 and fp64 it never takes)
-        {1, 2, 1, 0},     // BWD_WALK (NHWC 3x3 padding-1 backward: both gradients in one walk, 1 at stride 1, 2 at
-                          // strides 1 and 2; the stride-2 walk measured faster in fp16 only, docs/kernels.md; fp64
+        {1, 1, 1, 0},     // BWD_WALK (NHWC 3x3 padding-1 backward: both gradients in one walk, 1 at stride 1, 2 at
+                          // strides 1 and 2; the stride-2 walk, faster in fp16 only, gives an input gradient whose
+                          // bits differ from norm.apply_in_depthwise's pair, so it is opt-in, docs/kernels.md; fp64
                           // has no walk)
         {-1, -1, -1, 0},  // FWD_RING (NHWC 3x3 forward from a ring of input rows filled by bulk copies; -1: by shape,
                           // see depthwise_dispatch.cpp)
