@@ -435,19 +435,27 @@ def test_large_kernel_column_walks_keep_results(knobs):
     _run_with_knobs(knobs, tests, "8 passed", MDW_FWD_SMEM="0", MDW_FWD_MMA="0")
 
 
-def _set_knobs(monkeypatch, **knobs) -> None:
-    """Sets MDW_<name> for every dtype (dropping per-dtype overrides) and makes the kernels read them again."""
-    for name, value in knobs.items():
-        monkeypatch.setenv(f"MDW_{name}", str(value))
-        for dt in ("F32", "F16", "BF16"):
-            monkeypatch.delenv(f"MDW_{name}_{dt}", raising=False)
+@pytest.fixture
+def set_knobs(dw, monkeypatch):
+    """set_knobs(NAME=value, ...): MDW_<NAME> for every dtype (per-dtype overrides dropped), read again by the
+    kernels at once; after the test the environment and the kernels' knobs are as before."""
+
+    def set_(**knobs) -> None:
+        for name, value in knobs.items():
+            monkeypatch.setenv(f"MDW_{name}", str(value))
+            for dt in ("F32", "F16", "BF16"):
+                monkeypatch.delenv(f"MDW_{name}_{dt}", raising=False)
+        torch.ops.mobilenet_dw.reload_knobs()
+
+    yield set_
+    monkeypatch.undo()
     torch.ops.mobilenet_dw.reload_knobs()
 
 
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_backward_walk_against_float64_and_the_two_kernels(dw, dtype, monkeypatch):
+def test_backward_walk_against_float64_and_the_two_kernels(dw, dtype, set_knobs):
     # BWD_WALK=2 (opt-in; the default 1 is stride 1 only): the NHWC 3x3 padding-1 backward as one
     # input-row walk at stride 1 and 2. Against float64 with poisoned outputs (bias too: its gradient is the walk's
     # bias slot), on channel counts of 1-72 words (odd ones, a partial last group), short and long rows, odd heights
@@ -458,33 +466,29 @@ def test_backward_walk_against_float64_and_the_two_kernels(dw, dtype, monkeypatc
 
     gen = torch.Generator(device="cuda").manual_seed(random.randrange(1 << 30))
     shapes = [(4, 32, 28, 28), (2, 6, 15, 57), (3, 34, 7, 9), (1, 144, 14, 14), (2, 2, 1, 70), (1, 96, 30, 3)]
-    try:
-        _set_knobs(monkeypatch, BWD_WALK=2)
-        for i, (n, c, h, w) in enumerate(shapes):
-            for stride in (1, 2):
-                _check_case(dw, dtype, "nhwc", 3, stride, 1, 1, i % 2 == stride - 1, n, c, h, w, gen)
-        x = _make_input(4, 64, 21, 20, dtype, "nhwc", gen).requires_grad_()
-        wt = (torch.randn(64, 1, 3, 3, device="cuda", dtype=dtype, generator=gen) / 3).requires_grad_()
-        b = torch.randn(64, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+    set_knobs(BWD_WALK=2)
+    for i, (n, c, h, w) in enumerate(shapes):
+        for stride in (1, 2):
+            _check_case(dw, dtype, "nhwc", 3, stride, 1, 1, i % 2 == stride - 1, n, c, h, w, gen)
+    x = _make_input(4, 64, 21, 20, dtype, "nhwc", gen).requires_grad_()
+    wt = (torch.randn(64, 1, 3, 3, device="cuda", dtype=dtype, generator=gen) / 3).requires_grad_()
+    b = torch.randn(64, device="cuda", dtype=dtype, generator=gen).requires_grad_()
 
-        def grads():
-            out, names = [], []
-            for stride in (1, 2):
-                y = dw(x, wt, b, stride, 1, 1)
-                go = torch.randn(y.shape, device="cuda", dtype=dtype,
-                                 generator=torch.Generator(device="cuda").manual_seed(stride))
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    out.append(torch.autograd.grad(y, (x, wt, b), go.contiguous(memory_format=torch.channels_last)))
-                    torch.cuda.synchronize()
-                names.append([e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA])
-            return out, names
+    def grads():
+        out, names = [], []
+        for stride in (1, 2):
+            y = dw(x, wt, b, stride, 1, 1)
+            go = torch.randn(y.shape, device="cuda", dtype=dtype,
+                             generator=torch.Generator(device="cuda").manual_seed(stride))
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                out.append(torch.autograd.grad(y, (x, wt, b), go.contiguous(memory_format=torch.channels_last)))
+                torch.cuda.synchronize()
+            names.append([e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA])
+        return out, names
 
-        walk, walk_names = grads()
-        _set_knobs(monkeypatch, BWD_WALK=0)
-        apart, apart_names = grads()
-    finally:
-        monkeypatch.undo()
-        torch.ops.mobilenet_dw.reload_knobs()
+    walk, walk_names = grads()
+    set_knobs(BWD_WALK=0)
+    apart, apart_names = grads()
     for stride, kernel, names in ((1, "wgrad_nhwc_input_row_kernel", walk_names[0]),
                                   (2, "bwd_nhwc_input_row_s2_kernel", walk_names[1])):
         assert [n for n in names if kernel in n], (stride, names)
@@ -501,7 +505,7 @@ def test_backward_walk_against_float64_and_the_two_kernels(dw, dtype, monkeypatc
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_ring_forward_against_float64_and_the_column_walk(dw, dtype, monkeypatch):
+def test_ring_forward_against_float64_and_the_column_walk(dw, dtype, set_knobs):
     # FWD_RING=1: the NHWC 3x3 forward whose input rows bulk copies stream into a shared-memory ring. Against float64
     # with poisoned outputs, then bit for bit against the column walk (FWD_RING=0), whose FMA order it keeps: one and
     # two output rows per lane, blocks of 3 or 5 rows (halo rows read by two blocks of an image, a ring that wraps
@@ -533,21 +537,17 @@ def test_ring_forward_against_float64_and_the_column_walk(dw, dtype, monkeypatch
             out.append(dw(x, wt, b, stride, padding, 1))
         return out
 
-    try:
-        ring = {}
-        for rows, block_rows in ((1, 3), (2, 3), (1, 0), (2, 0), (2, 5)):
-            _set_knobs(monkeypatch, FWD_RING=1, RING_ROWS=rows, RING_BLOCK_ROWS=block_rows)
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                ring[rows, block_rows] = forwards()
-                torch.cuda.synchronize()
-            names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-            assert sum("fwd_nhwc_ring_kernel" in n for n in names) == len(cases), (rows, block_rows)
-            assert not [n for n in names if "fwd_nhwc_column_kernel" in n], (rows, block_rows)
-        _set_knobs(monkeypatch, FWD_RING=0)
-        walk = forwards()
-    finally:
-        monkeypatch.undo()
-        torch.ops.mobilenet_dw.reload_knobs()
+    ring = {}
+    for rows, block_rows in ((1, 3), (2, 3), (1, 0), (2, 0), (2, 5)):
+        set_knobs(FWD_RING=1, RING_ROWS=rows, RING_BLOCK_ROWS=block_rows)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            ring[rows, block_rows] = forwards()
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        assert sum("fwd_nhwc_ring_kernel" in n for n in names) == len(cases), (rows, block_rows)
+        assert not [n for n in names if "fwd_nhwc_column_kernel" in n], (rows, block_rows)
+    set_knobs(FWD_RING=0)
+    walk = forwards()
     for (x, wt, b, stride, padding), y_walk, *ys in zip(cases, walk, *ring.values()):
         what = f"{dtype} x={tuple(x.shape)} s={stride} p={padding} bias={b is not None}"
         ref = F.conv2d(x.double(), wt.double(), None if b is None else b.double(), stride, padding, 1, x.shape[1])

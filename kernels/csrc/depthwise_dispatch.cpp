@@ -124,7 +124,7 @@ bool ring_wanted(const ConvShape& s, DType dt) {
   const int v = knob(Knob::kFwdRing, dt);
   if (v >= 0) return v == 1;
   const int words = s.C * elem_size(dt) / 4;
-  return s.SH == 1 && words > 0 && words <= 256 && (256 / words) * words >= 224;
+  return s.SH == 1 && words > 0 && words <= kRingLanes && (kRingLanes / words) * words * 8 >= kRingLanes * 7;
 }
 
 enum class WgradTechnique { kColumn, kColumnK57, kTiled, kGeneric };

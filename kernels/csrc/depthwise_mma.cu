@@ -334,17 +334,9 @@ void launch_mma(const ConvShape& s, const void* x, const void* w, const void* bi
   const MmaTile t = plan_mma_tile(s, K);
   TORCH_CHECK(t.cg != 0, "depthwise FWD_MMA: the planner found no tile for this shape; the smallest (8 channels, 8 "
               "rows or one short image, 8 columns) always fits, so this is a bug");
-  // Above 48 KB of shared memory a kernel must opt in, per instantiation and device, to the largest tile the
-  // planner may pick.
+  // The largest tile the planner may pick.
   static std::atomic<uint64_t> opted_in{0};
-  int dev = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  const uint64_t bit = uint64_t(1) << (dev % 64);
-  if (!(opted_in.load() & bit)) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(fwd_nhwc_mma_kernel<TT, K, FLIP>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem));
-    opted_in.fetch_or(bit);
-  }
+  opt_in_shared_memory(fwd_nhwc_mma_kernel<TT, K, FLIP>, kMaxSmem, opted_in);
   const long long blocks = static_cast<long long>(t.groups) * t.tiles_w * t.tiles_h * t.img_blocks;
   fwd_nhwc_mma_kernel<TT, K, FLIP><<<static_cast<unsigned>(blocks), kThreads, t.smem, stream>>>(
       static_cast<const uint4*>(x), static_cast<const uint16_t*>(w), static_cast<const uint16_t*>(bias),

@@ -14,6 +14,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <type_traits>
 
 #include "depthwise_launchers.h"
@@ -39,9 +40,8 @@ struct RingPlan {
   size_t smem;
 };
 
-// Lanes per block; 2 blocks per SM. One block of 512 lanes per SM, with twice the shared memory for its ring,
-// measured slower on MobileNetV1's layers (docs/kernels.md).
-constexpr int kRingThreads = 256;
+// Lanes per block: kRingLanes (launch_plan.h), 2 blocks per SM. One block of 512 lanes per SM, with twice the shared
+// memory for its ring, measured slower on MobileNetV1's layers (docs/kernels.md).
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
@@ -73,10 +73,6 @@ __device__ __forceinline__ void ring_wait(uint64_t* bar, unsigned parity) {
       "r"(parity)
       : "memory");
 }
-
-__device__ __forceinline__ void ring_store(uint32_t* p, uint32_t v) {
-  asm volatile("st.global.b32 [%0], %1;" ::"l"(p), "r"(v));
-}
 #endif
 
 // Steps whose shared-memory loads are issued before their FMAs.
@@ -86,7 +82,7 @@ constexpr int kRingUnroll = 2;
 // t % words, p = t / words; row group p % rg (neighbouring lanes of a warp take neighbouring rows, whose slots the
 // padding puts on other banks), segment p / rg.
 template <class TT, int S, int R>
-__global__ void __launch_bounds__(kRingThreads, 2)
+__global__ void __launch_bounds__(kRingLanes, 2)
     fwd_nhwc_ring_kernel(const uint32_t* __restrict__ x, const typename TT::S* __restrict__ w,
                          const typename TT::S* __restrict__ bias, uint32_t* __restrict__ y, ConvShape s, RingPlan p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -152,8 +148,8 @@ __global__ void __launch_bounds__(kRingThreads, 2)
     const int oh = ohb + q * R;
     if (lane_works && oh < oh_end) {
       const int rows = min(R, oh_end - oh);  // the lane's output rows that exist
-      // Input row kh of the lane: its slot once the copy has landed, else (padding, or the rows of output rows
-      // row that does not exist) the zero row.
+      // Input row kh of the lane: its slot once the copy has landed, else the zero row (padding, or a row only an
+      // output row past oh_end would read).
       const uint32_t* rp[KR];
 #pragma unroll
       for (int kh = 0; kh < KR; ++kh) {
@@ -206,7 +202,7 @@ __global__ void __launch_bounds__(kRingThreads, 2)
           if (!kChecked || ow + u < c1) {
 #pragma unroll
             for (int r = 0; r < R; ++r)
-              if (r < rows) ring_store(yp + (r * row_words + u * p.words), narrow_word<TT, V>(acc[r]));
+              if (r < rows) store_global(yp + (r * row_words + u * p.words), narrow_word<TT, V>(acc[r]));
           }
         }
         yp += kRingUnroll * p.words;
@@ -225,21 +221,20 @@ __global__ void __launch_bounds__(kRingThreads, 2)
 #endif
 }
 
-// Shared memory for 2 blocks per SM (of 228 KB, 1 KB of each block reserved by the hardware).
 // Shared memory per block for 2 blocks per SM: 228 KB per SM, of which the hardware reserves 1 KB per block.
 constexpr size_t kRingBudget = 113 * 1024;
 
 // A plan for R output rows per lane, or false when the case does not fit: words a multiple of 4 (16-byte rows,
 // slots and padding offsets for the bulk copies), at most 256 of them, and a ring of at least one band plus one
 // band ahead within kRingBudget. Of the segmentations (nseg a power of two dividing P) the one with the fewest
-// segments whose ring holds two bands ahead, else one. rows_per_block: the output rows a block takes (RING_ROWS,
-// rounded to whole bands).
+// segments whose ring holds two bands ahead, else one; then as many slots as the budget holds. rows_per_block: the
+// output rows a block takes (RING_BLOCK_ROWS, rounded to whole bands).
 bool plan_ring(const ConvShape& s, DType dt, int S, int R, int rows_per_block, RingPlan* out) {
   RingPlan p{};
   const int V = dt == DType::F32 ? 1 : 2;
   p.words = s.C / V;
-  if (p.words % 4 != 0 || p.words > kRingThreads) return false;
-  p.P = kRingThreads / p.words;
+  if (p.words % 4 != 0 || p.words > kRingLanes) return false;
+  p.P = kRingLanes / p.words;
   const int KH = 3 - S;
   p.slot_words = (s.W + 2 * s.PW) * p.words;
   // Rows of neighbouring row groups sit in neighbouring slots: a slot stride of words (mod 32) puts the 32 / words
@@ -249,6 +244,8 @@ bool plan_ring(const ConvShape& s, DType dt, int S, int R, int rows_per_block, R
   }
   p.row_bytes = static_cast<unsigned>(s.W) * p.words * 4;
   const size_t slot_bytes = static_cast<size_t>(p.slot_words) * 4;
+  auto bar_bytes = [](int nslot) { return (nslot * 8 + 127) / 128 * 128; };  // the slots start 128-byte aligned
+  auto ring_bytes = [&](int nslot) { return bar_bytes(nslot) + (nslot + 1) * slot_bytes; };  // + the zero slot
   bool found = false;
   for (int ahead = 2; ahead >= 1 && !found; --ahead) {
     for (int nseg = 1; nseg <= p.P && !found; nseg *= 2) {
@@ -256,9 +253,7 @@ bool plan_ring(const ConvShape& s, DType dt, int S, int R, int rows_per_block, R
       const int rg = p.P / nseg;
       const int band_rows = rg * R;
       const int band_in = band_rows * S + KH;
-      const int nslot = band_in + ahead * band_rows * S;
-      const int bar_bytes = ((nslot * 8 + 127) / 128) * 128;
-      if (bar_bytes + (nslot + 1) * slot_bytes > kRingBudget) continue;
+      if (ring_bytes(band_in + ahead * band_rows * S) > kRingBudget) continue;
       p.nseg = nseg;
       p.rg = rg;
       p.band_rows = band_rows;
@@ -267,17 +262,12 @@ bool plan_ring(const ConvShape& s, DType dt, int S, int R, int rows_per_block, R
   }
   if (!found) return false;
   p.seg = ceil_div(s.OW, p.nseg);
-  // As many slots as the budget holds.
-  p.nslot = static_cast<int>((kRingBudget - 128) / slot_bytes) - 1;
-  p.bar_bytes = ((p.nslot * 8 + 127) / 128) * 128;
-  while (p.bar_bytes + (p.nslot + 1) * slot_bytes > kRingBudget) {
-    --p.nslot;
-    p.bar_bytes = ((p.nslot * 8 + 127) / 128) * 128;
-  }
+  for (p.nslot = static_cast<int>(kRingBudget / slot_bytes); ring_bytes(p.nslot) > kRingBudget;) --p.nslot;
+  p.bar_bytes = bar_bytes(p.nslot);
   const int want = rows_per_block > 0 ? rows_per_block : s.OH;
   p.bands = ceil_div(want < s.OH ? want : s.OH, p.band_rows);
   p.blocks_per_image = ceil_div(s.OH, p.bands * p.band_rows);
-  p.smem = p.bar_bytes + (p.nslot + 1) * slot_bytes;
+  p.smem = ring_bytes(p.nslot);
   *out = p;
   return true;
 }
@@ -287,16 +277,10 @@ void launch_ring(const ConvShape& s, const RingPlan& p, const void* x, const voi
                  cudaStream_t stream) {
   using Sx = typename TT::S;
   auto kernel = fwd_nhwc_ring_kernel<TT, S, R>;
-  // Above 48 KB a kernel must opt in; the largest size set so far per device is remembered.
-  static int opted[64] = {};
-  int dev = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev >= 64 || opted[dev] < static_cast<int>(p.smem)) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(p.smem)));
-    if (dev < 64) opted[dev] = static_cast<int>(p.smem);
-  }
+  static std::atomic<uint64_t> opted_in{0};
+  opt_in_shared_memory(kernel, static_cast<int>(kRingBudget), opted_in);
   const long long blocks = static_cast<long long>(s.N) * p.blocks_per_image;
-  kernel<<<static_cast<unsigned>(blocks), kRingThreads, p.smem, stream>>>(
+  kernel<<<static_cast<unsigned>(blocks), kRingLanes, p.smem, stream>>>(
       static_cast<const uint32_t*>(x), static_cast<const Sx*>(w), static_cast<const Sx*>(bias),
       static_cast<uint32_t*>(y), s, p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -316,22 +300,11 @@ bool ring_by_shape(const ConvShape& s, DType dt, const void* x, const void* w, c
   return true;
 }
 
-bool device_has_bulk_copies() {
-  static int major[64] = {};
-  int dev = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev < 64 && major[dev] > 0) return major[dev] >= 9;
-  int m = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&m, cudaDevAttrComputeCapabilityMajor, dev));
-  if (dev < 64) major[dev] = m;
-  return m >= 9;
-}
-
 }  // namespace
 
 bool forward_nhwc_ring(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                        cudaStream_t stream) {
-  if (s.KH != 3 || s.KW != 3 || !aligned(x, 16) || !device_has_bulk_copies()) return false;
+  if (!aligned(x, 16) || compute_capability_major() < 9) return false;  // bulk copies: 16-byte rows, sm_90
   switch (dt) {
     case DType::F32: return ring_by_shape<F32T>(s, dt, x, w, bias, y, stream);
     case DType::F16: return ring_by_shape<F16T>(s, dt, x, w, bias, y, stream);

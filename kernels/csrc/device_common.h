@@ -85,6 +85,12 @@ __device__ __forceinline__ void widen(const Pack<typename TT::S, V>& pk, float (
   }
 }
 
+// A plain global store (STG) through a pointer the compiler cannot see into (the walks keep their output pointers
+// opaque with an empty asm): a C++ store would be a generic one (ST.E).
+__device__ __forceinline__ void store_global(uint32_t* p, uint32_t v) {
+  asm volatile("st.global.b32 [%0], %1;" ::"l"(p), "r"(v));
+}
+
 // One 32-bit word to V fp32 values (V = 2: a pair of 16-bit channels; V = 1: an fp32 channel); the column-walking
 // kernels move channels a word at a time.
 template <class TT, int V>

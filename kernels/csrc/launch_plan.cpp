@@ -10,15 +10,25 @@
 
 namespace mdw {
 
-int num_sms() {
-  static std::atomic<int> cached[64] = {};
+// An attribute of the current device, cached per device in `cached` (one array per attribute).
+static int device_attribute(cudaDeviceAttr attr, std::atomic<int> (&cached)[64]) {
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
   if (dev < 64 && cached[dev].load() > 0) return cached[dev].load();
   int n = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, attr, dev));
   if (dev < 64) cached[dev].store(n);
   return n;
+}
+
+int num_sms() {
+  static std::atomic<int> cached[64] = {};
+  return device_attribute(cudaDevAttrMultiProcessorCount, cached);
+}
+
+int compute_capability_major() {
+  static std::atomic<int> cached[64] = {};
+  return device_attribute(cudaDevAttrComputeCapabilityMajor, cached);
 }
 
 static int env_int(const char* name, int fallback) {

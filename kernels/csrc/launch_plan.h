@@ -3,9 +3,12 @@
 // No device code; device_common.h decodes the Tiling on the device side.
 #pragma once
 
+#include <c10/cuda/CUDAException.h>
+#include <cuda_runtime_api.h>
+
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <cuda_runtime_api.h>
 
 #include "depthwise.h"
 
@@ -85,6 +88,24 @@ inline Tiling make_tiling(bool channels_last, int rows, int strip0, int strips, 
 }
 
 int num_sms();  // of the current device, cached
+int compute_capability_major();  // of the current device, cached
+
+// Above 48 KB of dynamic shared memory a kernel must opt in, once per kernel and device: to `bytes`, the most any
+// launch of it asks for. `opted` (a static of the caller, one per kernel instantiation) remembers the devices done.
+template <class Kernel>
+void opt_in_shared_memory(Kernel kernel, int bytes, std::atomic<uint64_t>& opted) {
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  const uint64_t bit = uint64_t(1) << (dev % 64);
+  if (!(opted.load() & bit)) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    opted.fetch_or(bit);
+  }
+}
+
+// Lanes per block of the ring kernels (depthwise_ring.cu): one per channel word and row group, 2 blocks per SM; the
+// dispatch's rule for the ring counts the lanes a layer's channel words leave idle.
+constexpr int kRingLanes = 256;
 
 // Blocks of the generic kernels' grid-stride loops: one element per thread, at most 32 blocks per SM.
 inline int grid_for(long long total, int block) {

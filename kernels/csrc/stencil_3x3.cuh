@@ -132,12 +132,6 @@ constexpr int kK = 3;
 // fp32 takes two rows); the other variants do not spill.
 constexpr int kColumnUnroll = 4;
 
-// A plain global store (STG) through a pointer the compiler cannot see into (see the asm in the kernel):
-// a C++ store would be a generic one (ST.E).
-__device__ __forceinline__ void store_global(uint32_t* p, uint32_t v) {
-  asm volatile("st.global.b32 [%0], %1;" ::"l"(p), "r"(v));
-}
-
 // Where a lane's row walk reads: its input rows as word offsets from the image (row0: first input
 // row, which may lie above the image; pitch: words per input row).
 struct FwdColumnRow {
