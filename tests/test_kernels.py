@@ -466,7 +466,7 @@ def test_backward_walk_against_float64_and_the_two_kernels(dw, dtype, set_knobs)
 
     gen = torch.Generator(device="cuda").manual_seed(random.randrange(1 << 30))
     shapes = [(4, 32, 28, 28), (2, 6, 15, 57), (3, 34, 7, 9), (1, 144, 14, 14), (2, 2, 1, 70), (1, 96, 30, 3)]
-    set_knobs(BWD_WALK=2)
+    set_knobs(BWD_WALK=2, BWD_RING=0)  # the walk itself, not the rings that replace it where they are wanted
     for i, (n, c, h, w) in enumerate(shapes):
         for stride in (1, 2):
             _check_case(dw, dtype, "nhwc", 3, stride, 1, 1, i % 2 == stride - 1, n, c, h, w, gen)
@@ -559,6 +559,61 @@ def test_ring_forward_against_float64_and_the_column_walk(dw, dtype, set_knobs):
 
 @pytest.mark.gpu
 @cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_ring_against_float64_and_the_walk(dw, dtype, set_knobs):
+    # BWD_RING=1: both gradients of the NHWC 3x3 stride-1 padding-1 op from rings of grad_out and x rows. Against
+    # float64 with poisoned outputs (bias too), then against the input-row walk it replaces (BWD_RING=0): grad_input
+    # bit for bit (the same tap order), the weight's and bias's gradients to their summation order; blocks of 3 rows
+    # (halo rows read by two blocks) and of whole images, 4-256 channel words, widths no multiple of the unroll.
+    from torch.profiler import ProfilerActivity, profile
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the ring's bulk copies need compute capability 9.0")
+    gen = torch.Generator(device="cuda").manual_seed(random.randrange(1 << 30))
+    per_word = 1 if dtype == torch.float32 else 2
+    shapes = [(4, 16, 28, 28), (2, 32, 15, 57), (3, 8, 7, 9), (1, 64, 14, 14), (2, 4, 1, 70), (1, 48, 30, 3),
+              (2, 256, 9, 5)]
+    cases = []
+    for i, (n, words, h, w) in enumerate(shapes):
+        c = words * per_word
+        x = _make_input(n, c, h, w, dtype, "nhwc", gen).requires_grad_()
+        wt = (torch.randn(c, 1, 3, 3, device="cuda", dtype=dtype, generator=gen) / 3).requires_grad_()
+        b = torch.randn(c, device="cuda", dtype=dtype, generator=gen).requires_grad_() if i % 2 else None
+        go = torch.randn(n, c, h, w, device="cuda", dtype=dtype, generator=gen).contiguous(
+            memory_format=torch.channels_last)
+        cases.append((x, wt, b, go))
+
+    def grads():
+        out = []
+        for x, wt, b, go in cases:
+            _poison_allocator(4 * x.numel() * x.element_size())
+            y = dw(x, wt, b, 1, 1, 1)
+            out.append(torch.autograd.grad(y, (x, wt) + ((b,) if b is not None else ()), go))
+        return out
+
+    ring = {}
+    for block_rows in (3, 0):
+        set_knobs(BWD_RING=1, RING_BLOCK_ROWS=block_rows)
+        for i, (n, words, h, w) in enumerate(shapes):
+            _check_case(dw, dtype, "nhwc", 3, 1, 1, 1, i % 2 == 1, n, words * per_word, h, w, gen)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            ring[block_rows] = grads()
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        assert sum("bwd_nhwc_ring_kernel" in n for n in names) == len(cases), (block_rows, names)
+        assert not [n for n in names if "input_row" in n], (block_rows, names)
+    set_knobs(BWD_RING=0)
+    walk = grads()
+    for block_rows, got in ring.items():
+        for (x, _, b, _), g_ring, g_walk in zip(cases, got, walk):
+            what = f"{dtype} x={tuple(x.shape)} bias={b is not None} block rows {block_rows}"
+            assert torch.equal(g_ring[0], g_walk[0]), what
+            for name, a, r in zip(("grad_weight", "grad_bias"), g_ring[1:], g_walk[1:]):
+                assert _rel(a, r) <= TOL[dtype], (name, what)
+
+
+@pytest.mark.gpu
+@cuda
 def test_backward_walk_off_keeps_results():
     # BWD_WALK=0 (read once per process): the MobileNet shapes and the coverage grid through the two kernels.
     _run_with_knobs("MDW_BWD_WALK=0", ["test_mobilenet_shapes", "test_coverage_grid_against_float64"], "7 passed")
@@ -647,10 +702,13 @@ def test_profiler_shows_our_kernels_and_no_cudnn(dw):
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     ours = [n for n in names if "mdw::" in n]
     # NHWC 3x3 stride 1 padding 1, in both dtypes: the forward from the ring of input rows (compute capability 9.0 and
-    # later; the column walk before), and both gradients in the input-row walk
-    forward = "fwd_nhwc_ring_kernel" if torch.cuda.get_device_capability()[0] >= 9 else "fwd_nhwc_column_kernel"
+    # later; the column walk before); both gradients in one kernel: fp32's 32 channel words from the rings of rows
+    # (9.0 and later), fp16's 16 words (too few for them) in the input-row walk
+    ring = torch.cuda.get_device_capability()[0] >= 9
+    forward = "fwd_nhwc_ring_kernel" if ring else "fwd_nhwc_column_kernel"
     assert sum(forward in n for n in ours) == 2, names
-    assert sum("wgrad_nhwc_input_row_kernel" in n for n in ours) == 2, names
+    assert sum("bwd_nhwc_ring_kernel" in n for n in ours) == (1 if ring else 0), names
+    assert sum("wgrad_nhwc_input_row_kernel" in n for n in ours) == (1 if ring else 2), names
     assert not [n for n in names if "cudnn" in n.lower() or "conv" in n.lower() and "mdw::" not in n], names
 
 

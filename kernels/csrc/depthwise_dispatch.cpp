@@ -127,6 +127,17 @@ bool ring_wanted(const ConvShape& s, DType dt) {
   return s.SH == 1 && words > 0 && words <= kRingLanes && (kRingLanes / words) * words * 8 >= kRingLanes * 7;
 }
 
+// BWD_RING: 1 the backward from rings wherever it fits, 0 never, -1 (the default) by shape, as the H200's MobileNetV1
+// suite measured it against the input-row walk (docs/kernels.md, "The backward from rings of rows"): the forward's 7/8
+// rule on the lanes, and at least 32 channel words (a 128-byte pixel): on 32 fp16 channels (16 words, 16 row groups
+// per block) it was slower than the walk.
+bool bwd_ring_wanted(const ConvShape& s, DType dt) {
+  const int v = knob(Knob::kBwdRing, dt);
+  if (v >= 0) return v == 1;
+  const int words = s.C * elem_size(dt) / 4;
+  return words >= 32 && words <= kRingLanes && (kRingLanes / words) * words * 8 >= kRingLanes * 7;
+}
+
 enum class WgradTechnique { kColumn, kColumnK57, kTiled, kGeneric };
 
 // Weight gradient: the technique both the workspace size and the launch follow.
@@ -320,16 +331,23 @@ bool bwd_walk_fits(const DepthwiseShape& g, DType dt, const void* go, const void
   return walk && narrow_shape(g, &s) && column_fits(s, dt, go, x) && aligned(gx, 4);
 }
 
+// Where bwd_ring_wanted, the stride-1 walk's rows come from rings that bulk copies fill (depthwise_ring.cu) if that
+// fits (its launcher checks the pointers and the device); the workspace covers either technique.
 size_t bwd_walk_workspace_elems(const DepthwiseShape& g, DType dt) {
   ConvShape s;
-  return narrow_shape(g, &s) ? input_row_workspace_elems(s, dt) : 0;
+  if (!narrow_shape(g, &s)) return 0;
+  const size_t walk = input_row_workspace_elems(s, dt);
+  if (!bwd_ring_wanted(s, dt)) return walk;
+  const size_t ring = static_cast<size_t>(backward_nhwc_ring_chunks(s, dt)) * s.C * (s.KH * s.KW + 1);
+  return ring > walk ? ring : walk;
 }
 
 void launch_bwd_walk(const DepthwiseShape& g, DType dt, const void* go, const void* x, const void* w, void* gx,
                      void* ws, void* gw, void* gb, cudaStream_t stream) {
   ConvShape s;
   if (!narrow_shape(g, &s)) return;
-  const int chunks = backward_input_row(s, dt, go, x, w, gx, ws, stream);
+  int chunks = bwd_ring_wanted(s, dt) ? backward_nhwc_ring(s, dt, go, x, w, gx, ws, stream) : 0;
+  if (chunks == 0) chunks = backward_input_row(s, dt, go, x, w, gx, ws, stream);
   weight_grad_finalize(s, dt, ws, chunks, gw, gb, stream);
 }
 

@@ -1,4 +1,5 @@
-// The NHWC 3x3 forward fed by bulk copies into a ring of input rows (FWD_RING; Hopper and later).
+// The NHWC 3x3 forward fed by bulk copies into a ring of input rows (FWD_RING), and the stride-1 backward fed the same
+// way from rings of grad_out and x rows (BWD_RING, further down); Hopper and later.
 //
 // The column walk (stencil_3x3.cuh) loads its input words itself, so the bytes it keeps in flight are bounded by its
 // registers: the 16-bit walks on the 112- and 56-wide layers stay well below the HBM's bandwidth and trail cuDNN.
@@ -300,6 +301,290 @@ bool ring_by_shape(const ConvShape& s, DType dt, const void* x, const void* w, c
   return true;
 }
 
+// ---- the backward: both gradients of the NHWC 3x3 stride-1 padding-1 convolution (BWD_RING) ----
+//
+// The input-row walk of depthwise_weight_grad.cu (wgrad_nhwc_input_row_kernel, NORM false, DGRAD) with its rows
+// streamed in by bulk copies: a block takes an image's band of input rows with every channel and keeps two rings, one
+// of x rows and one of grad_out rows (a padding column of zeros at each end, as the forward's; a zero slot for the
+// output rows outside the image). Lane (cw, p): input row p % rg of each band, column segment p / rg. At column iw it
+// holds grad_out columns iw and iw - 1 of output rows ih + 1 - kh and takes the new column iw + 1 and x(ih, iw) from
+// shared memory: grad_input(ih, iw) summed in the input-row walk's order (the same bits), the 9 weight taps' and the
+// bias's products into the lane's sums. At the end the block adds its lanes' sums per word in lane order and writes
+// the partials ws[block][C][10]; weight_grad_finalize adds the blocks in index order. Bitwise repeatable; the weight
+// gradient groups its products otherwise than the input-row walk's grid, so it is that walk's to a rounding.
+
+struct BwdRingPlan {
+  int words, P, nseg, seg, rg;  // a band is rg input rows; nseg * rg = P lanes per word
+  int bands, blocks_per_image;
+  int nslot_x, nslot_g;         // slots of the two rings; one zero slot after the grad_out ring's
+  int slot_words;               // (W + 2) * words, padded as the forward's
+  unsigned row_bytes;           // one row of x or grad_out: W * words * 4
+  int bar_bytes;                // nslot_x + nslot_g mbarriers, padded to 128 bytes
+  size_t smem;                  // its slots at least the final reduction's P * words * 10 * V floats
+};
+
+template <class TT>
+__global__ void __launch_bounds__(kRingLanes, 2)
+    bwd_nhwc_ring_kernel(const uint32_t* __restrict__ go, const uint32_t* __restrict__ x,
+                         const typename TT::S* __restrict__ w, uint32_t* __restrict__ gx, float* __restrict__ ws,
+                         ConvShape s, BwdRingPlan p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int K = 3, KK = K * K;
+  constexpr int V = 4 / sizeof(typename TT::S);
+  constexpr int U = kRingUnroll;
+  extern __shared__ __align__(128) unsigned char ring_smem[];
+  uint64_t* bar_x = reinterpret_cast<uint64_t*>(ring_smem);
+  uint64_t* bar_g = bar_x + p.nslot_x;
+  uint32_t* slots_x = reinterpret_cast<uint32_t*>(ring_smem + p.bar_bytes);
+  uint32_t* slots_g = slots_x + p.nslot_x * p.slot_words;
+  uint32_t* zero_slot = slots_g + p.nslot_g * p.slot_words;
+  const int tid = threadIdx.x;
+  const int n = blockIdx.x / p.blocks_per_image;
+  const int part = blockIdx.x - n * p.blocks_per_image;
+  const int ih_begin = part * p.bands * p.rg;
+  const int ih_end = min(s.H, ih_begin + p.bands * p.rg);
+  const int g_first = max(0, ih_begin - 1), g_last = min(s.H - 1, ih_end);  // grad_out rows (OH == H)
+  const size_t image = static_cast<size_t>(n) * s.H * s.W * p.words;
+  const uint32_t* xn = x + image;
+  const uint32_t* gn = go + image;
+
+  if (tid == 0) {
+    for (int i = 0; i < p.nslot_x + p.nslot_g; ++i) ring_bar_init(bar_x + i);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  // Padding columns of every slot (x's are never read there; zeroed alike) and the zero slot.
+  const int nslots = p.nslot_x + p.nslot_g;
+  for (int i = tid; i < nslots * 2 * p.words; i += blockDim.x) {
+    const int slot = i / (2 * p.words), j = i - slot * 2 * p.words;
+    slots_x[slot * p.slot_words + (j < p.words ? j : s.W * p.words + j)] = 0u;
+  }
+  for (int i = tid; i < p.slot_words; i += blockDim.x) zero_slot[i] = 0u;
+  __syncthreads();
+
+  int x_next = ih_begin, g_next = g_first;  // lane 0's next rows to copy
+  auto issue_until = [&](int x_end, int g_end) {
+    for (; x_next < ih_end && x_next < x_end; ++x_next) {
+      const int slot = (x_next - ih_begin) % p.nslot_x;
+      ring_copy(slots_x + slot * p.slot_words + p.words, xn + static_cast<size_t>(x_next) * s.W * p.words, p.row_bytes,
+                bar_x + slot);
+    }
+    for (; g_next <= g_last && g_next < g_end; ++g_next) {
+      const int slot = (g_next - g_first) % p.nslot_g;
+      ring_copy(slots_g + slot * p.slot_words + p.words, gn + static_cast<size_t>(g_next) * s.W * p.words, p.row_bytes,
+                bar_g + slot);
+    }
+  };
+  if (tid == 0) issue_until(ih_begin + p.nslot_x, g_first + p.nslot_g);
+
+  const int cw = tid % p.words, pp = tid / p.words;
+  const int q = pp % p.rg, sgi = pp / p.rg;
+  const int c0 = sgi * p.seg, c1 = min(s.W, c0 + p.seg);
+  const bool lane_works = pp < p.P && c0 < c1;
+  float wr[KK][V];
+#pragma unroll
+  for (int v = 0; v < V; ++v)
+#pragma unroll
+    for (int k = 0; k < KK; ++k) wr[k][v] = TT::to_acc(__ldg(w + (cw * V + v) * KK + k));
+  float acc[KK + 1][V];
+  fill(acc, 0.f);
+
+  for (int band = 0; band < p.bands; ++band) {
+    const int ib = ih_begin + band * p.rg;
+    if (ib >= ih_end) break;  // the same for every lane
+    const int ih = ib + q;
+    if (lane_works && ih < ih_end) {
+      {
+        const int k = (ih - ih_begin) / p.nslot_x, slot = ih - ih_begin - k * p.nslot_x;
+        ring_wait(bar_x + slot, k & 1);
+      }
+      const uint32_t* xr = slots_x + ((ih - ih_begin) % p.nslot_x) * p.slot_words + p.words + cw;  // x column 0
+      // grad_out row ih + 1 - kh from its column -1 (the padding), or the zero slot outside the image.
+      const uint32_t* gr[K];
+#pragma unroll
+      for (int kh = 0; kh < K; ++kh) {
+        const int oh = ih + 1 - kh;
+        if (oh >= g_first && oh <= g_last) {
+          const int k = (oh - g_first) / p.nslot_g, slot = oh - g_first - k * p.nslot_g;
+          ring_wait(bar_g + slot, k & 1);
+          gr[kh] = slots_g + slot * p.slot_words + cw;
+        } else {
+          gr[kh] = zero_slot + cw;
+        }
+      }
+      // held[kh][j] = grad_out column iw - j of row kh before step iw.
+      float held[K][2][V];
+#pragma unroll
+      for (int kh = 0; kh < K; ++kh) {
+        widen_word<TT, V>(gr[kh][(c0 + 1) * p.words], held[kh][0]);
+        widen_word<TT, V>(gr[kh][c0 * p.words], held[kh][1]);
+      }
+      const uint32_t* gnext[K];  // grad_out column iw + 1 of each row at step iw
+#pragma unroll
+      for (int kh = 0; kh < K; ++kh) gnext[kh] = gr[kh] + (c0 + 2) * p.words;
+      const uint32_t* xnext = xr + c0 * p.words;
+      uint32_t* gxp = gx + image + (static_cast<size_t>(ih) * s.W + c0) * p.words + cw;
+      asm("" : "+l"(gxp));
+      auto steps = [&](auto checked, int iw0) {
+        constexpr bool kChecked = decltype(checked)::value;
+        uint32_t xraw[U], graw[U][K];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const bool ok = !kChecked || iw0 + u < c1;
+          xraw[u] = ok ? xnext[u * p.words] : 0u;
+#pragma unroll
+          for (int kh = 0; kh < K; ++kh) graw[u][kh] = ok ? gnext[kh][u * p.words] : 0u;
+        }
+        xnext += U * p.words;
+#pragma unroll
+        for (int kh = 0; kh < K; ++kh) gnext[kh] += U * p.words;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          float xv[V], fresh[K][V];
+          widen_word<TT, V>(xraw[u], xv);
+#pragma unroll
+          for (int kh = 0; kh < K; ++kh) widen_word<TT, V>(graw[u][kh], fresh[kh]);
+          // grad_input(ih, iw): the input-row walk's order (rotated-kernel taps row-major: grad_out rows ih + 1 - kh
+          // for kh = 2, 1, 0, in each the columns iw - 1, iw, iw + 1).
+          float d[V];
+#pragma unroll
+          for (int v = 0; v < V; ++v) d[v] = 0.f;
+#pragma unroll
+          for (int kr = 0; kr < K; ++kr) {
+            const int kh = K - 1 - kr;
+#pragma unroll
+            for (int v = 0; v < V; ++v) {
+              d[v] = fmaf(wr[kh * K + 2][v], held[kh][1][v], d[v]);
+              d[v] = fmaf(wr[kh * K + 1][v], held[kh][0][v], d[v]);
+              d[v] = fmaf(wr[kh * K + 0][v], fresh[kh][v], d[v]);
+            }
+          }
+          if (!kChecked || iw0 + u < c1) {
+            store_global(gxp + u * p.words, narrow_word<TT, V>(d));
+#pragma unroll
+            for (int v = 0; v < V; ++v) acc[KK][v] += held[1][0][v];  // the bias: grad_out(ih, iw)
+#pragma unroll
+            for (int kh = 0; kh < K; ++kh)
+#pragma unroll
+              for (int v = 0; v < V; ++v) {
+                acc[kh * K + 0][v] = fmaf(fresh[kh][v], xv[v], acc[kh * K + 0][v]);
+                acc[kh * K + 1][v] = fmaf(held[kh][0][v], xv[v], acc[kh * K + 1][v]);
+                acc[kh * K + 2][v] = fmaf(held[kh][1][v], xv[v], acc[kh * K + 2][v]);
+              }
+          }
+#pragma unroll
+          for (int kh = 0; kh < K; ++kh)
+#pragma unroll
+            for (int v = 0; v < V; ++v) {
+              held[kh][1][v] = held[kh][0][v];
+              held[kh][0][v] = fresh[kh][v];
+            }
+        }
+        gxp += U * p.words;
+      };
+      int iw = c0;
+      for (; iw + U <= c1; iw += U) steps(std::false_type{}, iw);
+      if (iw < c1) steps(std::true_type{}, iw);
+    }
+    __syncthreads();  // every lane is done with the rows below the next band's
+    if (tid == 0) {
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      const int ib_next = ib + p.rg;
+      issue_until(ib_next + p.nslot_x, max(g_first, ib_next - 1) + p.nslot_g);
+    }
+  }
+
+  // Every copy has landed (each row was waited for by some lane before the last barrier): the slots' memory now
+  // takes the lanes' sums, [p][word][(KK + 1) * V], added per word in lane order. (Not the mbarriers': memory of a
+  // live mbarrier is not to be reused.)
+  constexpr int E = (KK + 1) * V;
+  float* red = reinterpret_cast<float*>(slots_x);
+  __syncthreads();
+  if (pp < p.P) {
+#pragma unroll
+    for (int k = 0; k <= KK; ++k)
+#pragma unroll
+      for (int v = 0; v < V; ++v) red[(pp * p.words + cw) * E + k * V + v] = acc[k][v];
+  }
+  __syncthreads();
+  for (int idx = tid; idx < p.words * E; idx += blockDim.x) {
+    const int c_word = idx / E, e = idx - c_word * E;
+    float sum = 0.f;
+    for (int lane_p = 0; lane_p < p.P; ++lane_p) sum += red[(lane_p * p.words + c_word) * E + e];
+    const int c = c_word * V + e % V, k = e / V;
+    ws[(static_cast<size_t>(blockIdx.x) * s.C + c) * (KK + 1) + k] = sum;
+  }
+#endif
+}
+
+// A plan for the backward, or false when it does not fit: as plan_ring, with both rings (x: a band plus `ahead`
+// bands; grad_out: the band, its two neighbour rows and `ahead` bands) and the zero slot within kRingBudget, and the
+// final reduction's floats too.
+bool plan_bwd_ring(const ConvShape& s, DType dt, int rows_per_block, BwdRingPlan* out) {
+  BwdRingPlan p{};
+  const int V = dt == DType::F32 ? 1 : 2;
+  p.words = s.C / V;
+  if (p.words % 4 != 0 || p.words > kRingLanes) return false;
+  p.P = kRingLanes / p.words;
+  p.slot_words = (s.W + 2) * p.words;
+  if (p.words < 32) {
+    while (p.slot_words % 32 != p.words) p.slot_words += 4;
+  }
+  p.row_bytes = static_cast<unsigned>(s.W) * p.words * 4;
+  const size_t slot_bytes = static_cast<size_t>(p.slot_words) * 4;
+  const size_t red_bytes = static_cast<size_t>(p.P) * p.words * 10 * V * 4;
+  auto bytes = [&](int nx, int ng) {
+    const size_t bars = ((static_cast<size_t>(nx + ng) * 8 + 127) / 128) * 128;
+    const size_t slots = static_cast<size_t>(nx + ng + 1) * slot_bytes;
+    return bars + (slots > red_bytes ? slots : red_bytes);
+  };
+  bool found = false;
+  for (int ahead = 2; ahead >= 1 && !found; --ahead) {
+    for (int nseg = 1; nseg <= p.P && !found; nseg *= 2) {
+      if (p.P % nseg != 0) continue;
+      const int rg = p.P / nseg;
+      if (bytes(rg * (1 + ahead), rg + 2 + ahead * rg) > kRingBudget) continue;
+      p.nseg = nseg;
+      p.rg = rg;
+      found = true;
+    }
+  }
+  if (!found) return false;
+  p.seg = ceil_div(s.W, p.nseg);
+  // The slots the budget holds beyond the band's own, shared by the two rings (grad_out's the larger half).
+  p.nslot_x = p.rg;
+  p.nslot_g = p.rg + 2;
+  for (bool to_g = true; bytes(p.nslot_x + (to_g ? 0 : 1), p.nslot_g + (to_g ? 1 : 0)) <= kRingBudget; to_g = !to_g) {
+    if (to_g) ++p.nslot_g; else ++p.nslot_x;
+  }
+  p.bar_bytes = ((p.nslot_x + p.nslot_g) * 8 + 127) / 128 * 128;
+  const int want = rows_per_block > 0 ? rows_per_block : s.H;
+  p.bands = ceil_div(want < s.H ? want : s.H, p.rg);
+  p.blocks_per_image = ceil_div(s.H, p.bands * p.rg);
+  p.smem = bytes(p.nslot_x, p.nslot_g);
+  *out = p;
+  return true;
+}
+
+template <class TT>
+void launch_bwd_ring(const ConvShape& s, const BwdRingPlan& p, const void* go, const void* x, const void* w, void* gx,
+                     void* ws, cudaStream_t stream) {
+  using Sx = typename TT::S;
+  auto kernel = bwd_nhwc_ring_kernel<TT>;
+  static std::atomic<uint64_t> opted_in{0};
+  opt_in_shared_memory(kernel, static_cast<int>(kRingBudget), opted_in);
+  const long long blocks = static_cast<long long>(s.N) * p.blocks_per_image;
+  kernel<<<static_cast<unsigned>(blocks), kRingLanes, p.smem, stream>>>(
+      static_cast<const uint32_t*>(go), static_cast<const uint32_t*>(x), static_cast<const Sx*>(w),
+      static_cast<uint32_t*>(gx), static_cast<float*>(ws), s, p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The backward's shape conditions, beyond the pointers' alignment (backward_nhwc_ring checks those).
+bool bwd_ring_shape(const ConvShape& s) {
+  return s.KH == 3 && s.KW == 3 && s.SH == 1 && s.SW == 1 && s.PH == 1 && s.PW == 1 && s.DH == 1 && s.DW == 1 &&
+         s.OH == s.H && s.OW == s.W;
+}
+
 }  // namespace
 
 bool forward_nhwc_ring(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
@@ -311,6 +596,28 @@ bool forward_nhwc_ring(const ConvShape& s, DType dt, const void* x, const void* 
     case DType::BF16: return ring_by_shape<BF16T>(s, dt, x, w, bias, y, stream);
     default: return false;
   }
+}
+
+
+int backward_nhwc_ring_chunks(const ConvShape& s, DType dt) {
+  BwdRingPlan p;
+  if (dt == DType::F64 || !bwd_ring_shape(s) || !plan_bwd_ring(s, dt, knob(Knob::kRingBlockRows, dt), &p)) return 0;
+  return s.N * p.blocks_per_image;
+}
+
+int backward_nhwc_ring(const ConvShape& s, DType dt, const void* go, const void* x, const void* w, void* gx, void* ws,
+                       cudaStream_t stream) {
+  BwdRingPlan p;
+  if (dt == DType::F64 || !bwd_ring_shape(s) || !aligned(go, 16) || !aligned(x, 16) || compute_capability_major() < 9 ||
+      !plan_bwd_ring(s, dt, knob(Knob::kRingBlockRows, dt), &p))
+    return 0;
+  switch (dt) {
+    case DType::F32: launch_bwd_ring<F32T>(s, p, go, x, w, gx, ws, stream); break;
+    case DType::F16: launch_bwd_ring<F16T>(s, p, go, x, w, gx, ws, stream); break;
+    case DType::BF16: launch_bwd_ring<BF16T>(s, p, go, x, w, gx, ws, stream); break;
+    default: return 0;
+  }
+  return s.N * p.blocks_per_image;
 }
 
 }  // namespace mdw

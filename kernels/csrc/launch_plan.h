@@ -174,7 +174,10 @@ enum class Knob {
   kFwdRing,       // NHWC 3x3 forward fed by bulk copies into a ring of input rows (depthwise_ring.cu): 1 on where it
                   // fits, 0 off, -1 by shape (depthwise_dispatch.cpp)
   kRingRows,      // that kernel's output rows per lane (1 or 2)
-  kRingBlockRows, // that kernel's output rows per block (rounded to whole bands; 0: the whole image)
+  kRingBlockRows, // that kernel's output rows per block (rounded to whole bands; 0: the whole image), and the
+                  // backward ring's input rows per block
+  kBwdRing,       // NHWC 3x3 stride-1 padding-1 backward from rings of grad_out and x rows (depthwise_ring.cu) in
+                  // place of the input-row walk: 1 where it fits, 0 never, -1 by shape (depthwise_dispatch.cpp)
   kCount
 };
 int knob(Knob k, DType dt);
