@@ -451,3 +451,44 @@ def _assert_captured_step_equals_eager(model) -> None:
 @gpu
 def test_captured_model_step_equals_eager():
     _assert_captured_step_equals_eager(_models(torch.float16)[1])
+
+
+@gpu
+@pytest.mark.parametrize("dtype", _DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_pair_forward_from_the_ring_is_the_walks_bits(dtype, monkeypatch):
+    # FWD_RING_NORM=1: the pair's forward from the ring of input rows, normalized in shared memory as they land, where
+    # the plain forward takes the ring (stride 1 here): the normalizing column walk's bits (FWD_RING_NORM=0), on
+    # MobileNet's stride-1 shapes and odd ones (whole 16-byte channel units, one row, several blocks per image).
+    from torch.profiler import ProfilerActivity, profile
+
+    from kernels.norm_depthwise import batch_norm_relu_depthwise_conv2d
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the ring's bulk copies need compute capability 9.0")
+    per_word = 1 if dtype == torch.float32 else 2
+    cases = [(4, 32, 112, 112, 1), (5, 128, 28, 28, 1), (16, 256 * per_word, 14, 14, 1), (3, 8 * per_word, 13, 7, 1),
+             (2, 16 * per_word, 1, 33, 1)]
+    inputs = [_inputs(case, dtype, mean=3.0, seed=i) for i, case in enumerate(cases)]
+
+    def forwards(knob):
+        monkeypatch.setenv("MDW_FWD_RING_NORM", knob)
+        torch.ops.mobilenet_dw.reload_knobs()
+        out = []
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for y, bn_w, bn_b, conv_w, stride in inputs:
+                _poison()
+                out.append(batch_norm_relu_depthwise_conv2d(y, bn_w, bn_b, conv_w, stride, (1, 1)).detach())
+            torch.cuda.synchronize()
+        return out, [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+    try:
+        ring, ring_names = forwards("1")
+        walk, walk_names = forwards("0")
+    finally:
+        monkeypatch.undo()
+        torch.ops.mobilenet_dw.reload_knobs()
+    assert sum("fwd_nhwc_ring_kernel" in n for n in ring_names) == len(cases), ring_names
+    assert not [n for n in walk_names if "fwd_nhwc_ring_kernel" in n], walk_names
+    for case, a, b in zip(cases, ring, walk):
+        assert torch.isfinite(a).all(), case
+        assert torch.equal(a, b), case

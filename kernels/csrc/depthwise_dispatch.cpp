@@ -258,7 +258,11 @@ bool normed_fits(const DepthwiseShape& g, DType dt, const void* y, const void* o
 void launch_forward_normed(const DepthwiseShape& g, DType dt, const void* y, const void* w, const InputNorm& norm,
                            void* out, cudaStream_t stream) {
   ConvShape s;
-  if (narrow_shape(g, &s)) forward_nhwc_column_normed(s, dt, y, w, norm, out, stream);
+  if (!narrow_shape(g, &s)) return;
+  // FWD_RING_NORM = 1 (opt-in, not measured yet): the ring where the plain forward would take it.
+  if (knob(Knob::kFwdRingNorm, dt) == 1 && ring_wanted(s, dt) && forward_nhwc_ring_normed(s, dt, y, w, norm, out, stream))
+    return;
+  forward_nhwc_column_normed(s, dt, y, w, norm, out, stream);
 }
 
 size_t wgrad_normed_workspace_elems(const DepthwiseShape& g, DType dt) {

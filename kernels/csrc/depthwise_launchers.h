@@ -28,6 +28,9 @@ void forward_nhwc_column_normed(const ConvShape& s, DType dt, const void* x, con
 // False, having launched nothing, where the case does not fit (the launcher checks).
 bool forward_nhwc_ring(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                        cudaStream_t stream);
+// The same without bias or activation on relu(batch_norm(x)), the rows normalized in shared memory as they land.
+bool forward_nhwc_ring_normed(const ConvShape& s, DType dt, const void* x, const void* w, const InputNorm& norm,
+                              void* y, cudaStream_t stream);
 // NHWC 5x5 or 7x7, stride 1 or 2, whole 32-bit words of channels: a lane walks one output row carrying partial sums.
 void forward_nhwc_column_k57(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                              cudaStream_t stream);

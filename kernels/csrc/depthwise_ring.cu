@@ -82,10 +82,14 @@ constexpr int kRingUnroll = 2;
 // Block b: image b / blocks_per_image, output rows [part * bands * band_rows, +bands * band_rows). Lane t: word
 // t % words, p = t / words; row group p % rg (neighbouring lanes of a warp take neighbouring rows, whose slots the
 // padding puts on other banks), segment p / rg.
-template <class TT, int S, int R>
+// NORM: the input is relu(batch_norm(x)) (norm.apply_in_depthwise): once a band's new rows have landed, the block
+// applies `input_norm` to their words in place (WordNorm, the normalizing column walk's bits), each word once, where
+// that walk normalizes each as every lane that reads it loads it; padding stays zero.
+template <class TT, int S, int R, bool NORM = false>
 __global__ void __launch_bounds__(kRingLanes, 2)
     fwd_nhwc_ring_kernel(const uint32_t* __restrict__ x, const typename TT::S* __restrict__ w,
-                         const typename TT::S* __restrict__ bias, uint32_t* __restrict__ y, ConvShape s, RingPlan p) {
+                         const typename TT::S* __restrict__ bias, uint32_t* __restrict__ y, ConvShape s, RingPlan p,
+                         InputNorm input_norm) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int K = 3, KK = K * K;
   constexpr int KR = K + S * (R - 1);            // input rows a lane reads
@@ -143,9 +147,28 @@ __global__ void __launch_bounds__(kRingLanes, 2)
     b[v] = bias != nullptr ? TT::to_acc(__ldg(bias + c)) : 0.f;
   }
 
+  WordNorm<TT, V, NORM> norm;
+  norm.setup(input_norm, cw * V);
+  int normed_until = r_first;  // NORM: rows below it are normalized in place
+
   for (int band = 0; band < p.bands; ++band) {
     const int ohb = oh_begin + band * p.band_rows;
     if (ohb >= oh_end) break;  // the same for every lane
+    if constexpr (NORM) {
+      // The band's rows not yet normalized: every lane waits for them, then takes the words of its own channel word
+      // (word i of a row is channel word i % words: lanes step by words * P).
+      const int band_last = min(r_last, (min(oh_end, ohb + p.band_rows) - 1) * S - s.PH + K - 1);
+      for (int r = normed_until; r <= band_last; ++r) {
+        const int k = (r - r_first) / p.nslot, slot = r - r_first - k * p.nslot;
+        ring_wait(bar + slot, k & 1);
+        if (pp < p.P) {
+          uint32_t* row = slots + slot * p.slot_words + pad_words;
+          for (int i = tid; i < s.W * p.words; i += p.words * p.P) row[i] = norm(row[i]);
+        }
+      }
+      normed_until = max(normed_until, band_last + 1);
+      __syncthreads();
+    }
     const int oh = ohb + q * R;
     if (lane_works && oh < oh_end) {
       const int rows = min(R, oh_end - oh);  // the lane's output rows that exist
@@ -273,30 +296,30 @@ bool plan_ring(const ConvShape& s, DType dt, int S, int R, int rows_per_block, R
   return true;
 }
 
-template <class TT, int S, int R>
+template <class TT, int S, int R, bool NORM>
 void launch_ring(const ConvShape& s, const RingPlan& p, const void* x, const void* w, const void* bias, void* y,
-                 cudaStream_t stream) {
+                 cudaStream_t stream, const InputNorm& norm) {
   using Sx = typename TT::S;
-  auto kernel = fwd_nhwc_ring_kernel<TT, S, R>;
+  auto kernel = fwd_nhwc_ring_kernel<TT, S, R, NORM>;
   static std::atomic<uint64_t> opted_in{0};
   opt_in_shared_memory(kernel, static_cast<int>(kRingBudget), opted_in);
   const long long blocks = static_cast<long long>(s.N) * p.blocks_per_image;
   kernel<<<static_cast<unsigned>(blocks), kRingLanes, p.smem, stream>>>(
       static_cast<const uint32_t*>(x), static_cast<const Sx*>(w), static_cast<const Sx*>(bias),
-      static_cast<uint32_t*>(y), s, p);
+      static_cast<uint32_t*>(y), s, p, norm);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <class TT>
+template <class TT, bool NORM>
 bool ring_by_shape(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
-                   cudaStream_t stream) {
+                   cudaStream_t stream, const InputNorm& norm) {
   const int R = knob(Knob::kRingRows, dt) == 1 ? 1 : 2;
   RingPlan p;
   if (!plan_ring(s, dt, s.SH, R, knob(Knob::kRingBlockRows, dt), &p)) return false;
   if (s.SH == 1) {
-    (R == 2 ? launch_ring<TT, 1, 2> : launch_ring<TT, 1, 1>)(s, p, x, w, bias, y, stream);
+    (R == 2 ? launch_ring<TT, 1, 2, NORM> : launch_ring<TT, 1, 1, NORM>)(s, p, x, w, bias, y, stream, norm);
   } else {
-    (R == 2 ? launch_ring<TT, 2, 2> : launch_ring<TT, 2, 1>)(s, p, x, w, bias, y, stream);
+    (R == 2 ? launch_ring<TT, 2, 2, NORM> : launch_ring<TT, 2, 1, NORM>)(s, p, x, w, bias, y, stream, norm);
   }
   return true;
 }
@@ -591,9 +614,20 @@ bool forward_nhwc_ring(const ConvShape& s, DType dt, const void* x, const void* 
                        cudaStream_t stream) {
   if (!aligned(x, 16) || compute_capability_major() < 9) return false;  // bulk copies: 16-byte rows, sm_90
   switch (dt) {
-    case DType::F32: return ring_by_shape<F32T>(s, dt, x, w, bias, y, stream);
-    case DType::F16: return ring_by_shape<F16T>(s, dt, x, w, bias, y, stream);
-    case DType::BF16: return ring_by_shape<BF16T>(s, dt, x, w, bias, y, stream);
+    case DType::F32: return ring_by_shape<F32T, false>(s, dt, x, w, bias, y, stream, InputNorm{});
+    case DType::F16: return ring_by_shape<F16T, false>(s, dt, x, w, bias, y, stream, InputNorm{});
+    case DType::BF16: return ring_by_shape<BF16T, false>(s, dt, x, w, bias, y, stream, InputNorm{});
+    default: return false;
+  }
+}
+
+bool forward_nhwc_ring_normed(const ConvShape& s, DType dt, const void* x, const void* w, const InputNorm& norm,
+                              void* y, cudaStream_t stream) {
+  if (s.KH != 3 || s.KW != 3 || !aligned(x, 16) || compute_capability_major() < 9) return false;
+  switch (dt) {
+    case DType::F32: return ring_by_shape<F32T, true>(s, dt, x, w, nullptr, y, stream, norm);
+    case DType::F16: return ring_by_shape<F16T, true>(s, dt, x, w, nullptr, y, stream, norm);
+    case DType::BF16: return ring_by_shape<BF16T, true>(s, dt, x, w, nullptr, y, stream, norm);
     default: return false;
   }
 }

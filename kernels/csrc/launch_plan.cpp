@@ -53,7 +53,7 @@ int knob(Knob k, DType dt) {
                                       "WGRAD_K57_BLOCKS_PER_SM", "FWD_SMEM", "COLUMN_SECTORS", "DGRAD_COLUMN_ROWS",
                                       "NCHW_COLUMN_K57_PREFETCH", "FWD_COLUMN_K57_PREFETCH", "FWD_COLUMN_PREFETCH",
                                       "S2_WALK_PAIRS", "FWD_MMA", "BWD_WALK", "FWD_RING", "RING_ROWS",
-                                      "RING_BLOCK_ROWS", "BWD_RING"};
+                                      "RING_BLOCK_ROWS", "BWD_RING", "FWD_RING_NORM"};
   static const char* suffix[] = {"F32", "F16", "BF16", "F64"};
   static int cache[kKnobs][4];
   const int ki = static_cast<int>(k), di = static_cast<int>(dt);
@@ -96,6 +96,7 @@ int knob(Knob k, DType dt) {
         {28, 28, 28, 28}, // RING_BLOCK_ROWS (that kernel's output rows per block)
         {-1, -1, -1, -1}, // BWD_RING (the backward from rings of rows in place of the input-row walk: -1 by shape,
                           // see depthwise_dispatch.cpp)
+        {0, 0, 0, 0},     // FWD_RING_NORM (the normalizing forward from the ring; not measured yet)
     };
     const std::string base = std::string("MDW_") + names[ki];
     int v = env_int(base.c_str(), defaults[ki][di]);

@@ -178,6 +178,8 @@ enum class Knob {
                   // backward ring's input rows per block
   kBwdRing,       // NHWC 3x3 stride-1 padding-1 backward from rings of grad_out and x rows (depthwise_ring.cu) in
                   // place of the input-row walk: 1 where it fits, 0 never, -1 by shape (depthwise_dispatch.cpp)
+  kFwdRingNorm,   // norm.apply_in_depthwise's forward from the ring where FWD_RING takes the plain forward (1) or
+                  // the normalizing column walk (0)
   kCount
 };
 int knob(Knob k, DType dt);
