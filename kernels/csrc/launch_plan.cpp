@@ -96,7 +96,8 @@ int knob(Knob k, DType dt) {
         {28, 28, 28, 28}, // RING_BLOCK_ROWS (that kernel's output rows per block)
         {-1, -1, -1, -1}, // BWD_RING (the backward from rings of rows in place of the input-row walk: -1 by shape,
                           // see depthwise_dispatch.cpp)
-        {0, 0, 0, 0},     // FWD_RING_NORM (the normalizing forward from the ring; not measured yet)
+        {0, 1, 1, 0},     // FWD_RING_NORM (the normalizing forward from the ring: +1.5% fp16 training on the H200;
+                          // fp32 not measured)
     };
     const std::string base = std::string("MDW_") + names[ki];
     int v = env_int(base.c_str(), defaults[ki][di]);
