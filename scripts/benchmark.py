@@ -3,7 +3,7 @@
 
     python scripts/benchmark.py [--backends torch,cudnn,custom] [--amp off,fp16,bf16] [--channels-last false,true]
                                 [--compile false,true] [--data synthetic,dali] [--cuda-graph false]
-                                [--norms torch] (of torch,custom,apex)
+                                [--norms torch] (of torch,custom,apex) [--env 'NAME=VALUE ...']
                                 [--batch-size 256] [--resolution 224]
                                 [--warmup 20] [--steps 100] [--repeats 1] [--out runs/matrix-<time>]
                                 [-- HYDRA OVERRIDES ...]
@@ -29,6 +29,14 @@ amp=fp16, DALI not installed, no --data-root for data=dali, timm not installed);
 only its benchmark.json, so compare.py lists it with that reason; so does a combination that --time-budget left
 unstarted. A run directory whose benchmark.json says "ok"
 is not measured again when the same --out is used again: an interrupted matrix continues where it stopped.
+
+--env 'NAME=VALUE ...' adds an environment variant: every combination (the peer's aside) also runs with those
+variables set in its process, next to the run in the invocation's own environment; repeat --env for more variants.
+It compares what only an environment variable switches, such as the custom kernels' launch knobs (MDW_*, docs/
+kernels.md) or MBN_DEPTHWISE_BACKWARD, end to end and in alternating processes with --repeats:
+    python scripts/benchmark.py --backends custom --norms custom --amp fp16 --channels-last true --compile false \
+        --data synthetic --cuda-graph true --peer no --repeats 2 --env MDW_BWD_RING=0
+compare.py shows a variant's rows with the backend as `custom [MDW_BWD_RING=0]`.
 
 --repeats N measures every combination N times, each time in a process of its own, in rounds: every combination once,
 then every combination again, so that the runs of a pair (custom and cudnn of one setting) alternate. Round k > 1

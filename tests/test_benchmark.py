@@ -167,3 +167,27 @@ def test_repeats_run_in_rounds_and_compare_reports_their_median_and_spread(tmp_p
         assert span in table
     bad = run_tool(BENCHMARK, *TINY, "--repeats", "0", "--out", str(tmp_path / "never"))
     assert bad.returncode == 2 and "--repeats must be >= 1, got 0" in bad.stderr
+
+
+def test_environment_variants_run_in_processes_of_their_own_and_compare_keeps_them_apart(tmp_path):
+    # --env: every combination also runs with the variables set in its own process (MOBILENET_TREE, which the run's
+    # summary prints as the source tree), next to the invocation's own environment; compare.py keeps the two apart and
+    # labels the variant's row.
+    out = tmp_path / "env"
+    proc = run_tool(BENCHMARK, *TINY, "--backends", "torch", "--amp", "off", "--channels-last", "false", "--peer", "no",
+                    "--env", "MOBILENET_TREE=tree-of-the-variant", "--out", str(out), check=True)
+    base = combo_dir(out, "torch", "off", False)
+    variant = base.with_name(base.name + ",env=MOBILENET_TREE=tree-of-the-variant")
+    for run_dir, env in ((base, ""), (variant, "MOBILENET_TREE=tree-of-the-variant")):
+        record = json.loads((run_dir / "benchmark.json").read_text())
+        assert record["status"] == "ok" and record["env"] == env, record
+        assert ("tree-of-the-variant" in (run_dir / "benchmark.log").read_text()) == bool(env), run_dir.name
+    assert f"{variant.name}: ok" in proc.stdout
+    report = tmp_path / "report"
+    shown = run_tool(COMPARE, str(out), "--out", str(report), "--name", "m", check=True)
+    rows = {r["run"]: r for r in csv.DictReader(open(report / "m.csv"))}
+    assert {name: r["env"] for name, r in rows.items()} == {base.name: "", variant.name: "MOBILENET_TREE=tree-of-the-variant"}
+    assert "| torch [MOBILENET_TREE=tree-of-the-variant] |" in shown.stdout
+    assert "measured more than once" not in shown.stdout  # two variants, not two runs of one combination
+    bad = run_tool(BENCHMARK, *TINY, "--env", "MDW_BWD_RING", "--out", str(tmp_path / "never"))
+    assert bad.returncode == 2 and "--env takes space-separated NAME=VALUE settings" in bad.stderr

@@ -26,7 +26,7 @@ SPREAD_METRICS = ("train_img_s", "infer_img_s")  # repeated runs show the min-ma
 BACKEND_ORDER = ("torch", "cudnn", "custom", "timm")
 PRECISION_ORDER = ("fp32", "fp16", "bf16")
 LAYOUT_ORDER = ("NCHW", "channels_last")
-BASELINE = {"backend": "torch", "norm": "torch", "precision": "fp32", "layout": "NCHW", "compile": False}
+BASELINE = {"backend": "torch", "norm": "torch", "precision": "fp32", "layout": "NCHW", "compile": False, "env": ""}
 STATUS_FILE = "benchmark.json"  # scripts/benchmark.py's record of a combination
 
 
@@ -46,6 +46,7 @@ class Row:
     cuda_graph: bool | None = None  # None: the run predates the option (it was eager)
     data: str = ""
     norm: str = "torch"  # runs that predate the option used nn.BatchNorm2d
+    env: str = ""  # scripts/benchmark.py --env: the variables set in the run's process
     batch_size: int | None = None
     resolution: int | None = None
     gpu: str = ""
@@ -59,12 +60,17 @@ class Row:
 
     @property
     def key(self) -> tuple:
-        return (self.backend, self.norm, self.precision, self.layout, self.compile, self.cuda_graph, self.data)
+        return (self.backend, self.norm, self.precision, self.layout, self.compile, self.cuda_graph, self.data, self.env)
 
     @property
     def pair(self) -> tuple:
         """What a backend is compared under: everything but the backend."""
-        return (self.norm, self.precision, self.layout, self.compile, self.cuda_graph, self.data)
+        return (self.norm, self.precision, self.layout, self.compile, self.cuda_graph, self.data, self.env)
+
+    @property
+    def label(self) -> str:
+        """The backend, with the environment variant it ran under."""
+        return self.backend + (f" [{self.env}]" if self.env else "")
 
 
 # ----------------------------------------------------------------------------------------------- reading the runs
@@ -90,6 +96,7 @@ def _settings(hp: dict) -> dict:
         "compile": _bool(hp.get("compile", False)),
         "data": str(hp.get("data", "")),
         "norm": str(hp.get("norm", "torch")),
+        "env": str(hp.get("env") or ""),
     }
     if hp.get("cuda_graph") is not None:
         out["cuda_graph"] = _bool(hp["cuda_graph"])
@@ -128,6 +135,8 @@ def _row(name: str, tensorboard: tuple | None, record: dict | None) -> Row:
         return Row(name, status="incomplete", reason=f"run {name!r}: no hparams in its event files (written by "
                    "train.py or scripts/benchmark.py, and finished?)", **(_settings(record) if record else {}))
     row = Row(name, **_settings(hparams))
+    if record:  # what TensorBoard's hparams do not hold: the environment variant
+        row.env = str(record.get("env") or "")
     missing = [tag for tag in REQUIRED_SCALARS.values() if tag not in scalars]
     invalid = [tag for tag in (*REQUIRED_SCALARS.values(), *INFER_SCALARS.values())
                if tag in scalars and not math.isfinite(scalars[tag])]
@@ -154,7 +163,7 @@ def _index(seq: tuple, value) -> int:
 
 def _order(row: Row) -> tuple:
     return (row.data, row.compile is True, row.cuda_graph is True, _index(PRECISION_ORDER, row.precision), _index(LAYOUT_ORDER, row.layout),
-            _index(BACKEND_ORDER, row.backend), row.backend, row.norm != "torch", row.norm)
+            _index(BACKEND_ORDER, row.backend), row.backend, row.norm != "torch", row.norm, row.env)
 
 
 def _facts(ok: list[Row]) -> dict[str, list[str]]:
@@ -261,7 +270,8 @@ def pairs_summary(pairs: list[dict]) -> str:
             if p[metric] < 1.0:
                 r = p["row"]
                 behind.append(f"{label} {r.precision} {r.layout}, compile={r.compile}, CUDA graph "
-                              f"{_graph(r.cuda_graph) or 'unknown'}, data={r.data} ({p[metric]:.3f}x)")
+                              f"{_graph(r.cuda_graph) or 'unknown'}, data={r.data}"
+                              + (f", env {r.env}" if r.env else "") + f" ({p[metric]:.3f}x)")
     return "custom >= cudnn: " + "; ".join(parts) + ("." if not behind else ". Custom behind: " + "; ".join(behind) + ".")
 
 
@@ -309,7 +319,7 @@ def markdown(rows: list[Row], notes: list[str]) -> str:
                   "|---|---|---|---|---|---|---|--:|--:|--:|--:|--:|--:|--:|" + ("--:|--:|--:|" if repeated else "")]
         for r in ok:
             m = r.metrics
-            line = (f"| {r.backend} | {r.norm} | {r.precision} | {r.layout} | {r.compile} | {_graph(r.cuda_graph)} "
+            line = (f"| {r.label} | {r.norm} | {r.precision} | {r.layout} | {r.compile} | {_graph(r.cuda_graph)} "
                     f"| {r.data} | {_num(m['train_img_s'])} "
                     f"| {_speed(r.train_speedup)} | {_num(m.get('infer_img_s'))} | {_speed(r.infer_speedup)} "
                     f"| {_num(m.get('compute_img_s'))} | {_num(m.get('step_ms'), 1)} | {_num(m.get('max_mem_gb'), 2)} |")
@@ -325,7 +335,8 @@ def markdown(rows: list[Row], notes: list[str]) -> str:
                   "|---|---|---|---|---|---|--:|--:|--:|--:|--:|--:|"]
         for p in pairs:
             r, c = p["row"], p["custom"]
-            lines.append(f"| {r.norm} | {r.precision} | {r.layout} | {r.compile} | {_graph(r.cuda_graph)} | {r.data} "
+            env = f" [{r.env}]" if r.env else ""
+            lines.append(f"| {r.norm}{env} | {r.precision} | {r.layout} | {r.compile} | {_graph(r.cuda_graph)} | {r.data} "
                          f"| {_num(r.metrics['train_img_s'])} "
                          f"| {_num(c.metrics['train_img_s'])} | {_speed(p['train'])} | {_num(r.metrics.get('infer_img_s'))} "
                          f"| {_num(c.metrics.get('infer_img_s'))} | {_speed(p['infer'])} |")
@@ -335,7 +346,7 @@ def markdown(rows: list[Row], notes: list[str]) -> str:
         lines += ["## Not measured", "", "| backend | norm | precision | layout | compile | CUDA graph | data | status "
                   "| reason |", "|---|---|---|---|---|---|---|---|---|"]
         for r in other:
-            lines.append(f"| {r.backend} | {r.norm} | {r.precision} | {r.layout} | {r.compile} | {_graph(r.cuda_graph)} "
+            lines.append(f"| {r.label} | {r.norm} | {r.precision} | {r.layout} | {r.compile} | {_graph(r.cuda_graph)} "
                          f"| {r.data} "
                          f"| {r.status} "
                          f"| {r.reason.replace('|', '/')} |")
@@ -344,7 +355,7 @@ def markdown(rows: list[Row], notes: list[str]) -> str:
 
 
 SPREAD_COLUMNS = [f"{m}_{end}" for m in SPREAD_METRICS for end in ("min", "max")]
-CSV_COLUMNS = ["run", "status", "reason", "backend", "norm", "precision", "layout", "compile", "cuda_graph", "data", "batch_size", "resolution",
+CSV_COLUMNS = ["run", "status", "reason", "backend", "env", "norm", "precision", "layout", "compile", "cuda_graph", "data", "batch_size", "resolution",
                "gpu", "torch", "cudnn", *REQUIRED_SCALARS, *OPTIONAL_SCALARS, "train_speedup", "infer_speedup", "runs",
                *SPREAD_COLUMNS]
 
@@ -368,7 +379,7 @@ def write_plot(rows: list[Row], path: Path) -> None:
     plt = pyplot()
     ok = [r for r in rows if r.status == "ok"]
     facets = sorted({(r.data, r.compile, r.cuda_graph) for r in ok}, key=str)
-    backends = sorted({r.backend for r in ok}, key=lambda b: (_index(BACKEND_ORDER, b), b))
+    backends = sorted({(r.backend, r.label) for r in ok}, key=lambda b: (_index(BACKEND_ORDER, b[0]), b[1]))
     metrics = [("train_img_s", "training img/s"), ("infer_img_s", "inference img/s")]
     fig, axes = plt.subplots(len(facets), len(metrics), figsize=(7 * len(metrics), 3.6 * len(facets)), squeeze=False)
     width = 0.8 / max(1, len(backends))
@@ -378,10 +389,10 @@ def write_plot(rows: list[Row], path: Path) -> None:
         groups = sorted({(r.precision, r.layout) for r in rows_here},
                         key=lambda g: (_index(PRECISION_ORDER, g[0]), _index(LAYOUT_ORDER, g[1])))
         for ax, (metric, label) in zip(ax_row, metrics):
-            for b, backend in enumerate(backends):
+            for b, (_, backend) in enumerate(backends):
                 xs, ys, err = [], [], [[], []]
                 for g, group in enumerate(groups):
-                    r = next((r for r in rows_here if r.backend == backend and (r.precision, r.layout) == group), None)
+                    r = next((r for r in rows_here if r.label == backend and (r.precision, r.layout) == group), None)
                     if r is not None and metric in r.metrics:
                         xs.append(g + (b - (len(backends) - 1) / 2) * width)
                         ys.append(r.metrics[metric])

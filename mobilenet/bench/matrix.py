@@ -9,6 +9,7 @@ import importlib.util
 import itertools
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -48,13 +49,21 @@ class Combo:
     data: str
     cuda_graph: bool = False
     norm: str = "torch"
+    env: str = ""  # "NAME=VALUE ..." set in the run's process (--env), "" for the invocation's own environment
 
     @property
     def name(self) -> str:
         """The run directory's name, Hydra-style (the opt-in axes only where they are not their default)."""
         return (f"backend={self.backend},amp={self.amp},channels_last={str(self.channels_last).lower()},"
                 f"compile={str(self.compile).lower()},data={self.data}" + (",cuda_graph=true" if self.cuda_graph else "")
-                + (f",norm={self.norm}" if self.norm != "torch" else ""))
+                + (f",norm={self.norm}" if self.norm != "torch" else "")
+                + (f",env={self.env.replace(' ', '+')}" if self.env else ""))
+
+    def environment(self) -> dict[str, str] | None:
+        """The run's process environment: the invocation's with --env's settings on top (None: the invocation's)."""
+        if not self.env:
+            return None
+        return {**os.environ, **dict(setting.split("=", 1) for setting in self.env.split())}
 
     @property
     def peer(self) -> bool:
@@ -88,6 +97,10 @@ def _parser(description: str | None) -> argparse.ArgumentParser:
     p.add_argument("--norms", type=lambda s: _choices(s, "norms"), default=AXIS_DEFAULTS["norms"],
                    help="comma-separated subset of torch,custom,apex (default: torch): the BatchNorm+ReLU "
                         "implementation (norm=...); the timm peer always runs its own nn.BatchNorm2d")
+    p.add_argument("--env", action="append", default=[], metavar="'NAME=VALUE ...'",
+                   help="an environment variant: every combination also runs with these variables set in its process "
+                        "(e.g. a kernel knob, --env MDW_BWD_RING=0); repeat --env for more variants. The invocation's "
+                        "own environment is always the first; --repeats alternates them in every round")
     p.add_argument("--peer", choices=("yes", "no", "only"), default="yes",
                    help=f"timm's {PEER_MODEL} rows (synthetic data only): yes (default), no, or only them")
     p.add_argument("--batch-size", type=int, default=256)
@@ -140,7 +153,19 @@ def parse_args(argv: list[str], description: str | None = None) -> argparse.Name
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
         p.error(f"Hydra overrides look like key=value, got {bad}")
+    variants = [""]
+    for text in args.env:
+        settings = text.split()
+        wrong = [s for s in settings if not _ENV_SETTING.fullmatch(s)]
+        if wrong or not settings:
+            p.error(f"--env takes space-separated NAME=VALUE settings (e.g. --env 'MDW_BWD_RING=0 MDW_FWD_RING=0'), "
+                    f"got {text!r}")
+        variants.append(" ".join(settings))
+    args.env = list(dict.fromkeys(variants))
     return args
+
+
+_ENV_SETTING = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=\S*")
 
 
 def plan(args: argparse.Namespace) -> list[Combo]:
@@ -152,7 +177,9 @@ def plan(args: argparse.Namespace) -> list[Combo]:
             backends.append(PEER_BACKEND)
         for backend, amp, cl in itertools.product(backends, args.amp, args.channels_last):
             for norm in (["torch"] if backend == PEER_BACKEND else args.norms):
-                combos.append(Combo(backend, amp, cl == "true", compile_ == "true", data, graph == "true", norm))
+                # The environment variants of one setting run back to back (the peer's: its own environment only).
+                for env in ([""] if backend == PEER_BACKEND else args.env):
+                    combos.append(Combo(backend, amp, cl == "true", compile_ == "true", data, graph == "true", norm, env))
     return combos
 
 
@@ -263,7 +290,8 @@ def run_combo(combo: Combo, run_dir: Path, overrides: list[str], args: argparse.
     _write_json(run_dir / SPEC_FILE, record)
     started = time.perf_counter()
     # A timeout also ends the compile workers torch.compile forks.
-    rc = run_logged([sys.executable, "-m", CHILD_MODULE, str(run_dir)], run_dir / LOG_FILE, timeout)
+    rc = run_logged([sys.executable, "-m", CHILD_MODULE, str(run_dir)], run_dir / LOG_FILE, timeout,
+                    env=combo.environment())
     record["seconds"] = round(time.perf_counter() - started, 1)
     result_path = run_dir / RESULT_FILE
     if rc == 0 and result_path.is_file():
@@ -370,7 +398,8 @@ def print_table(records: list[dict], out: Path) -> None:
         table.add_column(col, justify="right" if "img/s" in col else "left", overflow="fold")
     for r in records:
         ok = r["status"] == "ok"
-        table.add_row(r["backend"], r["amp"], str(r["channels_last"]), str(r["compile"]), str(r.get("cuda_graph", False)),
+        backend = r["backend"] + (f" [{r['env']}]" if r.get("env") else "")
+        table.add_row(backend, r["amp"], str(r["channels_last"]), str(r["compile"]), str(r.get("cuda_graph", False)),
                       r["data"], r["status"],
                       f"{r['train_img_s']:,.0f}" if ok else "", f"{r['infer_img_s']:,.0f}" if ok else "", r.get("reason", ""))
     Console(width=max(160, Console().width)).print(table)
