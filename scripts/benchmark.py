@@ -34,8 +34,8 @@ is not measured again when the same --out is used again: an interrupted matrix c
 variables set in its process, next to the run in the invocation's own environment; repeat --env for more variants.
 It compares what only an environment variable switches, such as the custom kernels' launch knobs (MDW_*, docs/
 kernels.md) or MBN_DEPTHWISE_BACKWARD, end to end and in alternating processes with --repeats:
-    python scripts/benchmark.py --backends custom --norms custom --amp fp16 --channels-last true --compile false \
-        --data synthetic --cuda-graph true --peer no --repeats 2 --env MDW_BWD_RING=0
+    python scripts/benchmark.py --peer no --repeats 2 --env MDW_BWD_RING=0 backend=custom norm=custom amp=fp16 \
+        channels_last=true compile=false data=synthetic cuda_graph=true
 compare.py shows a variant's rows with the backend as `custom [MDW_BWD_RING=0]`.
 
 --repeats N measures every combination N times, each time in a process of its own, in rounds: every combination once,
