@@ -116,15 +116,21 @@ bool mma_wanted(const ConvShape& s, DType dt, int level) {
   return s.KH == 5 && s.H >= 14 && s.H <= 28;
 }
 
+// Whether a layer's channel words fill at least 7/8 of a ring block's kRingLanes lanes (a lane per word and row group;
+// at most kRingLanes words). On MobileNetV3's 184- and 200-channel 14x14 layers, whose words fill 72-78% of them, the
+// forward ring was slower than the column walk.
+bool ring_fills_lanes(const ConvShape& s, DType dt) {
+  const int words = s.C * elem_size(dt) / 4;
+  return words > 0 && words <= kRingLanes && (kRingLanes / words) * words * 8 >= kRingLanes * 7;
+}
+
 // FWD_RING: 1 the ring wherever it fits, 0 never, -1 (the default) by shape, as the H200 suites measured it against
 // the column walk (docs/kernels.md, "The forward from a ring of input rows"): at stride 1 where the channel words fill
-// at least 7/8 of a block's 256 lanes (a lane per word and row group); on MobileNetV3's 184- and 200-channel 14x14
-// layers, whose words fill 72-78% of them, it was slower. At stride 2 the ring rarely fits two blocks per SM.
+// the lanes (ring_fills_lanes). At stride 2 the ring rarely fits two blocks per SM.
 bool ring_wanted(const ConvShape& s, DType dt) {
   const int v = knob(Knob::kFwdRing, dt);
   if (v >= 0) return v == 1;
-  const int words = s.C * elem_size(dt) / 4;
-  return s.SH == 1 && words > 0 && words <= kRingLanes && (kRingLanes / words) * words * 8 >= kRingLanes * 7;
+  return s.SH == 1 && ring_fills_lanes(s, dt);
 }
 
 // BWD_RING: 1 the backward from rings wherever it fits, 0 never, -1 (the default) by shape, as the H200's MobileNetV1
@@ -134,8 +140,7 @@ bool ring_wanted(const ConvShape& s, DType dt) {
 bool bwd_ring_wanted(const ConvShape& s, DType dt) {
   const int v = knob(Knob::kBwdRing, dt);
   if (v >= 0) return v == 1;
-  const int words = s.C * elem_size(dt) / 4;
-  return words >= 32 && words <= kRingLanes && (kRingLanes / words) * words * 8 >= kRingLanes * 7;
+  return s.C * elem_size(dt) / 4 >= 32 && ring_fills_lanes(s, dt);
 }
 
 enum class WgradTechnique { kColumn, kColumnK57, kTiled, kGeneric };
@@ -259,7 +264,7 @@ void launch_forward_normed(const DepthwiseShape& g, DType dt, const void* y, con
                            void* out, cudaStream_t stream) {
   ConvShape s;
   if (!narrow_shape(g, &s)) return;
-  // FWD_RING_NORM = 1 (opt-in, not measured yet): the ring where the plain forward would take it.
+  // FWD_RING_NORM = 1 (the 16-bit default; launch_plan.cpp): the ring where the plain forward would take it.
   if (knob(Knob::kFwdRingNorm, dt) == 1 && ring_wanted(s, dt) && forward_nhwc_ring_normed(s, dt, y, w, norm, out, stream))
     return;
   forward_nhwc_column_normed(s, dt, y, w, norm, out, stream);

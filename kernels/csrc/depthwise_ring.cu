@@ -248,28 +248,46 @@ __global__ void __launch_bounds__(kRingLanes, 2)
 // Shared memory per block for 2 blocks per SM: 228 KB per SM, of which the hardware reserves 1 KB per block.
 constexpr size_t kRingBudget = 113 * 1024;
 
-// A plan for R output rows per lane, or false when the case does not fit: words a multiple of 4 (16-byte rows,
-// slots and padding offsets for the bulk copies), at most 256 of them, and a ring of at least one band plus one
-// band ahead within kRingBudget. Of the segmentations (nseg a power of two dividing P) the one with the fewest
+// The row slots both rings keep, or false where the channels do not fit them: words of channels per pixel a multiple
+// of 4 (16-byte rows, slots and padding offsets for the bulk copies) and at most kRingLanes (a lane each), P lanes per
+// word, slots of W + 2 * pad columns; rows of neighbouring row groups sit in neighbouring slots, and a slot stride of
+// words (mod 32) puts the 32 / words rows a warp reads on different banks.
+struct RingRows {
+  int words, P, slot_words;
+  unsigned row_bytes;  // one row of the tensor: W * words * 4
+};
+bool ring_rows(const ConvShape& s, DType dt, int pad, RingRows* out) {
+  RingRows r{};
+  r.words = s.C / (dt == DType::F32 ? 1 : 2);
+  if (r.words % 4 != 0 || r.words > kRingLanes) return false;
+  r.P = kRingLanes / r.words;
+  r.slot_words = (s.W + 2 * pad) * r.words;
+  if (r.words < 32) {
+    while (r.slot_words % 32 != r.words) r.slot_words += 4;
+  }
+  r.row_bytes = static_cast<unsigned>(s.W) * r.words * 4;
+  *out = r;
+  return true;
+}
+
+// The mbarriers of nslot slots, padded so that the slots after them start 128-byte aligned.
+constexpr size_t ring_bar_bytes(int nslot) { return (static_cast<size_t>(nslot) * 8 + 127) / 128 * 128; }
+
+// A plan for R output rows per lane, or false when the case does not fit: the channels ring_rows takes and a ring of
+// at least one band plus one band ahead within kRingBudget. Of the segmentations (nseg a power of two dividing P) the one with the fewest
 // segments whose ring holds two bands ahead, else one; then as many slots as the budget holds. rows_per_block: the
 // output rows a block takes (RING_BLOCK_ROWS, rounded to whole bands).
 bool plan_ring(const ConvShape& s, DType dt, int S, int R, int rows_per_block, RingPlan* out) {
   RingPlan p{};
-  const int V = dt == DType::F32 ? 1 : 2;
-  p.words = s.C / V;
-  if (p.words % 4 != 0 || p.words > kRingLanes) return false;
-  p.P = kRingLanes / p.words;
+  RingRows rows;
+  if (!ring_rows(s, dt, s.PW, &rows)) return false;
+  p.words = rows.words;
+  p.P = rows.P;
+  p.slot_words = rows.slot_words;
+  p.row_bytes = rows.row_bytes;
   const int KH = 3 - S;
-  p.slot_words = (s.W + 2 * s.PW) * p.words;
-  // Rows of neighbouring row groups sit in neighbouring slots: a slot stride of words (mod 32) puts the 32 / words
-  // rows a warp reads on different banks.
-  if (p.words < 32) {
-    while (p.slot_words % 32 != p.words) p.slot_words += 4;
-  }
-  p.row_bytes = static_cast<unsigned>(s.W) * p.words * 4;
   const size_t slot_bytes = static_cast<size_t>(p.slot_words) * 4;
-  auto bar_bytes = [](int nslot) { return (nslot * 8 + 127) / 128 * 128; };  // the slots start 128-byte aligned
-  auto ring_bytes = [&](int nslot) { return bar_bytes(nslot) + (nslot + 1) * slot_bytes; };  // + the zero slot
+  auto ring_bytes = [&](int nslot) { return ring_bar_bytes(nslot) + (nslot + 1) * slot_bytes; };  // + the zero slot
   bool found = false;
   for (int ahead = 2; ahead >= 1 && !found; --ahead) {
     for (int nseg = 1; nseg <= p.P && !found; nseg *= 2) {
@@ -287,7 +305,7 @@ bool plan_ring(const ConvShape& s, DType dt, int S, int R, int rows_per_block, R
   if (!found) return false;
   p.seg = ceil_div(s.OW, p.nseg);
   for (p.nslot = static_cast<int>(kRingBudget / slot_bytes); ring_bytes(p.nslot) > kRingBudget;) --p.nslot;
-  p.bar_bytes = bar_bytes(p.nslot);
+  p.bar_bytes = static_cast<int>(ring_bar_bytes(p.nslot));
   const int want = rows_per_block > 0 ? rows_per_block : s.OH;
   p.bands = ceil_div(want < s.OH ? want : s.OH, p.band_rows);
   p.blocks_per_image = ceil_div(s.OH, p.bands * p.band_rows);
@@ -466,21 +484,8 @@ __global__ void __launch_bounds__(kRingLanes, 2)
           widen_word<TT, V>(xraw[u], xv);
 #pragma unroll
           for (int kh = 0; kh < K; ++kh) widen_word<TT, V>(graw[u][kh], fresh[kh]);
-          // grad_input(ih, iw): the input-row walk's order (rotated-kernel taps row-major: grad_out rows ih + 1 - kh
-          // for kh = 2, 1, 0, in each the columns iw - 1, iw, iw + 1).
           float d[V];
-#pragma unroll
-          for (int v = 0; v < V; ++v) d[v] = 0.f;
-#pragma unroll
-          for (int kr = 0; kr < K; ++kr) {
-            const int kh = K - 1 - kr;
-#pragma unroll
-            for (int v = 0; v < V; ++v) {
-              d[v] = fmaf(wr[kh * K + 2][v], held[kh][1][v], d[v]);
-              d[v] = fmaf(wr[kh * K + 1][v], held[kh][0][v], d[v]);
-              d[v] = fmaf(wr[kh * K + 0][v], fresh[kh][v], d[v]);
-            }
-          }
+          input_row_grad<V>(wr, held, fresh, d);  // grad_input(ih, iw), in the input-row walk's order
           if (!kChecked || iw0 + u < c1) {
             store_global(gxp + u * p.words, narrow_word<TT, V>(d));
 #pragma unroll
@@ -544,19 +549,17 @@ __global__ void __launch_bounds__(kRingLanes, 2)
 // final reduction's floats too.
 bool plan_bwd_ring(const ConvShape& s, DType dt, int rows_per_block, BwdRingPlan* out) {
   BwdRingPlan p{};
+  RingRows rows;
+  if (!ring_rows(s, dt, 1, &rows)) return false;  // padding 1 (bwd_ring_shape)
+  p.words = rows.words;
+  p.P = rows.P;
+  p.slot_words = rows.slot_words;
+  p.row_bytes = rows.row_bytes;
   const int V = dt == DType::F32 ? 1 : 2;
-  p.words = s.C / V;
-  if (p.words % 4 != 0 || p.words > kRingLanes) return false;
-  p.P = kRingLanes / p.words;
-  p.slot_words = (s.W + 2) * p.words;
-  if (p.words < 32) {
-    while (p.slot_words % 32 != p.words) p.slot_words += 4;
-  }
-  p.row_bytes = static_cast<unsigned>(s.W) * p.words * 4;
   const size_t slot_bytes = static_cast<size_t>(p.slot_words) * 4;
   const size_t red_bytes = static_cast<size_t>(p.P) * p.words * 10 * V * 4;
   auto bytes = [&](int nx, int ng) {
-    const size_t bars = ((static_cast<size_t>(nx + ng) * 8 + 127) / 128) * 128;
+    const size_t bars = ring_bar_bytes(nx + ng);
     const size_t slots = static_cast<size_t>(nx + ng + 1) * slot_bytes;
     return bars + (slots > red_bytes ? slots : red_bytes);
   };
@@ -579,7 +582,7 @@ bool plan_bwd_ring(const ConvShape& s, DType dt, int rows_per_block, BwdRingPlan
   for (bool to_g = true; bytes(p.nslot_x + (to_g ? 0 : 1), p.nslot_g + (to_g ? 1 : 0)) <= kRingBudget; to_g = !to_g) {
     if (to_g) ++p.nslot_g; else ++p.nslot_x;
   }
-  p.bar_bytes = ((p.nslot_x + p.nslot_g) * 8 + 127) / 128 * 128;
+  p.bar_bytes = static_cast<int>(ring_bar_bytes(p.nslot_x + p.nslot_g));
   const int want = rows_per_block > 0 ? rows_per_block : s.H;
   p.bands = ceil_div(want < s.H ? want : s.H, p.rg);
   p.blocks_per_image = ceil_div(s.H, p.bands * p.rg);
@@ -610,26 +613,38 @@ bool bwd_ring_shape(const ConvShape& s) {
 
 }  // namespace
 
-bool forward_nhwc_ring(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
-                       cudaStream_t stream) {
-  if (!aligned(x, 16) || compute_capability_major() < 9) return false;  // bulk copies: 16-byte rows, sm_90
+namespace {
+
+// norm null: the plain forward (with bias); else the normalizing one.
+template <class TT>
+bool ring_forward_t(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
+                    const InputNorm* norm, cudaStream_t stream) {
+  return norm == nullptr ? ring_by_shape<TT, false>(s, dt, x, w, bias, y, stream, InputNorm{})
+                         : ring_by_shape<TT, true>(s, dt, x, w, nullptr, y, stream, *norm);
+}
+
+bool ring_forward(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
+                  const InputNorm* norm, cudaStream_t stream) {
+  // 3x3 kernels; bulk copies: 16-byte rows, sm_90.
+  if (s.KH != 3 || s.KW != 3 || !aligned(x, 16) || compute_capability_major() < 9) return false;
   switch (dt) {
-    case DType::F32: return ring_by_shape<F32T, false>(s, dt, x, w, bias, y, stream, InputNorm{});
-    case DType::F16: return ring_by_shape<F16T, false>(s, dt, x, w, bias, y, stream, InputNorm{});
-    case DType::BF16: return ring_by_shape<BF16T, false>(s, dt, x, w, bias, y, stream, InputNorm{});
+    case DType::F32: return ring_forward_t<F32T>(s, dt, x, w, bias, y, norm, stream);
+    case DType::F16: return ring_forward_t<F16T>(s, dt, x, w, bias, y, norm, stream);
+    case DType::BF16: return ring_forward_t<BF16T>(s, dt, x, w, bias, y, norm, stream);
     default: return false;
   }
 }
 
+}  // namespace
+
+bool forward_nhwc_ring(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
+                       cudaStream_t stream) {
+  return ring_forward(s, dt, x, w, bias, y, nullptr, stream);
+}
+
 bool forward_nhwc_ring_normed(const ConvShape& s, DType dt, const void* x, const void* w, const InputNorm& norm,
                               void* y, cudaStream_t stream) {
-  if (s.KH != 3 || s.KW != 3 || !aligned(x, 16) || compute_capability_major() < 9) return false;
-  switch (dt) {
-    case DType::F32: return ring_by_shape<F32T, true>(s, dt, x, w, nullptr, y, stream, norm);
-    case DType::F16: return ring_by_shape<F16T, true>(s, dt, x, w, nullptr, y, stream, norm);
-    case DType::BF16: return ring_by_shape<BF16T, true>(s, dt, x, w, nullptr, y, stream, norm);
-    default: return false;
-  }
+  return ring_forward(s, dt, x, w, nullptr, y, &norm, stream);
 }
 
 

@@ -637,21 +637,8 @@ __global__ void __launch_bounds__(256, kInputRowMinBlocks<DGRAD, V>)
             widen_word<TT, V>(word, fresh[kh]);
           }
           if constexpr (DGRAD) {
-            // grad_input(ih, iw): rotated-kernel taps (kr, kc) in row-major order, that is grad_out row ih + 1 - kh
-            // for kh = 2, 1, 0, and in each row the columns iw - 1, iw, iw + 1 (held[1], held[0], fresh).
             float d[V];
-#pragma unroll
-            for (int v = 0; v < V; ++v) d[v] = 0.f;
-#pragma unroll
-            for (int kr = 0; kr < K; ++kr) {
-              const int kh = K - 1 - kr;
-#pragma unroll
-              for (int v = 0; v < V; ++v) {
-                d[v] = fmaf(wr[kh * K + 2][v], held[kh][1][v], d[v]);
-                d[v] = fmaf(wr[kh * K + 1][v], held[kh][0][v], d[v]);
-                d[v] = fmaf(wr[kh * K + 0][v], fresh[kh][v], d[v]);
-              }
-            }
+            input_row_grad<V>(wr, held, fresh, d);  // grad_input(ih, iw)
             const int iw = t0 + u;
             const bool in_row = inside || iw < s.W;
             const uint32_t stored = narrow_word<TT, V>(d);

@@ -151,6 +151,29 @@ __device__ __forceinline__ void column_window_step(const float (&wr)[9][V], cons
   }
 }
 
+// grad_input at input column iw of a stride-1 padding-1 3x3 input-row walk: the rotated kernel's taps in row-major
+// order, that is grad_out row ih + 1 - kh for kh = 2, 1, 0, and in each row the columns iw - 1, iw, iw + 1 (held[kh][1],
+// held[kh][0], fresh[kh]), the order of the rotated-kernel column walk (stencil_3x3.cuh, FLIP). The input-row walk
+// (depthwise_weight_grad.cu) and the backward ring (depthwise_ring.cu) share it so that their input gradients are the
+// same bits.
+template <int V>
+__device__ __forceinline__ void input_row_grad(const float (&wr)[9][V], const float (&held)[3][2][V],
+                                               const float (&fresh)[3][V], float (&d)[V]) {
+  constexpr int K = 3;
+#pragma unroll
+  for (int v = 0; v < V; ++v) d[v] = 0.f;
+#pragma unroll
+  for (int kr = 0; kr < K; ++kr) {
+    const int kh = K - 1 - kr;
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+      d[v] = fmaf(wr[kh * K + 2][v], held[kh][1][v], d[v]);
+      d[v] = fmaf(wr[kh * K + 1][v], held[kh][0][v], d[v]);
+      d[v] = fmaf(wr[kh * K + 0][v], fresh[kh][v], d[v]);
+    }
+  }
+}
+
 // --- BatchNorm + ReLU arithmetic, shared by its own kernels (batchnorm_relu.cu) and the depthwise kernels that apply
 // it to their input as they load it (InputNorm), so that both compute the same bits ------------------------------
 
