@@ -502,6 +502,28 @@ def test_backward_walk_against_float64_and_the_two_kernels(dw, dtype, set_knobs)
             assert _rel(a, r) <= TOL[dtype], (stride, name)
 
 
+# The ring kernels' shapes (N, 32-bit words of channels, H, W): 4-256 words (48: a block with idle lanes), widths that
+# are no multiple of the unroll or the segments, one row.
+_RING_SHAPES = [(4, 16, 28, 28), (2, 32, 15, 57), (3, 8, 7, 9), (1, 64, 14, 14), (2, 4, 1, 70), (1, 48, 30, 3),
+                (2, 256, 9, 5)]
+
+
+def _ring_operands(dtype, gen, requires_grad=False):
+    """For each of _RING_SHAPES in dtype: a channels_last x, a 3x3 weight and, for every other shape, a bias (else
+    None). The rings' bulk copies need compute capability 9.0: without it the test is skipped."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the ring's bulk copies need compute capability 9.0")
+    per_word = 1 if dtype == torch.float32 else 2
+    out = []
+    for i, (n, words, h, w) in enumerate(_RING_SHAPES):
+        c = words * per_word
+        x = _make_input(n, c, h, w, dtype, "nhwc", gen)
+        wt = torch.randn(c, 1, 3, 3, device="cuda", dtype=dtype, generator=gen) / 3
+        b = torch.randn(c, device="cuda", dtype=dtype, generator=gen) if i % 2 else None
+        out.append(tuple(t.requires_grad_() if t is not None and requires_grad else t for t in (x, wt, b)))
+    return out
+
+
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -513,18 +535,10 @@ def test_ring_forward_against_float64_and_the_column_walk(dw, dtype, set_knobs):
     # idle lanes), widths that are no multiple of the unroll or the segments, one row.
     from torch.profiler import ProfilerActivity, profile
 
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("the ring's bulk copies need compute capability 9.0")
     gen = torch.Generator(device="cuda").manual_seed(random.randrange(1 << 30))
-    per_word = 1 if dtype == torch.float32 else 2
-    shapes = [(4, 16, 28, 28), (2, 32, 15, 57), (3, 8, 7, 9), (1, 64, 14, 14), (2, 4, 1, 70), (1, 48, 30, 3),
-              (2, 256, 9, 5)]
     cases = []
-    for i, (n, words, h, w) in enumerate(shapes):
-        c = words * per_word
-        x = _make_input(n, c, h, w, dtype, "nhwc", gen)
-        wt = torch.randn(c, 1, 3, 3, device="cuda", dtype=dtype, generator=gen) / 3
-        b = torch.randn(c, device="cuda", dtype=dtype, generator=gen) if i % 2 else None
+    for x, wt, b in _ring_operands(dtype, gen):
+        h, w = x.shape[2:]
         for stride, padding in ((1, 1), (2, 1), (1, 0), (2, 2)):
             if (h + 2 * padding - 3) < 0 or (w + 2 * padding - 3) < 0:
                 continue
@@ -567,21 +581,9 @@ def test_backward_ring_against_float64_and_the_walk(dw, dtype, set_knobs):
     # (halo rows read by two blocks) and of whole images, 4-256 channel words, widths no multiple of the unroll.
     from torch.profiler import ProfilerActivity, profile
 
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("the ring's bulk copies need compute capability 9.0")
     gen = torch.Generator(device="cuda").manual_seed(random.randrange(1 << 30))
-    per_word = 1 if dtype == torch.float32 else 2
-    shapes = [(4, 16, 28, 28), (2, 32, 15, 57), (3, 8, 7, 9), (1, 64, 14, 14), (2, 4, 1, 70), (1, 48, 30, 3),
-              (2, 256, 9, 5)]
-    cases = []
-    for i, (n, words, h, w) in enumerate(shapes):
-        c = words * per_word
-        x = _make_input(n, c, h, w, dtype, "nhwc", gen).requires_grad_()
-        wt = (torch.randn(c, 1, 3, 3, device="cuda", dtype=dtype, generator=gen) / 3).requires_grad_()
-        b = torch.randn(c, device="cuda", dtype=dtype, generator=gen).requires_grad_() if i % 2 else None
-        go = torch.randn(n, c, h, w, device="cuda", dtype=dtype, generator=gen).contiguous(
-            memory_format=torch.channels_last)
-        cases.append((x, wt, b, go))
+    cases = [(x, wt, b, torch.randn(x.shape, device="cuda", dtype=dtype, generator=gen).contiguous(
+        memory_format=torch.channels_last)) for x, wt, b in _ring_operands(dtype, gen, requires_grad=True)]
 
     def grads():
         out = []
@@ -594,7 +596,8 @@ def test_backward_ring_against_float64_and_the_walk(dw, dtype, set_knobs):
     ring = {}
     for block_rows in (3, 0):
         set_knobs(BWD_RING=1, RING_BLOCK_ROWS=block_rows)
-        for i, (n, words, h, w) in enumerate(shapes):
+        per_word = 1 if dtype == torch.float32 else 2
+        for i, (n, words, h, w) in enumerate(_RING_SHAPES):
             _check_case(dw, dtype, "nhwc", 3, 1, 1, 1, i % 2 == 1, n, words * per_word, h, w, gen)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             ring[block_rows] = grads()
