@@ -30,6 +30,11 @@ BASELINE = {"backend": "torch", "norm": "torch", "precision": "fp32", "layout": 
 STATUS_FILE = "benchmark.json"  # scripts/benchmark.py's record of a combination
 
 
+def with_env(text: str, env: str) -> str:
+    """text (a backend, a norm) with the environment variant a run had (scripts/benchmark.py --env), if any."""
+    return text + (f" [{env}]" if env else "")
+
+
 class CompareError(Exception):
     """Nothing comparable: the message says what is missing."""
 
@@ -70,7 +75,7 @@ class Row:
     @property
     def label(self) -> str:
         """The backend, with the environment variant it ran under."""
-        return self.backend + (f" [{self.env}]" if self.env else "")
+        return with_env(self.backend, self.env)
 
 
 # ----------------------------------------------------------------------------------------------- reading the runs
@@ -335,8 +340,7 @@ def markdown(rows: list[Row], notes: list[str]) -> str:
                   "|---|---|---|---|---|---|--:|--:|--:|--:|--:|--:|"]
         for p in pairs:
             r, c = p["row"], p["custom"]
-            env = f" [{r.env}]" if r.env else ""
-            lines.append(f"| {r.norm}{env} | {r.precision} | {r.layout} | {r.compile} | {_graph(r.cuda_graph)} | {r.data} "
+            lines.append(f"| {with_env(r.norm, r.env)} | {r.precision} | {r.layout} | {r.compile} | {_graph(r.cuda_graph)} | {r.data} "
                          f"| {_num(r.metrics['train_img_s'])} "
                          f"| {_num(c.metrics['train_img_s'])} | {_speed(p['train'])} | {_num(r.metrics.get('infer_img_s'))} "
                          f"| {_num(c.metrics.get('infer_img_s'))} | {_speed(p['infer'])} |")

@@ -316,12 +316,13 @@ class _Matrix:
     def _took(self, combo: Combo, seconds: float) -> None:
         self.longest[combo.compile] = max(self.longest.get(combo.compile, 0.0), seconds)
 
-    def _kept(self, overrides: list[str], run_dir: Path) -> dict | None:
+    def _kept(self, combo: Combo, overrides: list[str], run_dir: Path) -> dict | None:
         """The earlier record of run_dir if it finished with exactly these settings (then it is not measured again)."""
         previous = run_dir / SPEC_FILE
         earlier = json.loads(previous.read_text()) if previous.is_file() else {}
         args = self.args
         if not args.force and earlier.get("status") == "ok" and earlier.get("overrides") == overrides \
+                and earlier.get("env", "") == combo.env \
                 and (earlier.get("infer_warmup"), earlier.get("infer_steps")) == (args.infer_warmup, args.infer_steps):
             return earlier
         return None
@@ -330,7 +331,7 @@ class _Matrix:
         """The combination's record after keeping, skipping, planning or measuring it (None: a skip said already)."""
         args = self.args
         overrides = hydra_overrides(combo, args)
-        if (earlier := self._kept(overrides, run_dir)) is not None:
+        if (earlier := self._kept(combo, overrides, run_dir)) is not None:
             self._took(combo, earlier.get("seconds", 0.0))
             return {**earlier, "note": "kept from an earlier invocation"}
         if reason := self.prechecks.reason(combo, overrides):
@@ -392,14 +393,15 @@ def print_table(records: list[dict], out: Path) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from .compare import with_env
+
     table = Table(title=f"throughput matrix: {out}")
     for col in ("backend", "amp", "channels_last", "compile", "cuda_graph", "data", "status", "train img/s", "infer img/s",
                 "reason"):
         table.add_column(col, justify="right" if "img/s" in col else "left", overflow="fold")
     for r in records:
         ok = r["status"] == "ok"
-        backend = r["backend"] + (f" [{r['env']}]" if r.get("env") else "")
-        table.add_row(backend, r["amp"], str(r["channels_last"]), str(r["compile"]), str(r.get("cuda_graph", False)),
+        table.add_row(with_env(r["backend"], r.get("env", "")), r["amp"], str(r["channels_last"]), str(r["compile"]), str(r.get("cuda_graph", False)),
                       r["data"], r["status"],
                       f"{r['train_img_s']:,.0f}" if ok else "", f"{r['infer_img_s']:,.0f}" if ok else "", r.get("reason", ""))
     Console(width=max(160, Console().width)).print(table)
