@@ -17,6 +17,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def set_knobs(monkeypatch):
+    """set_knobs(NAME=value, ...): the custom kernels' launch knob MDW_<NAME> for every dtype (per-dtype overrides
+    dropped), read again by the kernels at once; after the test the environment and the kernels' knobs are as
+    before."""
+    import kernels.ops  # noqa: F401  (loads the kernels: torch.ops.mobilenet_dw)
+
+    def set_(**knobs) -> None:
+        for name, value in knobs.items():
+            monkeypatch.setenv(f"MDW_{name}", str(value))
+            for dt in ("F32", "F16", "BF16"):
+                monkeypatch.delenv(f"MDW_{name}_{dt}", raising=False)
+        torch.ops.mobilenet_dw.reload_knobs()
+
+    yield set_
+    monkeypatch.undo()
+    torch.ops.mobilenet_dw.reload_knobs()
+
+
 @pytest.fixture(scope="session")
 def digits_root() -> Path:
     from mobilenet.data.builtin import ensure_builtin

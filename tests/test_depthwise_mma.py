@@ -19,18 +19,13 @@ TOL = {torch.float16: 1e-2, torch.bfloat16: 1e-2}
 
 
 @pytest.fixture
-def mma(monkeypatch):
+def mma(set_knobs):
     """The depthwise op with FWD_MMA = 2 (forward and stride-1 input gradient on the tensor-core tile); the knobs are
     read again after the test."""
     from kernels.ops import depthwise_conv2d
 
-    for name in ("MDW_FWD_MMA", "MDW_FWD_MMA_F16", "MDW_FWD_MMA_BF16"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("MDW_FWD_MMA", "2")
-    torch.ops.mobilenet_dw.reload_knobs()
-    yield depthwise_conv2d
-    monkeypatch.undo()
-    torch.ops.mobilenet_dw.reload_knobs()
+    set_knobs(FWD_MMA=2)
+    return depthwise_conv2d
 
 
 def _mma_kernels(fn) -> list[str]:

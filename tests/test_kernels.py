@@ -435,23 +435,6 @@ def test_large_kernel_column_walks_keep_results(knobs):
     _run_with_knobs(knobs, tests, "8 passed", MDW_FWD_SMEM="0", MDW_FWD_MMA="0")
 
 
-@pytest.fixture
-def set_knobs(dw, monkeypatch):
-    """set_knobs(NAME=value, ...): MDW_<NAME> for every dtype (per-dtype overrides dropped), read again by the
-    kernels at once; after the test the environment and the kernels' knobs are as before."""
-
-    def set_(**knobs) -> None:
-        for name, value in knobs.items():
-            monkeypatch.setenv(f"MDW_{name}", str(value))
-            for dt in ("F32", "F16", "BF16"):
-                monkeypatch.delenv(f"MDW_{name}_{dt}", raising=False)
-        torch.ops.mobilenet_dw.reload_knobs()
-
-    yield set_
-    monkeypatch.undo()
-    torch.ops.mobilenet_dw.reload_knobs()
-
-
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -455,7 +455,7 @@ def test_captured_model_step_equals_eager():
 
 @gpu
 @pytest.mark.parametrize("dtype", _DTYPES, ids=lambda d: str(d).split(".")[-1])
-def test_pair_forward_from_the_ring_is_the_walks_bits(dtype, monkeypatch):
+def test_pair_forward_from_the_ring_is_the_walks_bits(dtype, set_knobs):
     # FWD_RING_NORM=1: the pair's forward from the ring of input rows, normalized in shared memory as they land, where
     # the plain forward takes the ring (stride 1 here): the normalizing column walk's bits (FWD_RING_NORM=0), on
     # MobileNet's stride-1 shapes and odd ones (whole 16-byte channel units, one row, several blocks per image).
@@ -471,8 +471,7 @@ def test_pair_forward_from_the_ring_is_the_walks_bits(dtype, monkeypatch):
     inputs = [_inputs(case, dtype, mean=3.0, seed=i) for i, case in enumerate(cases)]
 
     def forwards(knob):
-        monkeypatch.setenv("MDW_FWD_RING_NORM", knob)
-        torch.ops.mobilenet_dw.reload_knobs()
+        set_knobs(FWD_RING_NORM=knob)
         out = []
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for y, bn_w, bn_b, conv_w, stride in inputs:
@@ -481,12 +480,8 @@ def test_pair_forward_from_the_ring_is_the_walks_bits(dtype, monkeypatch):
             torch.cuda.synchronize()
         return out, [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
-    try:
-        ring, ring_names = forwards("1")
-        walk, walk_names = forwards("0")
-    finally:
-        monkeypatch.undo()
-        torch.ops.mobilenet_dw.reload_knobs()
+    ring, ring_names = forwards(1)
+    walk, walk_names = forwards(0)
     assert sum("fwd_nhwc_ring_kernel" in n for n in ring_names) == len(cases), ring_names
     assert not [n for n in walk_names if "fwd_nhwc_ring_kernel" in n], walk_names
     for case, a, b in zip(cases, ring, walk):
