@@ -20,53 +20,60 @@ TOL = {torch.float16: 1e-2, torch.bfloat16: 1e-2}
 
 @pytest.fixture
 def mma(set_knobs):
-    """The depthwise op with FWD_MMA = 2 (forward and stride-1 input gradient on the tensor-core tile); the knobs are
-    read again after the test."""
+    """The depthwise op with FWD_MMA = 2 (forward and stride-1 input gradient on the tensor-core tile; the tensor-core
+    walk, which the dispatch tries first, off); the knobs are read again after the test."""
     from kernels.ops import depthwise_conv2d
 
-    set_knobs(FWD_MMA=2)
+    set_knobs(FWD_MMA=2, FWD_MMA_WALK=0)
     return depthwise_conv2d
 
 
-def _mma_kernels(fn) -> list[str]:
+def _kernels_named(fn, name: str) -> list[str]:
+    """The CUDA kernels whose name contains `name` that fn() launches, as the profiler reports them."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return [e.name for e in prof.events()
-            if e.device_type == torch.autograd.DeviceType.CUDA and "fwd_nhwc_mma_kernel" in e.name]
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and name in e.name]
 
 
-def _check(dw, dtype, n, c, h, w, k, padding, bias, activation, gen):
+def _mma_kernels(fn) -> list[str]:
+    return _kernels_named(fn, "fwd_nhwc_mma_kernel")
+
+
+def _check(dw, dtype, n, c, h, w, k, padding, bias, activation, gen, stride=1):
+    """One NHWC 16-bit case against float64 F.conv2d, outputs poisoned: the forward, and at stride 1 without an
+    activation the input gradient; both bitwise repeatable."""
     x = _make_input(n, c, h, w, dtype, "nhwc", gen).requires_grad_()
     wt = (torch.randn(c, 1, k, k, device="cuda", dtype=dtype, generator=gen) / k).requires_grad_()
     b = torch.randn(c, device="cuda", dtype=dtype, generator=gen) if bias else None
-    ref = F.conv2d(x.double(), wt.double(), None if b is None else b.double(), 1, padding, 1, c)
+    ref = F.conv2d(x.double(), wt.double(), None if b is None else b.double(), stride, padding, 1, c)
     if activation == "relu":
         ref = ref.clamp_min(0)
     elif activation == "relu6":
         ref = ref.clamp(0, 6)
-    what = f"{dtype} n={n} c={c} {h}x{w} k={k} p={padding} bias={bias} act={activation}"
+    what = f"{dtype} n={n} c={c} {h}x{w} k={k} s={stride} p={padding} bias={bias} act={activation}"
     _poison_allocator(4 * x.numel() * x.element_size())
-    if activation is None:
+    kwargs = {"activation": activation} if activation else {}
+    if activation is None and stride == 1:
         go = torch.randn(ref.shape, device="cuda", dtype=dtype, generator=gen).contiguous(
             memory_format=torch.channels_last)
         (ref_gx,) = torch.autograd.grad(ref, [x], go.double())
-        y = dw(x, wt, b, 1, padding, 1)
+        y = dw(x, wt, b, stride, padding, 1)
         (gx,) = torch.autograd.grad(y, [x], go)
         assert torch.isfinite(gx).all(), f"grad_input has unwritten (NaN) elements: {what}"
         assert _rel(gx, ref_gx) <= TOL[dtype], (_rel(gx, ref_gx), what)
-        (gx2,) = torch.autograd.grad(dw(x, wt, b, 1, padding, 1), [x], go)
+        (gx2,) = torch.autograd.grad(dw(x, wt, b, stride, padding, 1), [x], go)
         assert torch.equal(gx, gx2), f"input gradient differs between runs: {what}"
     else:
         with torch.no_grad():
-            y = dw(x, wt, b, 1, padding, 1, activation=activation)
+            y = dw(x, wt, b, stride, padding, 1, **kwargs)
     assert y.shape == ref.shape and y.is_contiguous(memory_format=torch.channels_last), what
     assert torch.isfinite(y).all(), f"forward has unwritten (NaN) elements: {what}"
     assert _rel(y, ref) <= TOL[dtype], (_rel(y, ref), what)
     with torch.no_grad():
-        y2 = dw(x.detach(), wt.detach(), b, 1, padding, 1, **({"activation": activation} if activation else {}))
+        y2 = dw(x.detach(), wt.detach(), b, stride, padding, 1, **kwargs)
     assert torch.equal(y.detach(), y2), f"forward differs between runs: {what}"
 
 

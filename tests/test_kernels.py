@@ -296,7 +296,8 @@ def test_smem_tile_keeps_results(knobs):
     # The shared-memory tile on every case it takes (knobs are read once per process, hence the subprocess).
     _run_with_knobs(knobs, ["test_mobilenet_shapes", "test_large_kernel_shapes",
                             "test_nhwc_channel_groups_and_wide_rows", "test_smem_tile_runs_where_the_knob_sends_it",
-                            "test_coverage_grid_against_float64"], "17 passed", MDW_FWD_MMA="0")
+                            "test_coverage_grid_against_float64"], "17 passed", MDW_FWD_MMA="0",
+                    MDW_FWD_MMA_WALK="0")
 
 
 @pytest.mark.gpu
@@ -384,26 +385,30 @@ def test_reload_knobs_makes_the_kernels_read_a_changed_environment(dw, monkeypat
 @pytest.mark.gpu
 @cuda
 def test_large_kernel_walks_by_default_where_the_suites_measured_them_faster(dw, monkeypatch):
-    # The knobs' default (-1) picks by shape (csrc/depthwise_dispatch.cpp k57_nhwc_walk, k57_nchw_walk, mma_wanted,
-    # smem_wanted): NHWC walks from 28 input rows up, forward and stride-1 input gradient, but 16-bit 5x5 at stride 1
-    # takes the tensor-core tile first from 14 to 28 rows (both passes), and the shared-memory tile the input gradient
-    # below 14; NCHW walks except 5x5 on 7 rows or fewer, the forward and the stride-1 input gradient (rotated) alike.
+    # The knobs' default (-1) picks by shape (csrc/depthwise_dispatch.cpp mma_walk_wanted, k57_nhwc_walk,
+    # k57_nchw_walk, mma_wanted, smem_wanted): the 16-bit NHWC forward of 5x5 and 7x7 takes the tensor-core walk at
+    # every size; the NHWC input gradient walks from 28 input rows up, but 16-bit 5x5 at stride 1 takes the
+    # tensor-core tile from 14 to 28 rows, and the shared-memory tile below 14; NCHW walks except 5x5 on 7 rows or
+    # fewer, the forward and the stride-1 input gradient (rotated) alike.
     def kernels_of(layout, k, h):
         return _kernels_of_passes(dw, [(torch.float16, k, layout)], size=h)
 
-    for name in ("MDW_FWD_COLUMN_K57", "MDW_NCHW_COLUMN_K57", "MDW_FWD_SMEM", "MDW_FWD_MMA"):
+    for name in ("MDW_FWD_COLUMN_K57", "MDW_NCHW_COLUMN_K57", "MDW_FWD_SMEM", "MDW_FWD_MMA", "MDW_FWD_MMA_WALK"):
         monkeypatch.delenv(name, raising=False)
         monkeypatch.delenv(name + "_F16", raising=False)
     torch.ops.mobilenet_dw.reload_knobs()
     try:
-        # (k, rows): NHWC walks (forward and rotated input gradient), shared-memory and tensor-core tiles likewise
-        for k, h, walks, tiles, mmas in ((7, 32, 2, 0, 0), (5, 32, 2, 0, 0), (5, 28, 0, 0, 2), (5, 14, 0, 0, 2),
+        # (k, rows): the input gradient's NHWC walk (rotated), shared-memory and tensor-core tiles; the forward is the
+        # tensor-core walk's in every case
+        for k, h, walks, tiles, mmas in ((7, 32, 1, 0, 0), (5, 32, 1, 0, 0), (5, 28, 0, 0, 1), (5, 14, 0, 0, 1),
                                          (7, 16, 0, 0, 0), (5, 7, 0, 1, 0)):
             names = kernels_of("nhwc", k, h)
             walk = [n for n in names if "fwd_nhwc_column_k_kernel" in n]
             tile = [n for n in names if "fwd_nhwc_smem_kernel" in n]
             mma = [n for n in names if "fwd_nhwc_mma_kernel" in n]
-            assert len(walk) == walks and len(tile) == tiles and len(mma) == mmas, (k, h, walk, tile, mma)
+            mma_walk = [n for n in names if "fwd_nhwc_mma_walk_kernel" in n]
+            assert len(walk) == walks and len(tile) == tiles and len(mma) == mmas and len(mma_walk) == 1, (
+                k, h, walk, tile, mma, mma_walk)
         for k, h, walks in ((7, 7, True), (5, 14, True), (5, 7, False)):
             walk = [n for n in kernels_of("nchw", k, h) if "fwd_nchw_column_k_kernel" in n]
             rotated = [n for n in walk if _NCHW_WALK_ROTATED.search(n)]  # the input gradient's walk
@@ -429,10 +434,10 @@ def test_large_kernel_column_walks_keep_results(knobs):
     # the tiled kernel, = 3 sends NCHW cases of every size to its kernel; WGRAD_K57_BLOCKS_PER_SM = 1 gives the NHWC
     # walk's blocks several bands of rows each; the *_PREFETCH = 0 settings load the walks' input a step later.
     # Knobs are read once per process, hence the subprocess; the shared-memory tile, which the dispatch tries first,
-    # and the tensor-core tile are off there so that every 5x5/7x7 case reaches the walks these knobs pick.
+    # and the tensor-core tile and walk are off there so that every 5x5/7x7 case reaches the walks these knobs pick.
     tests = ["test_large_kernel_shapes", "test_large_kernel_passes_run_the_kernels_the_column_knobs_pick",
              "test_coverage_grid_against_float64"]
-    _run_with_knobs(knobs, tests, "8 passed", MDW_FWD_SMEM="0", MDW_FWD_MMA="0")
+    _run_with_knobs(knobs, tests, "8 passed", MDW_FWD_SMEM="0", MDW_FWD_MMA="0", MDW_FWD_MMA_WALK="0")
 
 
 @pytest.mark.gpu

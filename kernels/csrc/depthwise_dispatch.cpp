@@ -116,6 +116,24 @@ bool mma_wanted(const ConvShape& s, DType dt, int level) {
   return s.KH == 5 && s.H >= 14 && s.H <= 28;
 }
 
+// The tensor-core walk (depthwise_mma_walk.cu): the NHWC tiled kernels' cases (square 3x3/5x5/7x7, equal strides 1
+// or 2, dilation 1, whole 16-byte vectors of channels, both tensors aligned to one) in 16-bit.
+bool mma_walk_fits(const ConvShape& s, DType dt, const void* in, const void* out) {
+  return (dt == DType::F16 || dt == DType::BF16) && s.channels_last && tiled_fits(s, dt, in, out, 8);
+}
+
+bool input_grad_mma_walk_fits(const ConvShape& s, DType dt, const void* grad_out, const void* grad_input) {
+  return input_grad_as_forward_fits(s) && mma_walk_fits(input_grad_as_forward(s), dt, grad_out, grad_input);
+}
+
+// FWD_MMA_WALK: 1 the forward, 2 the stride-1 input gradient too, 0 neither; -1 (the default) by shape: the forward
+// of 5x5 and 7x7, where the CUDA-core kernels are bound by their instruction issue.
+bool mma_walk_wanted(const ConvShape& s, DType dt, int level) {
+  const int v = knob(Knob::kFwdMmaWalk, dt);
+  if (v >= 0) return v >= level;
+  return level == 1 && s.KH >= 5;
+}
+
 // Whether a layer's channel words fill at least 7/8 of a ring block's kRingLanes lanes (a lane per word and row group;
 // at most kRingLanes words). On MobileNetV3's 184- and 200-channel 14x14 layers, whose words fill 72-78% of them, the
 // forward ring was slower than the column walk.
@@ -203,6 +221,8 @@ bool k57_nchw_walk(const ConvShape& s, DType dt, int level) {
 
 // Forward (depthwise_forward.cu):
 //   outside narrow_shape's domain                                       generic
+//   NHWC 16-bit 3x3/5x5/7x7 s1/s2, whole 16-byte vectors, FWD_MMA_WALK >= 1   tensor-core walk down the rows
+//     (-1, the default: 5x5 and 7x7)
 //   NHWC 16-bit 3x3/5x5/7x7 s1, whole 16-byte vectors of channels, FWD_MMA >= 1   tensor-core tile
 //     (-1, the default: 5x5 on inputs of 14 to 28 rows)
 //   NHWC 3x3/5x5/7x7 s1/s2, whole 32-bit words of channels, FWD_SMEM >= 1     shared-memory tile
@@ -221,6 +241,8 @@ void launch_forward(const DepthwiseShape& g, DType dt, const void* x, const void
                     cudaStream_t stream) {
   ConvShape s;
   if (!narrow_shape(g, &s)) return forward_generic(g, dt, x, w, bias, y, stream);
+  if (mma_walk_wanted(s, dt, 1) && mma_walk_fits(s, dt, x, y))
+    return forward_nhwc_mma_walk(s, dt, x, w, bias, y, stream);
   if (mma_wanted(s, dt, 1) && mma_fits(s, dt, x, y)) return forward_nhwc_mma(s, dt, x, w, bias, y, stream);
   if (smem_wanted(s, dt, 1) && smem_fits(s, dt, x, y)) return forward_nhwc_smem(s, dt, x, w, bias, y, stream);
   if (k57_nhwc_walk(s, dt, 1) && column_k57_fits(s, dt, x, y))
@@ -362,6 +384,8 @@ void launch_bwd_walk(const DepthwiseShape& g, DType dt, const void* go, const vo
 
 // Input gradient (depthwise_input_grad.cu):
 //   outside narrow_shape's domain                                       generic
+//   NHWC 16-bit 3x3/5x5/7x7 s1, whole 16-byte vectors, FWD_MMA_WALK >= 2   tensor-core walk, kernel rotated
+//     (-1, the default: never)
 //   NHWC 16-bit 3x3/5x5/7x7 s1, whole 16-byte vectors, FWD_MMA >= 2     tensor-core tile, kernel rotated
 //     (-1, the default: 5x5 on inputs of 14 to 28 rows)
 //   NHWC 3x3/5x5/7x7 s1, whole 32-bit words of channels, FWD_SMEM >= 2  shared-memory tile, kernel rotated
@@ -377,6 +401,8 @@ void launch_bwd_walk(const DepthwiseShape& g, DType dt, const void* go, const vo
 void launch_dgrad(const DepthwiseShape& g, DType dt, const void* go, const void* w, void* gx, cudaStream_t stream) {
   ConvShape s;
   if (!narrow_shape(g, &s)) return input_grad_generic(g, dt, go, w, gx, stream);
+  if (mma_walk_wanted(s, dt, 2) && input_grad_mma_walk_fits(s, dt, go, gx))
+    return input_grad_nhwc_mma_walk(s, dt, go, w, gx, stream);
   if (mma_wanted(s, dt, 2) && input_grad_mma_fits(s, dt, go, gx)) return input_grad_nhwc_mma(s, dt, go, w, gx, stream);
   if (smem_wanted(s, dt, 2) && input_grad_smem_fits(s, dt, go, gx))
     return input_grad_nhwc_smem(s, dt, go, w, gx, stream);

@@ -42,6 +42,10 @@ void forward_nhwc_smem(const ConvShape& s, DType dt, const void* x, const void* 
 // shared-memory tile (depthwise_mma.cu).
 void forward_nhwc_mma(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                       cudaStream_t stream);
+// NHWC 3x3, 5x5 or 7x7, stride 1 or 2, 16-bit, C a multiple of 8, 16-byte aligned: tensor-core products of 16
+// pixels x 8 channels, each warp walking down the rows (depthwise_mma_walk.cu).
+void forward_nhwc_mma_walk(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
+                           cudaStream_t stream);
 // NCHW 5x5 or 7x7, stride 1 or 2, 16/32-bit: a lane walks down TW columns carrying partial sums.
 void forward_nchw_column_k57(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                              cudaStream_t stream);
@@ -72,6 +76,9 @@ void input_grad_nhwc_smem(const ConvShape& s, DType dt, const void* grad_out, co
 // NHWC 3x3, 5x5 or 7x7, stride 1, 16-bit: the tensor-core tile with the kernel rotated, on input_grad_as_forward(s).
 void input_grad_nhwc_mma(const ConvShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,
                          cudaStream_t stream);
+// NHWC 3x3, 5x5 or 7x7, stride 1, 16-bit: the tensor-core walk with the kernel rotated, on input_grad_as_forward(s).
+void input_grad_nhwc_mma_walk(const ConvShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,
+                              cudaStream_t stream);
 // NCHW 3x3, stride 1, padding 1, 16-bit: the forward's vector stencil with the kernel rotated.
 bool input_grad_nchw_vec3x3(const ConvShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,
                             cudaStream_t stream);

@@ -53,7 +53,8 @@ int knob(Knob k, DType dt) {
                                       "WGRAD_K57_BLOCKS_PER_SM", "FWD_SMEM", "COLUMN_SECTORS", "DGRAD_COLUMN_ROWS",
                                       "NCHW_COLUMN_K57_PREFETCH", "FWD_COLUMN_K57_PREFETCH", "FWD_COLUMN_PREFETCH",
                                       "S2_WALK_PAIRS", "FWD_MMA", "BWD_WALK", "FWD_RING", "RING_ROWS",
-                                      "RING_BLOCK_ROWS", "BWD_RING", "FWD_RING_NORM"};
+                                      "RING_BLOCK_ROWS", "BWD_RING", "FWD_RING_NORM", "FWD_MMA_WALK",
+                                      "MMA_WALK_ROWS", "MMA_WALK_CH", "MMA_WALK_IMAGES"};
   static const char* suffix[] = {"F32", "F16", "BF16", "F64"};
   static int cache[kKnobs][4];
   const int ki = static_cast<int>(k), di = static_cast<int>(dt);
@@ -98,6 +99,11 @@ int knob(Knob k, DType dt) {
                           // see depthwise_dispatch.cpp)
         {0, 1, 1, 0},     // FWD_RING_NORM (the normalizing forward from the ring: +1.5% fp16 training on the H200;
                           // fp32 not measured)
+        {-1, -1, -1, 0},  // FWD_MMA_WALK (NHWC 16-bit tensor-core walk down the rows; 2: also the stride-1 input
+                          // gradient; -1: by shape, see depthwise_dispatch.cpp; fp32 and fp64 it never takes)
+        {0, 0, 0, 0},     // MMA_WALK_ROWS (that walk's output rows per product; 0: by the row's width)
+        {0, 0, 0, 0},     // MMA_WALK_CH (that walk's 8-channel products per warp; 0: 2 where possible)
+        {0, 0, 0, 0},     // MMA_WALK_IMAGES (that walk's images per warp on rows of <= 8 columns; 0: 4)
     };
     const std::string base = std::string("MDW_") + names[ki];
     int v = env_int(base.c_str(), defaults[ki][di]);
