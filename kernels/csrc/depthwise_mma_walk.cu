@@ -7,18 +7,19 @@
 //   out[m][c] += sum_{j < 2, c' < 8} x[pixel(m) + tap_j][c'] * B[8 j + c'][c],   B[8 j + c'][c] = w[c][tap_j] if c' == c
 // so one m16n8k16 mma.sync does 256 useful multiply-adds (an eighth of its lanes' work) where an FFMA instruction
 // does 32, and takes the 16-bit inputs as they are, with no widening. A kernel row of K taps is (K - 1) / 2 such
-// products and one m16n8k8 for the odd tap. An A row is 8 channels of one NHWC pixel, 16 contiguous bytes, so a
-// lane's A fragment is 32-bit words of the input read straight from global memory: no transposition and no shared
-// memory (the tensor-core tile of depthwise_mma.cu, which transposed its tile into per-channel planes, spent more
-// issue slots on the copies than the products saved).
+// products and one m16n8k8 for the odd tap. An A row is 8 channels of one NHWC pixel, 16 contiguous bytes: one
+// ldmatrix row, so the input needs no transposition (the tensor-core tile of depthwise_mma.cu, which transposed its
+// tile into per-channel planes, spent more issue slots on the copies than the products saved).
 //
 // A warp owns 16 output pixels (P = 1: 16 columns of one row; P = 2, for rows of at most 8 columns: 8 columns of
-// two rows) x 8 * CH channels of one image, and walks down the rows: each input row's words are loaded once per lane
-// and enter the products of every open output row they reach, kernel row kh = the row's offset in that output's
-// window, the fp32 sums of the (K - 1) / (P * S) + 1 open rows held in C fragments (the column walk of
-// stencil_column_k57.cuh turned by 90 degrees). CH = 2 gives a lane 64-bit words, channels 4t .. 4t + 3 of a
-// 16-channel group, whose halves feed two products (channels {4i, 4i + 1} and {4i + 2, 4i + 3}): a warp's load of a
-// pixel is then one whole 32-byte sector.
+// two rows) x 8 * CH channels of one image, and walks down the rows. It copies each input row its pixels read (with
+// the halo) once, by cp.async, into a ring of its own in shared memory, two steps before the products use it (no
+// block barrier: cp.async.wait_group and __syncwarp); the row's A fragments, read by ldmatrix, enter the products of
+// every open output row they reach, kernel row kh = the row's offset in that output's window, the fp32 sums of the
+// (K - 1) / (P * S) + 1 open rows held in C fragments (the column walk of stencil_column_k57.cuh turned by 90
+// degrees). CH = 2: two products per pixel, channels 0-7 and 8-15 of a 16-channel group, so that a row's copy moves
+// whole 32-byte sectors. Copy, read and store offsets are running sums: recomputing 64-bit addresses each step cost
+// more issue slots than the products (docs/kernels.md, "The tensor-core walk").
 //
 // Zero weights multiply the other channels of a group: a NaN or an infinity in the input makes NaN in the outputs of
 // the other channels of its group that it reaches (0 x inf), where F.conv2d keeps it to its own channel. Finite
@@ -334,9 +335,10 @@ __global__ void __launch_bounds__(kWalkThreads)
 }
 
 // P: two rows of 8 columns per product where a row has at most 8 output columns (MMA_WALK_ROWS = 1 or 2 forces it).
-// CH: 16-channel groups (64-bit loads, whole sectors) where C allows and the weights fit (K <= 5), MMA_WALK_CH = 1 or
-// 2 forces it (2 only where it is possible). Row segments: as few as give every SM 32 warps, each at least 4 tiles
-// past the NO - 1 steps it repeats.
+// CH: 16-channel groups (two products per pixel, whole sectors per copy) where C allows and the weights fit in
+// registers (K <= 5), MMA_WALK_CH = 1 or 2 forces it (2 only where it is possible). Images per warp: 4 when P = 2
+// (MMA_WALK_IMAGES; those walks are short, and the weights are loaded once for all). Row segments: as few as give
+// every SM 32 warps, each at least 4 tiles past the NO - 1 steps it repeats.
 template <class TT, int K, int S, int P, int CH, bool FLIP>
 void launch_mma_walk_shape(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                            cudaStream_t stream) {
