@@ -47,7 +47,8 @@ void reload_knobs() {
 }
 
 int knob(Knob k, DType dt) {
-  static const char* names[kKnobs] = {"GROUP_FASTEST", "IMAGES", "WGRAD_BLOCKS_PER_SM", "NCHW_ROWS", "WGRAD_COLUMN",
+  // Unsized, so that the static_asserts below catch a knob added to the enum without its name or default.
+  static const char* names[] = {"GROUP_FASTEST", "IMAGES", "WGRAD_BLOCKS_PER_SM", "NCHW_ROWS", "WGRAD_COLUMN",
                                       "FWD_COLUMN",    "FWD_COLUMN_ROWS", "COLUMN_REVERSE", "FWD_COLUMN_DEEP",
                                       "FWD_COLUMN_K57", "NCHW_COLUMN_K57", "WGRAD_COLUMN_K57",
                                       "WGRAD_K57_BLOCKS_PER_SM", "FWD_SMEM", "COLUMN_SECTORS", "DGRAD_COLUMN_ROWS",
@@ -55,12 +56,13 @@ int knob(Knob k, DType dt) {
                                       "S2_WALK_PAIRS", "FWD_MMA", "BWD_WALK", "FWD_RING", "RING_ROWS",
                                       "RING_BLOCK_ROWS", "BWD_RING", "FWD_RING_NORM", "FWD_MMA_WALK",
                                       "MMA_WALK_ROWS", "MMA_WALK_CH", "MMA_WALK_IMAGES"};
+  static_assert(sizeof(names) / sizeof(names[0]) == kKnobs, "one MDW_ name per launch knob (launch_plan.h)");
   static const char* suffix[] = {"F32", "F16", "BF16", "F64"};
   static int cache[kKnobs][4];
   const int ki = static_cast<int>(k), di = static_cast<int>(dt);
   if (!knob_ready[ki][di]) {
     // Defaults picked by the H200 sweeps of docs/kernel_notes.md, per dtype {F32, F16, BF16, F64}.
-    static const int defaults[kKnobs][4] = {
+    static const int defaults[][4] = {
         {1, 1, 1, 1},     // GROUP_FASTEST
         {0, -6, -6, 0},   // IMAGES (0: auto, 16 blocks/SM; -6: auto, 6 blocks/SM)
         {8, 4, 4, 8},     // WGRAD_BLOCKS_PER_SM (NHWC)
@@ -105,6 +107,8 @@ int knob(Knob k, DType dt) {
         {0, 0, 0, 0},     // MMA_WALK_CH (that walk's 8-channel products per warp; 0: 2 where possible)
         {0, 0, 0, 0},     // MMA_WALK_IMAGES (that walk's images per warp on rows of <= 8 columns; 0: 4)
     };
+    static_assert(sizeof(defaults) / sizeof(defaults[0]) == kKnobs,
+                  "one row of defaults per launch knob (launch_plan.h)");
     const std::string base = std::string("MDW_") + names[ki];
     int v = env_int(base.c_str(), defaults[ki][di]);
     v = env_int((base + "_" + suffix[di]).c_str(), v);
