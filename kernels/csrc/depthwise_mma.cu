@@ -25,11 +25,11 @@
 #include <c10/cuda/CUDAException.h>
 
 #include <atomic>
-#include <type_traits>
 
 #include "depthwise_launchers.h"
 #include "device_common.h"
 #include "launch_plan.h"
+#include "mma_sync.cuh"
 
 namespace mdw {
 namespace {
@@ -53,26 +53,6 @@ struct MmaTile {
   int tiles_h, tiles_w, img_blocks;
   size_t smem;     // bytes (mma_smem_bytes)
 };
-
-template <class TT>
-__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  if constexpr (std::is_same<TT, F16T>::value) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&a)[4], unsigned addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
-               : "r"(addr)
-               : "memory");
-}
 
 // The 16-bit halves of two words: lo halves (sel 0x5410) or hi halves (0x7632), the first word's in the low half.
 __device__ __forceinline__ uint32_t halves(uint32_t a, uint32_t b, unsigned sel) {

@@ -4,7 +4,7 @@
 // A depthwise convolution sums over no channel, yet one tensor-core product can carry it when the channels are its
 // N dimension and the taps part of its K dimension. With M = 16 output pixels, N = 8 channels and K = two taps x the
 // same 8 channels, B holds the two taps' weights on its two diagonals and zeros elsewhere:
-//   out[m][c] += sum_{j < 2, c' < 8} x[pixel(m) + tap_j][c'] * B[8 j + c'][c],   B[8 j + c'][c] = w[c][tap_j] if c' == c
+//   out[m][c] += sum_{j < 2, c' < 8} x[pixel(m) + tap_j][c'] * B[8 j + c'][c],  B[8 j + c'][c] = w[c][tap_j] if c' == c
 // so one m16n8k16 mma.sync does 256 useful multiply-adds (an eighth of its lanes' work) where an FFMA instruction
 // does 32, and takes the 16-bit inputs as they are, with no widening. A kernel row of K taps is (K - 1) / 2 such
 // products and one m16n8k8 for the odd tap. An A row is 8 channels of one NHWC pixel, 16 contiguous bytes: one
@@ -25,8 +25,6 @@
 // the other channels of its group that it reaches (0 x inf), where F.conv2d keeps it to its own channel. Finite
 // inputs give the exact products summed in fp32 (in the tensor core's order); deterministic.
 #include <c10/cuda/CUDAException.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 
 #include <algorithm>
 #include <type_traits>
@@ -34,6 +32,7 @@
 #include "depthwise_launchers.h"
 #include "device_common.h"
 #include "launch_plan.h"
+#include "mma_sync.cuh"
 
 namespace mdw {
 namespace {
@@ -49,45 +48,6 @@ struct MmaWalkPlan {
   int images;       // images per warp, walked one after the other with the same weights in registers
   long long warps;  // ceil(N / images) * colsegs * segs * groups
 };
-
-template <class TT>
-__device__ __forceinline__ void mma_k16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                        uint32_t b0, uint32_t b1) {
-  if constexpr (std::is_same<TT, F16T>::value) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  } else {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
-}
-
-template <class TT>
-__device__ __forceinline__ void mma_k8(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t b0) {
-  if constexpr (std::is_same<TT, F16T>::value) {
-    asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(b0));
-  } else {
-    asm("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(b0));
-  }
-}
-
-// Two fp32 values to one word of two 16-bit elements, each rounded to nearest (one F2FP instruction).
-template <class TT>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  if constexpr (std::is_same<TT, F16T>::value) {
-    const __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&h);
-  } else {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&h);
-  }
-}
 
 // What a warp keeps in shared memory: a ring of input rows, each the span of input pixels its 16 / P output columns
 // read (with the halo), as CH planes of 16-byte pixels (8 channels each: one ldmatrix row), filled by cp.async
@@ -105,22 +65,6 @@ struct WalkRing {
   static constexpr int kChunks = kPixels * CH;  // 16-byte copies per row
   static constexpr int kChunksPerLane = (kChunks + 31) / 32;
 };
-
-__device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, bool in) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(in ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&a)[4], unsigned addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void ldmatrix_x2(uint32_t (&a)[2], unsigned addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];" : "=r"(a[0]), "=r"(a[1]) : "r"(addr));
-}
 
 // FLIP: the kernel rotated 180 degrees, no bias and no activation (the stride-1 input gradient on
 // input_grad_as_forward's shape, grad_out as the input). ACT: s.act is not kActNone (without it, no instruction of
@@ -192,7 +136,7 @@ __global__ void __launch_bounds__(kWalkThreads)
     long long cp_off[Ring::kChunksPerLane];
     unsigned chunk_dst[Ring::kChunksPerLane];
     unsigned chunk_in = 0;  // bit i: chunk i is a copy (inside the row's columns); else zeros
-  #pragma unroll
+#pragma unroll
     for (int i = 0; i < Ring::kChunksPerLane; ++i) {
       const int c = lane + 32 * i;
       const int px = c / CH, h = c % CH;
@@ -205,11 +149,11 @@ __global__ void __launch_bounds__(kWalkThreads)
     auto copy_next_row = [&]() {
       const bool row_in = static_cast<unsigned>(cp_ih) < static_cast<unsigned>(s.H);
       const unsigned dst = ring + static_cast<unsigned>(cp_slot * Ring::kRowBytes);
-  #pragma unroll
+#pragma unroll
       for (int i = 0; i < Ring::kChunksPerLane; ++i) {
         if (Ring::kChunks % 32 == 0 || i + 1 < Ring::kChunksPerLane || lane + 32 * i < Ring::kChunks) {
           const bool in = row_in && (chunk_in >> i & 1u);
-          cp_async_16(dst + chunk_dst[i], in ? xn + cp_off[i] : xn, in);
+          cp_async16(dst + chunk_dst[i], in ? xn + cp_off[i] : xn, in);
         }
         cp_off[i] += row_elems;
       }
@@ -218,7 +162,7 @@ __global__ void __launch_bounds__(kWalkThreads)
     };
     auto copy_step = [&](int tt) {
       if (tt < t_end) {
-  #pragma unroll
+#pragma unroll
         for (int d = 0; d < SS; ++d) copy_next_row();
       }
       cp_async_commit();
@@ -234,29 +178,29 @@ __global__ void __launch_bounds__(kWalkThreads)
 
     float acc[NO][CH][4];
     auto reset = [&](float (&a)[CH][4]) {
-  #pragma unroll
+#pragma unroll
       for (int h = 0; h < CH; ++h) {
         a[h][0] = a[h][2] = bias_v[h][0];
         a[h][1] = a[h][3] = bias_v[h][1];
       }
     };
-  #pragma unroll
+#pragma unroll
     for (int j = 0; j < NO; ++j) reset(acc[j]);
 
     // One kernel row's products for one open output row, the A fragments at lane address `at` (plane 0, tap 0).
     auto kernel_row = [&](float (&a)[CH][4], unsigned at, int kh) {
-  #pragma unroll
+#pragma unroll
       for (int h = 0; h < CH; ++h) {
         const unsigned ph = at + h * Ring::kPlaneBytes;
-  #pragma unroll
+#pragma unroll
         for (int kw = 0; kw + 1 < K; kw += 2) {
           uint32_t fa[4];
           ldmatrix_x4(fa, ph + kw * 16);
-          mma_k16<TT>(a[h], fa[0], fa[1], fa[2], fa[3], b[h][kh * K + kw], b[h][kh * K + kw + 1]);
+          mma_16816<TT>(a[h], fa, b[h][kh * K + kw], b[h][kh * K + kw + 1]);
         }
         uint32_t fa[2];
         ldmatrix_x2(fa, ph + (K - 1) * 16);
-        mma_k8<TT>(a[h], fa[0], fa[1], b[h][kh * K + K - 1]);
+        mma_1688<TT>(a[h], fa, b[h][kh * K + K - 1]);
       }
     };
 
@@ -270,34 +214,34 @@ __global__ void __launch_bounds__(kWalkThreads)
     const bool col_ok1 = P == 1 ? ow0 + g + 8 < s.OW : col_ok0;
     long long st_off = t_first * tile_words + static_cast<long long>(ow0 + g) * words + cb / 2 + t;
     auto store = [&](int tt, const float (&a)[CH][4]) {
-  #pragma unroll
+#pragma unroll
       for (int half = 0; half < 2; ++half) {
         const bool ok = half == 0 ? col_ok0 : (col_ok1 && (P == 1 || 2 * tt + 1 < s.OH));
         if (!ok) continue;
         uint32_t* yp = yn + st_off + (half ? half_words : 0);
-  #pragma unroll
+#pragma unroll
         for (int h = 0; h < CH; ++h) {
-          float lo = a[h][2 * half], hi = a[h][2 * half + 1];
+          float v[2] = {a[h][2 * half], a[h][2 * half + 1]};
           if constexpr (ACT) {
-            lo = activate(lo, s.act);
-            hi = activate(hi, s.act);
+            v[0] = activate(v[0], s.act);
+            v[1] = activate(v[1], s.act);
           }
-          store_global(yp + 4 * h, pack2<TT>(lo, hi));
+          store_global(yp + 4 * h, narrow_word<TT, 2>(v));
         }
       }
     };
 
     if constexpr (kLead > 0) {
-  #pragma unroll
+#pragma unroll
       for (int d = 0; d < kLead; ++d) copy_next_row();
     }
-  #pragma unroll
+#pragma unroll
     for (int a = 0; a < Ring::kAhead; ++a) copy_step(t_first + a);
 
     int rd_slot = kLead;  // the ring slot of this step's first row
     int rd_ih = step_ih0;  // and its row
     for (int t0 = t_first; t0 < t_end; t0 += NO) {
-  #pragma unroll
+#pragma unroll
       for (int u = 0; u < NO; ++u) {
         const int tt = t0 + u;
         if (tt < t_end) {
@@ -305,7 +249,7 @@ __global__ void __launch_bounds__(kWalkThreads)
           copy_step(tt + Ring::kAhead);
           cp_async_wait<Ring::kAhead>();
           __syncwarp();  // and every lane's copies of this step's rows have landed
-  #pragma unroll
+#pragma unroll
           for (int d = 0; d < SS; ++d) {
             const int ih = rd_ih + d;
             // A row of zeros adds nothing: skip the products (uniform across the warp).
@@ -314,7 +258,7 @@ __global__ void __launch_bounds__(kWalkThreads)
             if (!any) continue;
             const int slot = (rd_slot + d - lane_back) & (Ring::kSlots - 1);
             const unsigned at = ring + static_cast<unsigned>(slot * Ring::kRowBytes) + lane_px_off;
-  #pragma unroll
+#pragma unroll
             for (int j = 0; j < NO; ++j) {
               const int kh = K - SS + d - j * SS;
               if (kh < 0 || kh >= K) continue;
@@ -412,7 +356,7 @@ template <bool FLIP>
 void launch_mma_walk(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                      cudaStream_t stream) {
   if (dt == DType::F16) launch_mma_walk_tt<F16T, FLIP>(s, dt, x, w, bias, y, stream);
-  else launch_mma_walk_tt<BF16T, FLIP>(s, dt, x, w, bias, y, stream);  // mma_walk_fits admits only 16-bit types
+  else launch_mma_walk_tt<BF16T, FLIP>(s, dt, x, w, bias, y, stream);  // tensor_core_fits admits only 16-bit types
 }
 
 }  // namespace

@@ -46,11 +46,6 @@ __device__ __forceinline__ void cp_async4(uint32_t* dst, const uint32_t* src, bo
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(d), "l"(src), "r"(valid ? 4 : 0));
 }
 
-__device__ __forceinline__ void cp_async16(uint32_t* dst, const uint32_t* src, bool valid) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(valid ? 16 : 0));
-}
-
 // FLIP: the kernel rotated 180 degrees, no bias, no activation (the stride-1 input gradient run on
 // input_grad_as_forward's shape).
 // 3 blocks of 256 per SM: up to 85 registers (the 16-bit stride-1 segments hold 2 x 8 x 2 fp32 sums next to the
@@ -97,7 +92,7 @@ __global__ void __launch_bounds__(256, 3)
         const uint32_t* src = valid ? xn + (static_cast<size_t>(gh) * s.W + gw) * t.words + q * unit : x;
         uint32_t* dst = tile + r * t.rs + c * t.cw + q * unit;
         if (t.vec4) {
-          cp_async16(dst, src, valid);
+          cp_async16(static_cast<unsigned>(__cvta_generic_to_shared(dst)), src, valid);
         } else {
           cp_async4(dst, src, valid);
         }
@@ -109,7 +104,7 @@ __global__ void __launch_bounds__(256, 3)
       }
     }
   }
-  asm volatile("cp.async.commit_group;" ::: "memory");
+  cp_async_commit();
   // The weights, widened once: wsm[k][c][v] for tap k (rotated for FLIP) of channel (g0 + c) * V + v.
   for (int i = threadIdx.x; i < KK * t.cw; i += blockDim.x) {
     const int k = i / t.cw, c = i - k * t.cw;

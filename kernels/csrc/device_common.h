@@ -85,6 +85,18 @@ __device__ __forceinline__ void widen(const Pack<typename TT::S, V>& pk, float (
   }
 }
 
+// cp.async: 16 bytes from global memory to shared memory (`dst`, a shared-space address) through L2 only; zeros,
+// and nothing read, where !valid. cp_async_commit closes a group of them, cp_async_wait<N> waits until at most N
+// groups are in flight.
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
 // A plain global store (STG) through a pointer the compiler cannot see into (the walks keep their output pointers
 // opaque with an empty asm): a C++ store would be a generic one (ST.E).
 __device__ __forceinline__ void store_global(uint32_t* p, uint32_t v) {
@@ -152,10 +164,10 @@ __device__ __forceinline__ void column_window_step(const float (&wr)[9][V], cons
 }
 
 // grad_input at input column iw of a stride-1 padding-1 3x3 input-row walk: the rotated kernel's taps in row-major
-// order, that is grad_out row ih + 1 - kh for kh = 2, 1, 0, and in each row the columns iw - 1, iw, iw + 1 (held[kh][1],
-// held[kh][0], fresh[kh]), the order of the rotated-kernel column walk (stencil_3x3.cuh, FLIP). The input-row walk
-// (depthwise_weight_grad.cu) and the backward ring (depthwise_ring.cu) share it so that their input gradients are the
-// same bits.
+// order, that is grad_out row ih + 1 - kh for kh = 2, 1, 0, and in each row the columns iw - 1, iw, iw + 1
+// (held[kh][1], held[kh][0], fresh[kh]), the order of the rotated-kernel column walk (stencil_3x3.cuh, FLIP). The
+// input-row walk (depthwise_weight_grad.cu) and the backward ring (depthwise_ring.cu) share it so that their input
+// gradients are the same bits.
 template <int V>
 __device__ __forceinline__ void input_row_grad(const float (&wr)[9][V], const float (&held)[3][2][V],
                                                const float (&fresh)[3][V], float (&d)[V]) {
