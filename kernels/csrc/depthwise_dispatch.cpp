@@ -96,14 +96,20 @@ bool smem_wanted(const ConvShape& s, DType dt, int level) {
   return k5_16bit && s.H <= 28 && (level == 2 || s.H >= 14);
 }
 
-// The tensor-core tile (depthwise_mma.cu): the NHWC tiled kernels' cases (square 3x3/5x5/7x7, dilation 1, whole
-// 16-byte vectors of channels, both tensors aligned to one) in 16-bit at stride 1.
-bool mma_fits(const ConvShape& s, DType dt, const void* in, const void* out) {
-  return (dt == DType::F16 || dt == DType::BF16) && s.channels_last && s.SH == 1 && tiled_fits(s, dt, in, out, 8);
+// The tensor-core kernels (the walk, depthwise_mma_walk.cu, and the tile, depthwise_mma.cu): the NHWC tiled kernels'
+// cases (square 3x3/5x5/7x7, equal strides 1 or 2, dilation 1, whole 16-byte vectors of channels, both tensors
+// aligned to one) in 16-bit. The walk takes them all, the tile stride 1 only (mma_fits).
+bool tensor_core_fits(const ConvShape& s, DType dt, const void* in, const void* out) {
+  return (dt == DType::F16 || dt == DType::BF16) && s.channels_last && tiled_fits(s, dt, in, out, 8);
 }
 
-bool input_grad_mma_fits(const ConvShape& s, DType dt, const void* grad_out, const void* grad_input) {
-  return input_grad_as_forward_fits(s) && mma_fits(input_grad_as_forward(s), dt, grad_out, grad_input);
+bool mma_fits(const ConvShape& s, DType dt, const void* in, const void* out) {
+  return s.SH == 1 && tensor_core_fits(s, dt, in, out);
+}
+
+// Either on input_grad_as_forward(s), a stride-1 shape.
+bool input_grad_tensor_core_fits(const ConvShape& s, DType dt, const void* grad_out, const void* grad_input) {
+  return input_grad_as_forward_fits(s) && tensor_core_fits(input_grad_as_forward(s), dt, grad_out, grad_input);
 }
 
 // FWD_MMA: 1 the forward, 2 the stride-1 input gradient too, 0 neither; -1 (the default) by shape, as the H200
@@ -114,16 +120,6 @@ bool mma_wanted(const ConvShape& s, DType dt, int level) {
   const int v = knob(Knob::kFwdMma, dt);
   if (v >= 0) return v >= level;
   return s.KH == 5 && s.H >= 14 && s.H <= 28;
-}
-
-// The tensor-core walk (depthwise_mma_walk.cu): the NHWC tiled kernels' cases (square 3x3/5x5/7x7, equal strides 1
-// or 2, dilation 1, whole 16-byte vectors of channels, both tensors aligned to one) in 16-bit.
-bool mma_walk_fits(const ConvShape& s, DType dt, const void* in, const void* out) {
-  return (dt == DType::F16 || dt == DType::BF16) && s.channels_last && tiled_fits(s, dt, in, out, 8);
-}
-
-bool input_grad_mma_walk_fits(const ConvShape& s, DType dt, const void* grad_out, const void* grad_input) {
-  return input_grad_as_forward_fits(s) && mma_walk_fits(input_grad_as_forward(s), dt, grad_out, grad_input);
 }
 
 // FWD_MMA_WALK: 1 the forward, 2 the stride-1 input gradient too, 0 neither; -1 (the default) by shape: the forward
@@ -241,7 +237,7 @@ void launch_forward(const DepthwiseShape& g, DType dt, const void* x, const void
                     cudaStream_t stream) {
   ConvShape s;
   if (!narrow_shape(g, &s)) return forward_generic(g, dt, x, w, bias, y, stream);
-  if (mma_walk_wanted(s, dt, 1) && mma_walk_fits(s, dt, x, y))
+  if (mma_walk_wanted(s, dt, 1) && tensor_core_fits(s, dt, x, y))
     return forward_nhwc_mma_walk(s, dt, x, w, bias, y, stream);
   if (mma_wanted(s, dt, 1) && mma_fits(s, dt, x, y)) return forward_nhwc_mma(s, dt, x, w, bias, y, stream);
   if (smem_wanted(s, dt, 1) && smem_fits(s, dt, x, y)) return forward_nhwc_smem(s, dt, x, w, bias, y, stream);
@@ -287,7 +283,8 @@ void launch_forward_normed(const DepthwiseShape& g, DType dt, const void* y, con
   ConvShape s;
   if (!narrow_shape(g, &s)) return;
   // FWD_RING_NORM = 1 (the 16-bit default; launch_plan.cpp): the ring where the plain forward would take it.
-  if (knob(Knob::kFwdRingNorm, dt) == 1 && ring_wanted(s, dt) && forward_nhwc_ring_normed(s, dt, y, w, norm, out, stream))
+  if (knob(Knob::kFwdRingNorm, dt) == 1 && ring_wanted(s, dt) &&
+      forward_nhwc_ring_normed(s, dt, y, w, norm, out, stream))
     return;
   forward_nhwc_column_normed(s, dt, y, w, norm, out, stream);
 }
@@ -401,9 +398,10 @@ void launch_bwd_walk(const DepthwiseShape& g, DType dt, const void* go, const vo
 void launch_dgrad(const DepthwiseShape& g, DType dt, const void* go, const void* w, void* gx, cudaStream_t stream) {
   ConvShape s;
   if (!narrow_shape(g, &s)) return input_grad_generic(g, dt, go, w, gx, stream);
-  if (mma_walk_wanted(s, dt, 2) && input_grad_mma_walk_fits(s, dt, go, gx))
+  if (mma_walk_wanted(s, dt, 2) && input_grad_tensor_core_fits(s, dt, go, gx))
     return input_grad_nhwc_mma_walk(s, dt, go, w, gx, stream);
-  if (mma_wanted(s, dt, 2) && input_grad_mma_fits(s, dt, go, gx)) return input_grad_nhwc_mma(s, dt, go, w, gx, stream);
+  if (mma_wanted(s, dt, 2) && input_grad_tensor_core_fits(s, dt, go, gx))
+    return input_grad_nhwc_mma(s, dt, go, w, gx, stream);
   if (smem_wanted(s, dt, 2) && input_grad_smem_fits(s, dt, go, gx))
     return input_grad_nhwc_smem(s, dt, go, w, gx, stream);
   if (k57_nhwc_walk(s, dt, 2) && input_grad_column_k57_fits(s, dt, go, gx))

@@ -49,13 +49,13 @@ void reload_knobs() {
 int knob(Knob k, DType dt) {
   // Unsized, so that the static_asserts below catch a knob added to the enum without its name or default.
   static const char* names[] = {"GROUP_FASTEST", "IMAGES", "WGRAD_BLOCKS_PER_SM", "NCHW_ROWS", "WGRAD_COLUMN",
-                                      "FWD_COLUMN",    "FWD_COLUMN_ROWS", "COLUMN_REVERSE", "FWD_COLUMN_DEEP",
-                                      "FWD_COLUMN_K57", "NCHW_COLUMN_K57", "WGRAD_COLUMN_K57",
-                                      "WGRAD_K57_BLOCKS_PER_SM", "FWD_SMEM", "COLUMN_SECTORS", "DGRAD_COLUMN_ROWS",
-                                      "NCHW_COLUMN_K57_PREFETCH", "FWD_COLUMN_K57_PREFETCH", "FWD_COLUMN_PREFETCH",
-                                      "S2_WALK_PAIRS", "FWD_MMA", "BWD_WALK", "FWD_RING", "RING_ROWS",
-                                      "RING_BLOCK_ROWS", "BWD_RING", "FWD_RING_NORM", "FWD_MMA_WALK",
-                                      "MMA_WALK_ROWS", "MMA_WALK_CH", "MMA_WALK_IMAGES"};
+                                "FWD_COLUMN",    "FWD_COLUMN_ROWS", "COLUMN_REVERSE", "FWD_COLUMN_DEEP",
+                                "FWD_COLUMN_K57", "NCHW_COLUMN_K57", "WGRAD_COLUMN_K57",
+                                "WGRAD_K57_BLOCKS_PER_SM", "FWD_SMEM", "COLUMN_SECTORS", "DGRAD_COLUMN_ROWS",
+                                "NCHW_COLUMN_K57_PREFETCH", "FWD_COLUMN_K57_PREFETCH", "FWD_COLUMN_PREFETCH",
+                                "S2_WALK_PAIRS", "FWD_MMA", "BWD_WALK", "FWD_RING", "RING_ROWS",
+                                "RING_BLOCK_ROWS", "BWD_RING", "FWD_RING_NORM", "FWD_MMA_WALK",
+                                "MMA_WALK_ROWS", "MMA_WALK_CH", "MMA_WALK_IMAGES"};
   static_assert(sizeof(names) / sizeof(names[0]) == kKnobs, "one MDW_ name per launch knob (launch_plan.h)");
   static const char* suffix[] = {"F32", "F16", "BF16", "F64"};
   static int cache[kKnobs][4];

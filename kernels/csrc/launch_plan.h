@@ -183,7 +183,8 @@ enum class Knob {
   kFwdMmaWalk,    // NHWC 16-bit forward on the tensor cores walking down the rows (depthwise_mma_walk.cu): forward
                   // (1), and the stride-1 input gradient too (2); 0: off; -1: by shape (depthwise_dispatch.cpp)
   kMmaWalkRows,   // that walk's output rows per product: 1 (16 columns) or 2 (8 columns); 0: 2 on rows of <= 8 columns
-  kMmaWalkCh,     // that walk's channels per warp: 1 (8) or 2 (16, 64-bit loads); 0: 16 where C and K <= 5 allow
+  kMmaWalkCh,     // that walk's channels per warp: 1 (8) or 2 (16, two products per pixel); 0: 16 where C and
+                  // K <= 5 allow
   kMmaWalkImages, // that walk's images per warp on rows of <= 8 columns (the weights loaded once for them); 0: 4
   kCount
 };
