@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from mobilenet.depthwise import BackendUnavailable, DepthwiseConv2d, available_backends, get_backend
+from test_kernels import _profiled
 
 
 def test_registry_lists_the_three_backends():
@@ -68,17 +69,12 @@ def test_cudnn_backend_matches_float64_reference(dtype, channels_last, stride):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, channels_last", CASES)
 def test_cudnn_backend_runs_cudnn_kernels_not_the_native_ones(dtype, channels_last):
-    from torch.profiler import ProfilerActivity, profile
-
     dev = torch.device("cuda")
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     x = torch.randn(8, 64, 28, 28, device=dev, dtype=dtype).contiguous(memory_format=fmt).requires_grad_()
     w = torch.randn(64, 1, 3, 3, device=dev, dtype=dtype, requires_grad=True)
     conv = get_backend("cudnn").conv2d
     conv(x, w, None, (1, 1), (1, 1), (1, 1)).sum().backward()  # warm-up outside the trace
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        conv(x, w, None, (1, 1), (1, 1), (1, 1)).sum().backward()
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+    _, names = _profiled(lambda: conv(x, w, None, (1, 1), (1, 1), (1, 1)).sum().backward())
     assert not [n for n in names if "conv_depthwise2d" in n], names
     assert any(("cudnn" in n.lower() or "xmma" in n.lower() or "sm90" in n.lower() or "conv" in n.lower()) for n in names), names

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from test_kernels import _make_input, _poison_allocator, _rel, cuda
+from test_kernels import _make_input, _poison_allocator, _profiled, _rel, cuda
 
 TOL = {torch.float16: 1e-2, torch.bfloat16: 1e-2}
 
@@ -30,12 +30,7 @@ def mma(set_knobs):
 
 def _kernels_named(fn, name: str) -> list[str]:
     """The CUDA kernels whose name contains `name` that fn() launches, as the profiler reports them."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and name in e.name]
+    return [n for n in _profiled(fn)[1] if name in n]
 
 
 def _mma_kernels(fn) -> list[str]:

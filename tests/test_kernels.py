@@ -90,6 +90,17 @@ def _rel(out, ref):
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
+def _profiled(fn):
+    """fn()'s result, and the names of the CUDA kernels it launched as the profiler reports them (device synchronized
+    before the profile closes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = fn()
+        torch.cuda.synchronize()
+    return out, [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
 def _poison_allocator(nbytes: int):
     """Fill freed allocator blocks with NaN bytes so that an output element the kernels never write
     shows up as NaN (every output of the op comes from the caching allocator)."""
@@ -236,16 +247,15 @@ def _kernels_of_passes(dw, cases, size: int = 20, weight_grad: bool = True) -> l
     """The CUDA kernels a forward and both gradients (the input's alone without `weight_grad`) run, for each
     (dtype, k, layout) on a 2 x 16 x size x size input with 'same' padding at stride 1, by name as the profiler
     reports them."""
-    from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    def passes():
         for dtype, k, layout in cases:
             x = _make_input(2, 16, size, size, dtype, layout, None).requires_grad_()
             w = torch.randn(16, 1, k, k, device="cuda", dtype=dtype, requires_grad=weight_grad)
             y = dw(x, w, None, 1, k // 2, 1)
             torch.autograd.grad(y, (x, w) if weight_grad else (x,), torch.ones_like(y))
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+    return _profiled(passes)[1]
 
 
 @pytest.mark.gpu
@@ -362,18 +372,13 @@ def test_large_kernel_passes_run_the_kernels_the_column_knobs_pick(dw):
 @cuda
 def test_reload_knobs_makes_the_kernels_read_a_changed_environment(dw, monkeypatch):
     # What bench_depthwise.py --ab relies on: knob() keeps what it read until reload_knobs.
-    from torch.profiler import ProfilerActivity, profile
-
     x = torch.randn(2, 16, 20, 20, device="cuda").contiguous(memory_format=torch.channels_last)
     w = torch.randn(16, 1, 7, 7, device="cuda")
 
     def walks_with(value):
         monkeypatch.setenv("MDW_FWD_COLUMN_K57", value)
         torch.ops.mobilenet_dw.reload_knobs()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            dw(x, w, None, 1, 3, 1)
-            torch.cuda.synchronize()
-        return any("fwd_nhwc_column_k_kernel" in e.name for e in prof.events())
+        return any("fwd_nhwc_column_k_kernel" in n for n in _profiled(lambda: dw(x, w, None, 1, 3, 1))[1])
 
     try:
         assert walks_with("1") and not walks_with("0") and walks_with("1")
@@ -450,8 +455,6 @@ def test_backward_walk_against_float64_and_the_two_kernels(dw, dtype, set_knobs)
     # and widths, one row, one image; then against the two kernels it replaces (BWD_WALK=0): at stride 1 grad_input
     # bit for bit (the same tap order), at stride 2 to its summation order, and the weight's and bias's gradients to
     # theirs.
-    from torch.profiler import ProfilerActivity, profile
-
     gen = torch.Generator(device="cuda").manual_seed(random.randrange(1 << 30))
     shapes = [(4, 32, 28, 28), (2, 6, 15, 57), (3, 34, 7, 9), (1, 144, 14, 14), (2, 2, 1, 70), (1, 96, 30, 3)]
     set_knobs(BWD_WALK=2, BWD_RING=0)  # the walk itself, not the rings that replace it where they are wanted
@@ -468,10 +471,10 @@ def test_backward_walk_against_float64_and_the_two_kernels(dw, dtype, set_knobs)
             y = dw(x, wt, b, stride, 1, 1)
             go = torch.randn(y.shape, device="cuda", dtype=dtype,
                              generator=torch.Generator(device="cuda").manual_seed(stride))
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                out.append(torch.autograd.grad(y, (x, wt, b), go.contiguous(memory_format=torch.channels_last)))
-                torch.cuda.synchronize()
-            names.append([e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA])
+            g, kernels = _profiled(lambda: torch.autograd.grad(y, (x, wt, b), go.contiguous(
+                memory_format=torch.channels_last)))
+            out.append(g)
+            names.append(kernels)
         return out, names
 
     walk, walk_names = grads()
@@ -521,8 +524,6 @@ def test_ring_forward_against_float64_and_the_column_walk(dw, dtype, set_knobs):
     # two output rows per lane, blocks of 3 or 5 rows (halo rows read by two blocks of an image, a ring that wraps
     # many times) and of whole images, strides 1 and 2, padding 0-2, bias, 4-256 channel words (48: a block with
     # idle lanes), widths that are no multiple of the unroll or the segments, one row.
-    from torch.profiler import ProfilerActivity, profile
-
     gen = torch.Generator(device="cuda").manual_seed(random.randrange(1 << 30))
     cases = []
     for x, wt, b in _ring_operands(dtype, gen):
@@ -542,10 +543,7 @@ def test_ring_forward_against_float64_and_the_column_walk(dw, dtype, set_knobs):
     ring = {}
     for rows, block_rows in ((1, 3), (2, 3), (1, 0), (2, 0), (2, 5)):
         set_knobs(FWD_RING=1, RING_ROWS=rows, RING_BLOCK_ROWS=block_rows)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            ring[rows, block_rows] = forwards()
-            torch.cuda.synchronize()
-        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        ring[rows, block_rows], names = _profiled(forwards)
         assert sum("fwd_nhwc_ring_kernel" in n for n in names) == len(cases), (rows, block_rows)
         assert not [n for n in names if "fwd_nhwc_column_kernel" in n], (rows, block_rows)
     set_knobs(FWD_RING=0)
@@ -567,8 +565,6 @@ def test_backward_ring_against_float64_and_the_walk(dw, dtype, set_knobs):
     # float64 with poisoned outputs (bias too), then against the input-row walk it replaces (BWD_RING=0): grad_input
     # bit for bit (the same tap order), the weight's and bias's gradients to their summation order; blocks of 3 rows
     # (halo rows read by two blocks) and of whole images, 4-256 channel words, widths no multiple of the unroll.
-    from torch.profiler import ProfilerActivity, profile
-
     gen = torch.Generator(device="cuda").manual_seed(random.randrange(1 << 30))
     cases = [(x, wt, b, torch.randn(x.shape, device="cuda", dtype=dtype, generator=gen).contiguous(
         memory_format=torch.channels_last)) for x, wt, b in _ring_operands(dtype, gen, requires_grad=True)]
@@ -587,10 +583,7 @@ def test_backward_ring_against_float64_and_the_walk(dw, dtype, set_knobs):
         per_word = 1 if dtype == torch.float32 else 2
         for i, (n, words, h, w) in enumerate(_RING_SHAPES):
             _check_case(dw, dtype, "nhwc", 3, 1, 1, 1, i % 2 == 1, n, words * per_word, h, w, gen)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            ring[block_rows] = grads()
-            torch.cuda.synchronize()
-        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        ring[block_rows], names = _profiled(grads)
         assert sum("bwd_nhwc_ring_kernel" in n for n in names) == len(cases), (block_rows, names)
         assert not [n for n in names if "input_row" in n], (block_rows, names)
     set_knobs(BWD_RING=0)
@@ -677,20 +670,19 @@ def test_torch_compile_fullgraph(dw):
 @pytest.mark.gpu
 @cuda
 def test_profiler_shows_our_kernels_and_no_cudnn(dw):
-    from torch.profiler import ProfilerActivity, profile
-
     x = torch.randn(4, 32, 28, 28, device="cuda").contiguous(memory_format=torch.channels_last).requires_grad_()
     w = torch.randn(32, 1, 3, 3, device="cuda", requires_grad=True)
     dw(x, w, None, 1, 1, 1).sum().backward()  # warm-up
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+
+    def passes():
         for dtype in (torch.float32, torch.float16):
             xd = x.detach().to(dtype).requires_grad_()
             wd = w.detach().to(dtype).requires_grad_()
             y = dw(xd, wd, None, 1, 1, 1)
             torch.autograd.grad(y, (xd, wd), torch.ones_like(y))
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+    _, names = _profiled(passes)
     ours = [n for n in names if "mdw::" in n]
     # NHWC 3x3 stride 1 padding 1, in both dtypes: the forward from the ring of input rows (compute capability 9.0 and
     # later; the column walk before); both gradients in one kernel: fp32's 32 channel words from the rings of rows

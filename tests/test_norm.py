@@ -25,6 +25,7 @@ from mobilenet.norm import (
     ApexBatchNormReLU, CustomBatchNormReLU, NormUnavailable, SyncBatchNormReLU, SyncCustomBatchNormReLU,
     TorchBatchNormReLU, applies_relu, available_norms, convert_sync_batchnorm, get_norm, sync_bn_state,
 )
+from test_kernels import _profiled
 
 NORMS = ("torch", "custom", "apex")
 
@@ -502,14 +503,9 @@ def test_forward_with_the_update_opcheck(ops):
 @gpu
 @pytest.mark.parametrize("momentum", [0.1, None])
 def test_the_module_updates_its_statistics_in_the_forward_op_when_it_has_a_momentum(momentum):
-    from torch.profiler import ProfilerActivity, profile
-
     bn = CustomBatchNormReLU(24, momentum=momentum).cuda()
     x = torch.randn(8, 24, 14, 14, device="cuda").contiguous(memory_format=torch.channels_last)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        bn(x)
-        torch.cuda.synchronize()
-    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    _, kernels = _profiled(lambda: bn(x))
     assert any("finalize_stats" in k for k in kernels), kernels
     # momentum=None's cumulative average needs the batch count every channel reads: the update's own kernel
     assert any("update_running_stats" in k for k in kernels) == (momentum is None), kernels

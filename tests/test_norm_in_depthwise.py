@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from mobilenet.config import compose
 from mobilenet.model import MobileNetV1
 from mobilenet.norm import NormUnavailable
+from test_kernels import _profiled
 
 # ---------------------------------------------------------------------------------------------- CPU tests
 
@@ -459,8 +460,6 @@ def test_pair_forward_from_the_ring_is_the_walks_bits(dtype, set_knobs):
     # FWD_RING_NORM=1: the pair's forward from the ring of input rows, normalized in shared memory as they land, where
     # the plain forward takes the ring (stride 1 here): the normalizing column walk's bits (FWD_RING_NORM=0), on
     # MobileNet's stride-1 shapes and odd ones (whole 16-byte channel units, one row, several blocks per image).
-    from torch.profiler import ProfilerActivity, profile
-
     from kernels.norm_depthwise import batch_norm_relu_depthwise_conv2d
 
     if torch.cuda.get_device_capability()[0] < 9:
@@ -472,13 +471,15 @@ def test_pair_forward_from_the_ring_is_the_walks_bits(dtype, set_knobs):
 
     def forwards(knob):
         set_knobs(FWD_RING_NORM=knob)
-        out = []
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+
+        def run():
+            out = []
             for y, bn_w, bn_b, conv_w, stride in inputs:
                 _poison()
                 out.append(batch_norm_relu_depthwise_conv2d(y, bn_w, bn_b, conv_w, stride, (1, 1)).detach())
-            torch.cuda.synchronize()
-        return out, [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            return out
+
+        return _profiled(run)
 
     ring, ring_names = forwards(1)
     walk, walk_names = forwards(0)
