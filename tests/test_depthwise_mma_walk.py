@@ -37,9 +37,10 @@ def _walk_kernels(fn) -> list[str]:
 
 # (n, c, h, w): 8-channel groups only (24, 40), 16-channel groups (48, 144, 32); rows of 3 to 8 columns (two rows
 # per product) and of 14, 28, 57 (one row of 16 columns, a last segment the row does not fill); odd row counts; a
-# batch of 1 with few channels, which the planner cuts into row segments.
+# batch of 1 with few channels, which the planner cuts into row segments; tall rows of 8 columns, cut into row
+# segments with several images per warp (the copies running on from one image into the next).
 SIZES = [(3, 24, 7, 7), (5, 48, 14, 14), (2, 32, 28, 28), (1, 144, 15, 57), (3, 40, 3, 5), (1, 16, 40, 33),
-         (2, 48, 9, 8)]
+         (2, 48, 9, 8), (3, 16, 40, 8)]
 
 
 @pytest.mark.gpu

@@ -59,7 +59,10 @@ struct WalkRing {
   static constexpr int kPlaneBytes = kPixels * 16;
   static constexpr int kRowBytes = kPlaneBytes * CH;
   static constexpr int kAhead = 2;
-  static constexpr int kNeed = (kAhead + 1) * kSS + (P == 2 ? S : 0);
+  // A step reads its kSS rows (P = 2: and the S before them) while the next kAhead steps' copies are in flight; the
+  // copies run on into the next image, whose first step also brings its S lead rows. Two image starts are never in
+  // flight at once: every walk of several images per warp has at least two steps per image (NO >= 2).
+  static constexpr int kNeed = (kAhead + 1) * kSS + (P == 2 ? 2 * S : 0);
   static constexpr int kSlots = kNeed <= 4 ? 4 : (kNeed <= 8 ? 8 : 16);
   static constexpr int kWarpBytes = kSlots * kRowBytes;
   static constexpr int kChunks = kPixels * CH;  // 16-byte copies per row
@@ -111,107 +114,126 @@ __global__ void __launch_bounds__(kWalkThreads)
     }
   }
 
-  // The weights above serve p.images images (P = 2, whose walks are short), walked one after the other.
+  // The weights above serve p.images images (P = 2, whose walks are short), walked one after the other. The copies
+  // run on across them: the next image's first rows are in flight while this one's last steps compute, so a short
+  // walk does not wait a whole memory latency at each image's start.
   const int n_end = P == 2 ? min(s.N, n_first + p.images) : n_first + 1;
-  for (int n = n_first; n < n_end; ++n) {
-    // Tile tt's output rows: tt (P = 1) or 2 tt and 2 tt + 1 (P = 2). Its window of input rows, as the rows of the A
-    // rows m >= 8: base(tt) .. base(tt) + K - 1. Step tt brings rows base(tt) + K - SS + d, d < SS; row d enters tile
-    // tt + j through kernel row K - SS + d - j * SS. The ring's rows are copied in order from ih_start on (P = 2: the
-    // S rows before step t_first's first), one slot after the other.
-    const int t_begin = seg * p.seg_tiles;
-    const int t_end = min(p.tiles, t_begin + p.seg_tiles);
-    const int t_first = t_begin - (NO - 1);  // the first NO - 1 steps only open sums
-    constexpr int kLead = P == 2 ? S : 0;
-    const int step_ih0 = t_first * SS + (P - 1) * S - s.PH + K - SS;  // step t_first's first row
-    const int ih_start = step_ih0 - kLead;
 
-    // The lane's copies: chunk c of a row is pixel c / CH's plane c % CH (lanes side by side read a pixel's bytes);
-    // each keeps its element offset in x, advanced by a row per copy.
-    const int ow0 = colseg * (16 / P);
-    const int ic0 = ow0 * S - s.PW;  // the ring's first input column
-    const unsigned ring = static_cast<unsigned>(__cvta_generic_to_shared(walk_smem)) +
-                          static_cast<unsigned>((threadIdx.x >> 5) * Ring::kWarpBytes);
-    const long long row_elems = static_cast<long long>(s.W) * s.C;
-    const uint16_t* xn = x + static_cast<size_t>(n) * s.H * row_elems;
-    long long cp_off[Ring::kChunksPerLane];
-    unsigned chunk_dst[Ring::kChunksPerLane];
-    unsigned chunk_in = 0;  // bit i: chunk i is a copy (inside the row's columns); else zeros
+  // Tile tt's output rows: tt (P = 1) or 2 tt and 2 tt + 1 (P = 2). Its window of input rows, as the rows of the A
+  // rows m >= 8: base(tt) .. base(tt) + K - 1. Step tt brings rows base(tt) + K - SS + d, d < SS; row d enters tile
+  // tt + j through kernel row K - SS + d - j * SS. An image's rows are copied in order from ih_start on (P = 2: the S
+  // rows before step t_first's first, with that step), one ring slot after the other, image after image.
+  const int t_begin = seg * p.seg_tiles;
+  const int t_end = min(p.tiles, t_begin + p.seg_tiles);
+  const int t_first = t_begin - (NO - 1);  // the first NO - 1 steps only open sums
+  constexpr int kLead = P == 2 ? S : 0;
+  const int step_ih0 = t_first * SS + (P - 1) * S - s.PH + K - SS;  // step t_first's first row
+  const int ih_start = step_ih0 - kLead;
+  const int image_rows = kLead + (t_end - t_first) * SS;  // rows copied per image
+
+  // The lane's copies: chunk c of a row is pixel c / CH's plane c % CH (lanes side by side read a pixel's bytes);
+  // each keeps its element offset in x, advanced by a row per copy and to the next image's first row after the last.
+  const int ow0 = colseg * (16 / P);
+  const int ic0 = ow0 * S - s.PW;  // the ring's first input column
+  const unsigned ring = static_cast<unsigned>(__cvta_generic_to_shared(walk_smem)) +
+                        static_cast<unsigned>((threadIdx.x >> 5) * Ring::kWarpBytes);
+  const long long row_elems = static_cast<long long>(s.W) * s.C;
+  const long long next_image_elems = (static_cast<long long>(s.H) - image_rows) * row_elems;
+  long long cp_off[Ring::kChunksPerLane];
+  unsigned chunk_dst[Ring::kChunksPerLane];
+  unsigned chunk_in = 0;  // bit i: chunk i is a copy (inside the row's columns); else zeros
+#pragma unroll
+  for (int i = 0; i < Ring::kChunksPerLane; ++i) {
+    const int c = lane + 32 * i;
+    const int px = c / CH, h = c % CH;
+    const int ic = ic0 + px;
+    cp_off[i] = (static_cast<long long>(n_first) * s.H + ih_start) * row_elems + ic * s.C + cb + 8 * h;
+    chunk_dst[i] = static_cast<unsigned>(h * Ring::kPlaneBytes + px * 16);
+    if (c < Ring::kChunks && ic >= 0 && ic < s.W) chunk_in |= 1u << i;
+  }
+  int cp_ih = ih_start, cp_slot = 0, cp_tt = t_first, cp_n = n_first;
+  auto copy_next_row = [&]() {
+    const bool row_in = static_cast<unsigned>(cp_ih) < static_cast<unsigned>(s.H);
+    const unsigned dst = ring + static_cast<unsigned>(cp_slot * Ring::kRowBytes);
 #pragma unroll
     for (int i = 0; i < Ring::kChunksPerLane; ++i) {
-      const int c = lane + 32 * i;
-      const int px = c / CH, h = c % CH;
-      const int ic = ic0 + px;
-      cp_off[i] = ih_start * row_elems + ic * s.C + cb + 8 * h;
-      chunk_dst[i] = static_cast<unsigned>(h * Ring::kPlaneBytes + px * 16);
-      if (c < Ring::kChunks && ic >= 0 && ic < s.W) chunk_in |= 1u << i;
+      if (Ring::kChunks % 32 == 0 || i + 1 < Ring::kChunksPerLane || lane + 32 * i < Ring::kChunks) {
+        const bool in = row_in && (chunk_in >> i & 1u);
+        cp_async16(dst + chunk_dst[i], in ? x + cp_off[i] : x, in);
+      }
+      cp_off[i] += row_elems;
     }
-    int cp_ih = ih_start, cp_slot = 0;
-    auto copy_next_row = [&]() {
-      const bool row_in = static_cast<unsigned>(cp_ih) < static_cast<unsigned>(s.H);
-      const unsigned dst = ring + static_cast<unsigned>(cp_slot * Ring::kRowBytes);
+    ++cp_ih;
+    cp_slot = (cp_slot + 1) & (Ring::kSlots - 1);
+  };
+  // The next step's rows in the copy order (an image's first step also brings its kLead rows); one commit group each.
+  auto copy_step = [&]() {
+    if (cp_n < n_end) {
+      if (cp_tt == t_first) {
 #pragma unroll
-      for (int i = 0; i < Ring::kChunksPerLane; ++i) {
-        if (Ring::kChunks % 32 == 0 || i + 1 < Ring::kChunksPerLane || lane + 32 * i < Ring::kChunks) {
-          const bool in = row_in && (chunk_in >> i & 1u);
-          cp_async16(dst + chunk_dst[i], in ? xn + cp_off[i] : xn, in);
-        }
-        cp_off[i] += row_elems;
+        for (int d = 0; d < kLead; ++d) copy_next_row();
       }
-      ++cp_ih;
-      cp_slot = (cp_slot + 1) & (Ring::kSlots - 1);
-    };
-    auto copy_step = [&](int tt) {
-      if (tt < t_end) {
 #pragma unroll
-        for (int d = 0; d < SS; ++d) copy_next_row();
+      for (int d = 0; d < SS; ++d) copy_next_row();
+      if (++cp_tt == t_end) {
+        cp_tt = t_first;
+        cp_ih = ih_start;
+        ++cp_n;
+#pragma unroll
+        for (int i = 0; i < Ring::kChunksPerLane; ++i) cp_off[i] += next_image_elems;
       }
-      cp_async_commit();
-    };
+    }
+    cp_async_commit();
+  };
 
-    // ldmatrix rows: lane = 8 q + i gives row i of matrix q. P = 1: matrices (m < 8, tap kw), (m >= 8, kw), (m < 8,
-    // kw + 1), (m >= 8, kw + 1), pixel m * S + tap; P = 2: m = i in both halves, whose rows are S apart (the lanes of
-    // the halves m < 8 read the row S slots back).
-    const int q = lane >> 3, i8 = lane & 7;
-    const unsigned lane_px_off =
-        static_cast<unsigned>(((P == 1 ? (i8 + 8 * (q & 1)) : i8) * S + (q >> 1)) * 16);
-    const int lane_back = P == 2 && (q & 1) == 0 ? S : 0;
+  // ldmatrix rows: lane = 8 q + i gives row i of matrix q. P = 1: matrices (m < 8, tap kw), (m >= 8, kw), (m < 8,
+  // kw + 1), (m >= 8, kw + 1), pixel m * S + tap; P = 2: m = i in both halves, whose rows are S apart (the lanes of
+  // the halves m < 8 read the row S slots back).
+  const int q = lane >> 3, i8 = lane & 7;
+  const unsigned lane_px_off =
+      static_cast<unsigned>(((P == 1 ? (i8 + 8 * (q & 1)) : i8) * S + (q >> 1)) * 16);
+  const int lane_back = P == 2 && (q & 1) == 0 ? S : 0;
 
-    float acc[NO][CH][4];
-    auto reset = [&](float (&a)[CH][4]) {
+  float acc[NO][CH][4];
+  auto reset = [&](float (&a)[CH][4]) {
 #pragma unroll
-      for (int h = 0; h < CH; ++h) {
-        a[h][0] = a[h][2] = bias_v[h][0];
-        a[h][1] = a[h][3] = bias_v[h][1];
+    for (int h = 0; h < CH; ++h) {
+      a[h][0] = a[h][2] = bias_v[h][0];
+      a[h][1] = a[h][3] = bias_v[h][1];
+    }
+  };
+
+  // One kernel row's products for one open output row, the A fragments at lane address `at` (plane 0, tap 0).
+  auto kernel_row = [&](float (&a)[CH][4], unsigned at, int kh) {
+#pragma unroll
+    for (int h = 0; h < CH; ++h) {
+      const unsigned ph = at + h * Ring::kPlaneBytes;
+#pragma unroll
+      for (int kw = 0; kw + 1 < K; kw += 2) {
+        uint32_t fa[4];
+        ldmatrix_x4(fa, ph + kw * 16);
+        mma_16816<TT>(a[h], fa, b[h][kh * K + kw], b[h][kh * K + kw + 1]);
       }
-    };
-#pragma unroll
-    for (int j = 0; j < NO; ++j) reset(acc[j]);
+      uint32_t fa[2];
+      ldmatrix_x2(fa, ph + (K - 1) * 16);
+      mma_1688<TT>(a[h], fa, b[h][kh * K + K - 1]);
+    }
+  };
 
-    // One kernel row's products for one open output row, the A fragments at lane address `at` (plane 0, tap 0).
-    auto kernel_row = [&](float (&a)[CH][4], unsigned at, int kh) {
-#pragma unroll
-      for (int h = 0; h < CH; ++h) {
-        const unsigned ph = at + h * Ring::kPlaneBytes;
-#pragma unroll
-        for (int kw = 0; kw + 1 < K; kw += 2) {
-          uint32_t fa[4];
-          ldmatrix_x4(fa, ph + kw * 16);
-          mma_16816<TT>(a[h], fa, b[h][kh * K + kw], b[h][kh * K + kw + 1]);
-        }
-        uint32_t fa[2];
-        ldmatrix_x2(fa, ph + (K - 1) * 16);
-        mma_1688<TT>(a[h], fa, b[h][kh * K + K - 1]);
-      }
-    };
+  // The lane's outputs: pixel g (C rows c0, c1) and pixel g + 8 (c2, c3) of tile tt, channels cb + 8 h + 2t, + 1;
+  // offsets in words, advanced by a tile per step.
+  const int words = s.C / 2;
+  const long long tile_words = static_cast<long long>(P) * s.OW * words;
+  const long long half_words = P == 1 ? 8LL * words : static_cast<long long>(s.OW) * words;
+  const bool col_ok0 = ow0 + g < s.OW;
+  const bool col_ok1 = P == 1 ? ow0 + g + 8 < s.OW : col_ok0;
 
-    // The lane's outputs: pixel g (C rows c0, c1) and pixel g + 8 (c2, c3) of tile tt, channels cb + 8 h + 2t, + 1;
-    // offsets in words, advanced by a tile per step.
-    const int words = s.C / 2;
+#pragma unroll
+  for (int a = 0; a < Ring::kAhead; ++a) copy_step();
+
+  int rd_slot = 0;  // the ring slot of this step's first row
+  for (int n = n_first; n < n_end; ++n) {
     uint32_t* yn = y + static_cast<size_t>(n) * s.OH * s.OW * words;
-    const long long tile_words = static_cast<long long>(P) * s.OW * words;
-    const long long half_words = P == 1 ? 8LL * words : static_cast<long long>(s.OW) * words;
-    const bool col_ok0 = ow0 + g < s.OW;
-    const bool col_ok1 = P == 1 ? ow0 + g + 8 < s.OW : col_ok0;
     long long st_off = t_first * tile_words + static_cast<long long>(ow0 + g) * words + cb / 2 + t;
     auto store = [&](int tt, const float (&a)[CH][4]) {
 #pragma unroll
@@ -230,23 +252,18 @@ __global__ void __launch_bounds__(kWalkThreads)
         }
       }
     };
-
-    if constexpr (kLead > 0) {
 #pragma unroll
-      for (int d = 0; d < kLead; ++d) copy_next_row();
-    }
-#pragma unroll
-    for (int a = 0; a < Ring::kAhead; ++a) copy_step(t_first + a);
+    for (int j = 0; j < NO; ++j) reset(acc[j]);
 
-    int rd_slot = kLead;  // the ring slot of this step's first row
-    int rd_ih = step_ih0;  // and its row
+    rd_slot = (rd_slot + kLead) & (Ring::kSlots - 1);  // past the image's lead rows
+    int rd_ih = step_ih0;                              // the row of rd_slot
     for (int t0 = t_first; t0 < t_end; t0 += NO) {
 #pragma unroll
       for (int u = 0; u < NO; ++u) {
         const int tt = t0 + u;
         if (tt < t_end) {
           __syncwarp();  // every lane is done with the slots the next copies overwrite
-          copy_step(tt + Ring::kAhead);
+          copy_step();
           cp_async_wait<Ring::kAhead>();
           __syncwarp();  // and every lane's copies of this step's rows have landed
 #pragma unroll
@@ -273,26 +290,69 @@ __global__ void __launch_bounds__(kWalkThreads)
         }
       }
     }
-    cp_async_wait<0>();
-    __syncwarp();  // the ring's slots are free for the next image
   }
+  cp_async_wait<0>();
+}
+
+// Images per warp for P = 2, whose walks are short: the count whose grid, in whole waves of the SMs' resident warps,
+// takes the least time, a warp's time taken as images + kImageWalkFixed (its weights, its first copies). Measured on
+// the H200 (docs/kernels.md, "The tensor-core walk"): 4 images per warp left a second wave a quarter full on
+// 672x14x14 5x5 s2 (0.073 ms; 1 image 0.059, 8 images 0.059), and 1152x7x7 took 0.052, 0.055, 0.062 ms at 4, 1, 8,
+// as the wave count predicts with a fixed cost of about 0.4 image.
+constexpr float kImageWalkFixed = 0.4f;
+
+int walk_images(int n, long long warps_per_image, long long resident_warps) {
+  int best = 1;
+  float best_t = 0.f;
+  for (int i = 1; i <= std::min(n, 16); ++i) {
+    const long long warps = static_cast<long long>(ceil_div(n, i)) * warps_per_image;
+    const long long waves = (warps + resident_warps - 1) / resident_warps;
+    const float t = static_cast<float>(waves) * (static_cast<float>(i) + kImageWalkFixed);
+    if (i == 1 || t < best_t) best = i, best_t = t;
+  }
+  return best;
 }
 
 // P: two rows of 8 columns per product where a row has at most 8 output columns (MMA_WALK_ROWS = 1 or 2 forces it).
 // CH: 16-channel groups (two products per pixel, whole sectors per copy) where C allows and the weights fit in
-// registers (K <= 5), MMA_WALK_CH = 1 or 2 forces it (2 only where it is possible). Images per warp: 4 when P = 2
-// (MMA_WALK_IMAGES; those walks are short, and the weights are loaded once for all). Row segments: as few as give
-// every SM 32 warps, each at least 4 tiles past the NO - 1 steps it repeats.
+// registers (K <= 5), MMA_WALK_CH = 1 or 2 forces it (2 only where it is possible). Images per warp (P = 2):
+// walk_images, or MMA_WALK_IMAGES. Row segments: as few as give every SM 32 warps, each at least 4 tiles past the
+// NO - 1 steps it repeats.
 template <class TT, int K, int S, int P, int CH, bool FLIP>
 void launch_mma_walk_shape(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                            cudaStream_t stream) {
   constexpr int NO = (K - 1) / (P * S) + 1;
+  constexpr size_t smem = static_cast<size_t>(kWalkThreads / 32) * WalkRing<K, S, P, CH>::kWarpBytes;
+  static_assert(smem <= 48 * 1024, "the walk's ring fits the default shared memory of a block");
+  auto kernel = fwd_nhwc_mma_walk_kernel<TT, K, S, P, CH, FLIP, false>;
+  if constexpr (!FLIP) {
+    if (s.act != kActNone) kernel = fwd_nhwc_mma_walk_kernel<TT, K, S, P, CH, FLIP, true>;
+  }
   MmaWalkPlan p;
   p.groups = s.C / (8 * CH);
   p.colsegs = ceil_div(s.OW, 16 / P);
   p.tiles = P == 1 ? s.OH : ceil_div(s.OH, 2);
-  const int images_knob = knob(Knob::kMmaWalkImages, dt);
-  p.images = P == 2 ? std::min(images_knob >= 1 ? images_knob : 4, s.N) : 1;
+  // One image per warp where NO == 1 (3x3 at stride 2): an image's walk may then be a single step, and the ring
+  // (WalkRing::kNeed) holds one image start in flight, not two.
+  p.images = 1;
+  if (P == 2 && NO >= 2) {
+    const int images_knob = knob(Knob::kMmaWalkImages, dt);
+    if (images_knob >= 1) {
+      p.images = std::min(images_knob, s.N);
+    } else {
+      // Resident blocks per SM of this kernel (with or without the activation): a query of its attributes, cached
+      // (it does not synchronise, so a capture may launch it).
+      static int blocks_per_sm[2] = {0, 0};
+      int& b = blocks_per_sm[s.act != kActNone];
+      if (b == 0) {
+        int q = 0;
+        C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&q, kernel, kWalkThreads, smem));
+        b = std::max(q, 1);
+      }
+      const long long resident = static_cast<long long>(num_sms()) * b * (kWalkThreads / 32);
+      p.images = walk_images(s.N, static_cast<long long>(p.colsegs) * p.groups, resident);
+    }
+  }
   const long long base_warps = static_cast<long long>(ceil_div(s.N, p.images)) * p.colsegs * p.groups;
   const long long want = static_cast<long long>(num_sms()) * 32;
   int segs = static_cast<int>((want + base_warps - 1) / base_warps);
@@ -302,12 +362,6 @@ void launch_mma_walk_shape(const ConvShape& s, DType dt, const void* x, const vo
   p.segs = ceil_div(p.tiles, p.seg_tiles);
   p.warps = base_warps * p.segs;
   const long long blocks = (p.warps * 32 + kWalkThreads - 1) / kWalkThreads;
-  constexpr size_t smem = static_cast<size_t>(kWalkThreads / 32) * WalkRing<K, S, P, CH>::kWarpBytes;
-  static_assert(smem <= 48 * 1024, "the walk's ring fits the default shared memory of a block");
-  auto kernel = fwd_nhwc_mma_walk_kernel<TT, K, S, P, CH, FLIP, false>;
-  if constexpr (!FLIP) {
-    if (s.act != kActNone) kernel = fwd_nhwc_mma_walk_kernel<TT, K, S, P, CH, FLIP, true>;
-  }
   kernel<<<static_cast<unsigned>(blocks), kWalkThreads, smem, stream>>>(
       static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(w), static_cast<const uint16_t*>(bias),
       static_cast<uint32_t*>(y), s, p);
