@@ -105,7 +105,8 @@ int knob(Knob k, DType dt) {
                           // gradient; -1: by shape, see depthwise_dispatch.cpp; fp32 and fp64 it never takes)
         {0, 0, 0, 0},     // MMA_WALK_ROWS (that walk's output rows per product; 0: by the row's width)
         {0, 0, 0, 0},     // MMA_WALK_CH (that walk's 8-channel products per warp; 0: 2 where possible)
-        {0, 0, 0, 0},     // MMA_WALK_IMAGES (that walk's images per warp on rows of <= 8 columns; 0: 4)
+        {0, 0, 0, 0},     // MMA_WALK_IMAGES (that walk's images per warp on rows of <= 8 columns; 0: by whole
+                          // waves, walk_images)
     };
     static_assert(sizeof(defaults) / sizeof(defaults[0]) == kKnobs,
                   "one row of defaults per launch knob (launch_plan.h)");

@@ -185,7 +185,8 @@ enum class Knob {
   kMmaWalkRows,   // that walk's output rows per product: 1 (16 columns) or 2 (8 columns); 0: 2 on rows of <= 8 columns
   kMmaWalkCh,     // that walk's channels per warp: 1 (8) or 2 (16, two products per pixel); 0: 16 where C and
                   // K <= 5 allow
-  kMmaWalkImages, // that walk's images per warp on rows of <= 8 columns (the weights loaded once for them); 0: 4
+  kMmaWalkImages, // that walk's images per warp on rows of <= 8 columns (the weights loaded once for them); 0: by
+                  // whole waves of resident warps (walk_images, depthwise_mma_walk.cu)
   kCount
 };
 int knob(Knob k, DType dt);
