@@ -54,15 +54,17 @@ struct MmaWalkPlan {
 // kAhead steps before the products read them. P = 2 also keeps the S rows before a step's (its products' rows m < 8).
 template <int K, int S, int P, int CH>
 struct WalkRing {
-  static constexpr int kSS = P * S;
+  static constexpr int kSS = P * S;                // input rows one step brings
+  static constexpr int kOpen = (K - 1) / kSS + 1;  // output row tiles open at once (NO)
+  static constexpr int kLead = P == 2 ? S : 0;     // rows an image's first step brings before its kSS
   static constexpr int kPixels = (16 / P - 1) * S + K;
   static constexpr int kPlaneBytes = kPixels * 16;
   static constexpr int kRowBytes = kPlaneBytes * CH;
   static constexpr int kAhead = 2;
   // A step reads its kSS rows (P = 2: and the S before them) while the next kAhead steps' copies are in flight; the
-  // copies run on into the next image, whose first step also brings its S lead rows. Two image starts are never in
-  // flight at once: every walk of several images per warp has at least two steps per image (NO >= 2).
-  static constexpr int kNeed = (kAhead + 1) * kSS + (P == 2 ? 2 * S : 0);
+  // copies run on into the next image, whose first step also brings its kLead rows. Two image starts are never in
+  // flight at once: every walk of several images per warp has at least two steps per image (kOpen >= 2).
+  static constexpr int kNeed = (kAhead + 1) * kSS + 2 * kLead;
   static constexpr int kSlots = kNeed <= 4 ? 4 : (kNeed <= 8 ? 8 : 16);
   static constexpr int kWarpBytes = kSlots * kRowBytes;
   static constexpr int kChunks = kPixels * CH;  // 16-byte copies per row
@@ -79,8 +81,8 @@ __global__ void __launch_bounds__(kWalkThreads)
                              MmaWalkPlan p) {
   using Ring = WalkRing<K, S, P, CH>;
   constexpr int KK = K * K;
-  constexpr int SS = Ring::kSS;         // input rows one step brings
-  constexpr int NO = (K - 1) / SS + 1;  // row tiles open at once
+  constexpr int SS = Ring::kSS;
+  constexpr int NO = Ring::kOpen;
   extern __shared__ __align__(16) unsigned char walk_smem[];
   const int lane = threadIdx.x & 31;
   const long long warp = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
@@ -126,7 +128,7 @@ __global__ void __launch_bounds__(kWalkThreads)
   const int t_begin = seg * p.seg_tiles;
   const int t_end = min(p.tiles, t_begin + p.seg_tiles);
   const int t_first = t_begin - (NO - 1);  // the first NO - 1 steps only open sums
-  constexpr int kLead = P == 2 ? S : 0;
+  constexpr int kLead = Ring::kLead;
   const int step_ih0 = t_first * SS + (P - 1) * S - s.PH + K - SS;  // step t_first's first row
   const int ih_start = step_ih0 - kLead;
   const int image_rows = kLead + (t_end - t_first) * SS;  // rows copied per image
@@ -321,8 +323,9 @@ int walk_images(int n, long long warps_per_image, long long resident_warps) {
 template <class TT, int K, int S, int P, int CH, bool FLIP>
 void launch_mma_walk_shape(const ConvShape& s, DType dt, const void* x, const void* w, const void* bias, void* y,
                            cudaStream_t stream) {
-  constexpr int NO = (K - 1) / (P * S) + 1;
-  constexpr size_t smem = static_cast<size_t>(kWalkThreads / 32) * WalkRing<K, S, P, CH>::kWarpBytes;
+  using Ring = WalkRing<K, S, P, CH>;
+  constexpr int NO = Ring::kOpen;
+  constexpr size_t smem = static_cast<size_t>(kWalkThreads / 32) * Ring::kWarpBytes;
   static_assert(smem <= 48 * 1024, "the walk's ring fits the default shared memory of a block");
   auto kernel = fwd_nhwc_mma_walk_kernel<TT, K, S, P, CH, FLIP, false>;
   if constexpr (!FLIP) {
@@ -333,7 +336,7 @@ void launch_mma_walk_shape(const ConvShape& s, DType dt, const void* x, const vo
   p.colsegs = ceil_div(s.OW, 16 / P);
   p.tiles = P == 1 ? s.OH : ceil_div(s.OH, 2);
   // One image per warp where NO == 1 (3x3 at stride 2): an image's walk may then be a single step, and the ring
-  // (WalkRing::kNeed) holds one image start in flight, not two.
+  // (Ring::kNeed) holds one image start in flight, not two.
   p.images = 1;
   if (P == 2 && NO >= 2) {
     const int images_knob = knob(Knob::kMmaWalkImages, dt);
