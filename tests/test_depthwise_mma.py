@@ -109,16 +109,23 @@ def test_mma_tile_runs_forward_and_input_gradient(mma, set_knobs):
         assert len(names) == 2 and len(rotated) == 1, (k, names)
 
 
+def _leaves_to_other_kernels(dw, kernels_of, cases):
+    """Each (dtype, channels, stride, dilation, layout) case, a 2 x C x 14 x 14 input and a 5x5 weight with padding
+    2 x dilation: kernels_of(fn) finds none of the kernel's launches in dw's call, whose result is F.conv2d's (the
+    other kernels ran)."""
+    gen = torch.Generator(device="cuda").manual_seed(random.randrange(1 << 30))
+    for dtype, c, stride, dilation, layout in cases:
+        x = _make_input(2, c, 14, 14, dtype, layout, gen)
+        w = torch.randn(c, 1, 5, 5, device="cuda", dtype=dtype, generator=gen)
+        conv = (stride, 2 * dilation, dilation)
+        assert not kernels_of(lambda: dw(x, w, None, *conv)), (dtype, c, stride, dilation, layout)
+        ref = F.conv2d(x.double(), w.double(), None, *conv, c)
+        assert _rel(dw(x, w, None, *conv), ref) <= (1e-5 if dtype == torch.float32 else 1e-2)
+
+
 @pytest.mark.gpu
 @cuda
 def test_mma_tile_leaves_what_it_cannot_take(mma):
     # fp32, stride 2, channels not a multiple of 8, NCHW: the other kernels, the same results
-    gen = torch.Generator(device="cuda").manual_seed(random.randrange(1 << 30))
-    cases = [(torch.float32, 16, 1, "nhwc"), (torch.float16, 16, 2, "nhwc"), (torch.float16, 12, 1, "nhwc"),
-             (torch.float16, 16, 1, "nchw")]
-    for dtype, c, stride, layout in cases:
-        x = _make_input(2, c, 14, 14, dtype, layout, gen)
-        w = torch.randn(c, 1, 5, 5, device="cuda", dtype=dtype, generator=gen)
-        assert not _mma_kernels(lambda: mma(x, w, None, stride, 2, 1)), (dtype, c, stride, layout)
-        ref = F.conv2d(x.double(), w.double(), None, stride, 2, 1, c)
-        assert _rel(mma(x, w, None, stride, 2, 1), ref) <= (1e-5 if dtype == torch.float32 else 1e-2)
+    _leaves_to_other_kernels(mma, _mma_kernels, [(torch.float32, 16, 1, 1, "nhwc"), (torch.float16, 16, 2, 1, "nhwc"),
+                                                 (torch.float16, 12, 1, 1, "nhwc"), (torch.float16, 16, 1, 1, "nchw")])

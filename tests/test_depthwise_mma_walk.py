@@ -11,10 +11,9 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from test_depthwise_mma import _check, _kernels_named
-from test_kernels import _make_input, _rel, cuda
+from test_depthwise_mma import _check, _kernels_named, _leaves_to_other_kernels
+from test_kernels import _make_input, cuda
 
 KERNEL = "fwd_nhwc_mma_walk_kernel"
 
@@ -98,13 +97,6 @@ def test_mma_walk_default_takes_5x5_and_7x7_forwards(walk):
 @cuda
 def test_mma_walk_leaves_what_it_cannot_take(walk):
     # fp32, channels not a multiple of 8, NCHW, dilation 2: the other kernels, the same results
-    dw = walk(FWD_MMA_WALK=2)
-    gen = torch.Generator(device="cuda").manual_seed(random.randrange(1 << 30))
-    cases = [(torch.float32, 16, 1, "nhwc"), (torch.float16, 12, 1, "nhwc"), (torch.float16, 16, 1, "nchw"),
-             (torch.float16, 16, 2, "nhwc")]
-    for dtype, c, dilation, layout in cases:
-        x = _make_input(2, c, 14, 14, dtype, layout, gen)
-        w = torch.randn(c, 1, 5, 5, device="cuda", dtype=dtype, generator=gen)
-        assert not _walk_kernels(lambda: dw(x, w, None, 1, 2 * dilation, dilation)), (dtype, c, dilation, layout)
-        ref = F.conv2d(x.double(), w.double(), None, 1, 2 * dilation, dilation, c)
-        assert _rel(dw(x, w, None, 1, 2 * dilation, dilation), ref) <= (1e-5 if dtype == torch.float32 else 1e-2)
+    _leaves_to_other_kernels(walk(FWD_MMA_WALK=2), _walk_kernels,
+                             [(torch.float32, 16, 1, 1, "nhwc"), (torch.float16, 12, 1, 1, "nhwc"),
+                              (torch.float16, 16, 1, 1, "nchw"), (torch.float16, 16, 1, 2, "nhwc")])
