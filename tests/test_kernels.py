@@ -493,10 +493,11 @@ def test_backward_walk_against_float64_and_the_two_kernels(dw, dtype, set_knobs)
             assert _rel(a, r) <= TOL[dtype], (stride, name)
 
 
-# The ring kernels' shapes (N, 32-bit words of channels, H, W): 4-256 words (48: a block with idle lanes), widths that
-# are no multiple of the unroll or the segments, one row.
+# The ring kernels' shapes (N, 32-bit words of channels, H, W): 4-256 words (48 and 36: a block with idle lanes; 36:
+# P = 7 lanes a word, split into 7 column segments where a band of 7 row groups does not fit), widths that are no
+# multiple of the unroll or the segments, one row.
 _RING_SHAPES = [(4, 16, 28, 28), (2, 32, 15, 57), (3, 8, 7, 9), (1, 64, 14, 14), (2, 4, 1, 70), (1, 48, 30, 3),
-                (2, 256, 9, 5)]
+                (2, 256, 9, 5), (2, 36, 20, 23)]
 
 
 def _ring_operands(dtype, gen, requires_grad=False):
@@ -522,8 +523,9 @@ def test_ring_forward_against_float64_and_the_column_walk(dw, dtype, set_knobs):
     # FWD_RING=1: the NHWC 3x3 forward whose input rows bulk copies stream into a shared-memory ring. Against float64
     # with poisoned outputs, then bit for bit against the column walk (FWD_RING=0), whose FMA order it keeps: one and
     # two output rows per lane, blocks of 3 or 5 rows (halo rows read by two blocks of an image, a ring that wraps
-    # many times) and of whole images, strides 1 and 2, padding 0-2, bias, 4-256 channel words (48: a block with
-    # idle lanes), widths that are no multiple of the unroll or the segments, one row.
+    # many times), of whole images and by whole waves (the default), strides 1 and 2, padding 0-2, bias, 4-256 channel
+    # words (48 and 36: a block with idle lanes; 36: 7 column segments), widths that are no multiple of the unroll or
+    # the segments, one row.
     gen = torch.Generator(device="cuda").manual_seed(random.randrange(1 << 30))
     cases = []
     for x, wt, b in _ring_operands(dtype, gen):
@@ -541,7 +543,7 @@ def test_ring_forward_against_float64_and_the_column_walk(dw, dtype, set_knobs):
         return out
 
     ring = {}
-    for rows, block_rows in ((1, 3), (2, 3), (1, 0), (2, 0), (2, 5)):
+    for rows, block_rows in ((1, 3), (2, 3), (1, 0), (2, 0), (2, 5), (2, -1)):
         set_knobs(FWD_RING=1, RING_ROWS=rows, RING_BLOCK_ROWS=block_rows)
         ring[rows, block_rows], names = _profiled(forwards)
         assert sum("fwd_nhwc_ring_kernel" in n for n in names) == len(cases), (rows, block_rows)
@@ -564,7 +566,8 @@ def test_backward_ring_against_float64_and_the_walk(dw, dtype, set_knobs):
     # BWD_RING=1: both gradients of the NHWC 3x3 stride-1 padding-1 op from rings of grad_out and x rows. Against
     # float64 with poisoned outputs (bias too), then against the input-row walk it replaces (BWD_RING=0): grad_input
     # bit for bit (the same tap order), the weight's and bias's gradients to their summation order; blocks of 3 rows
-    # (halo rows read by two blocks) and of whole images, 4-256 channel words, widths no multiple of the unroll.
+    # (halo rows read by two blocks), of whole images and by whole waves (the default), 4-256 channel words (36: 7
+    # column segments), widths no multiple of the unroll.
     gen = torch.Generator(device="cuda").manual_seed(random.randrange(1 << 30))
     cases = [(x, wt, b, torch.randn(x.shape, device="cuda", dtype=dtype, generator=gen).contiguous(
         memory_format=torch.channels_last)) for x, wt, b in _ring_operands(dtype, gen, requires_grad=True)]
@@ -578,7 +581,7 @@ def test_backward_ring_against_float64_and_the_walk(dw, dtype, set_knobs):
         return out
 
     ring = {}
-    for block_rows in (3, 0):
+    for block_rows in (3, 0, -1):
         set_knobs(BWD_RING=1, RING_BLOCK_ROWS=block_rows)
         for x, _, b, _ in cases:
             _check_case(dw, dtype, "nhwc", 3, 1, 1, 1, b is not None, *x.shape, gen)

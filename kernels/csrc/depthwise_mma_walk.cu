@@ -304,15 +304,8 @@ __global__ void __launch_bounds__(kWalkThreads)
 constexpr float kImageWalkFixed = 0.4f;
 
 int walk_images(int n, long long warps_per_image, long long resident_warps) {
-  int best = 1;
-  float best_t = 0.f;
-  for (int i = 1; i <= std::min(n, 16); ++i) {
-    const long long warps = static_cast<long long>(ceil_div(n, i)) * warps_per_image;
-    const long long waves = (warps + resident_warps - 1) / resident_warps;
-    const float t = static_cast<float>(waves) * (static_cast<float>(i) + kImageWalkFixed);
-    if (i == 1 || t < best_t) best = i, best_t = t;
-  }
-  return best;
+  return work_by_waves(std::min(n, 16), resident_warps, kImageWalkFixed,
+                       [&](int i) { return static_cast<long long>(ceil_div(n, i)) * warps_per_image; });
 }
 
 // P: two rows of 8 columns per product where a row has at most 8 output columns (MMA_WALK_ROWS = 1 or 2 forces it).

@@ -41,8 +41,9 @@ struct RingPlan {
   size_t smem;
 };
 
-// Lanes per block: kRingLanes (launch_plan.h), 2 blocks per SM. One block of 512 lanes per SM, with twice the shared
-// memory for its ring, measured slower on MobileNetV1's layers (docs/kernels.md).
+// Lanes per block: kRingLanes (launch_plan.h), kRingBlocksPerSM blocks per SM. One block of 512 lanes per SM, with
+// twice the shared memory for its ring, measured slower on MobileNetV1's layers (docs/kernels.md).
+constexpr int kRingBlocksPerSM = 2;
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
@@ -86,7 +87,7 @@ constexpr int kRingUnroll = 2;
 // applies `input_norm` to their words in place (WordNorm, the normalizing column walk's bits), each word once, where
 // that walk normalizes each as every lane that reads it loads it; padding stays zero.
 template <class TT, int S, int R, bool NORM = false>
-__global__ void __launch_bounds__(kRingLanes, 2)
+__global__ void __launch_bounds__(kRingLanes, kRingBlocksPerSM)
     fwd_nhwc_ring_kernel(const uint32_t* __restrict__ x, const typename TT::S* __restrict__ w,
                          const typename TT::S* __restrict__ bias, uint32_t* __restrict__ y, ConvShape s, RingPlan p,
                          InputNorm input_norm) {
@@ -247,6 +248,26 @@ __global__ void __launch_bounds__(kRingLanes, 2)
 
 // Shared memory per block for 2 blocks per SM: 228 KB per SM, of which the hardware reserves 1 KB per block.
 constexpr size_t kRingBudget = 113 * 1024;
+static_assert(kRingBlocksPerSM * (kRingBudget + 1024) <= 228 * 1024, "the rings of kRingBlocksPerSM blocks fit an SM");
+
+// A block's cost besides its bands, in bands: at its start every resident block asks for a full ring of rows at once,
+// and the first band waits for them; at its end the last bands compute with no copy in flight. On the H200, fp16
+// 16x112x112 (8-row bands, 14 an image, batch 256) took 0.075, 0.083 and 0.093 ms at 14, 7 and 4 bands per block
+// (1, 2 and 4 waves): 1-1.7 bands a wave besides the bands themselves (docs/kernels.md).
+constexpr float kRingBandFixed = 1.5f;
+
+// Bands per block for a ring over `rows` rows of n images in bands of band_rows: RING_BLOCK_ROWS > 0 rows (rounded up
+// to whole bands), 0 the whole image, < 0 (the default) by whole waves of the SMs' resident blocks (work_by_waves).
+// A fixed 28 rows would run that layer as four waves of 4 bands; at a batch of 64, whole images would fill a quarter
+// of the SMs' block slots.
+int ring_bands(int n, int rows, int band_rows, int rows_per_block) {
+  const int total = ceil_div(rows, band_rows);
+  if (rows_per_block == 0) return total;
+  if (rows_per_block > 0) return ceil_div(rows_per_block < rows ? rows_per_block : rows, band_rows);
+  const long long resident = static_cast<long long>(num_sms()) * kRingBlocksPerSM;
+  return work_by_waves(total, resident, kRingBandFixed,
+                       [&](int bands) { return static_cast<long long>(n) * ceil_div(total, bands); });
+}
 
 // The row slots both rings keep, or false where the channels do not fit them: words of channels per pixel a multiple
 // of 4 (16-byte rows, slots and padding offsets for the bulk copies) and at most kRingLanes (a lane each), P lanes per
@@ -274,9 +295,10 @@ bool ring_rows(const ConvShape& s, DType dt, int pad, RingRows* out) {
 constexpr size_t ring_bar_bytes(int nslot) { return (static_cast<size_t>(nslot) * 8 + 127) / 128 * 128; }
 
 // A plan for R output rows per lane, or false when the case does not fit: the channels ring_rows takes and a ring of
-// at least one band plus one band ahead within kRingBudget. Of the segmentations (nseg a power of two dividing P) the one with the fewest
-// segments whose ring holds two bands ahead, else one; then as many slots as the budget holds. rows_per_block: the
-// output rows a block takes (RING_BLOCK_ROWS, rounded to whole bands).
+// at least one band plus one band ahead within kRingBudget. Of the segmentations (nseg dividing P) the one with the
+// fewest segments whose ring holds two bands ahead, else one; then as many slots as the budget holds (36 words, 72
+// 16-bit channels, leave P = 7: one segment needs 7-row bands, which no ring of 56-wide rows holds at 2 blocks per
+// SM; 7 segments of one row group fit). rows_per_block: RING_BLOCK_ROWS (ring_bands).
 bool plan_ring(const ConvShape& s, DType dt, int S, int R, int rows_per_block, RingPlan* out) {
   RingPlan p{};
   RingRows rows;
@@ -290,7 +312,7 @@ bool plan_ring(const ConvShape& s, DType dt, int S, int R, int rows_per_block, R
   auto ring_bytes = [&](int nslot) { return ring_bar_bytes(nslot) + (nslot + 1) * slot_bytes; };  // + the zero slot
   bool found = false;
   for (int ahead = 2; ahead >= 1 && !found; --ahead) {
-    for (int nseg = 1; nseg <= p.P && !found; nseg *= 2) {
+    for (int nseg = 1; nseg <= p.P && !found; ++nseg) {
       if (p.P % nseg != 0) continue;
       const int rg = p.P / nseg;
       const int band_rows = rg * R;
@@ -306,8 +328,7 @@ bool plan_ring(const ConvShape& s, DType dt, int S, int R, int rows_per_block, R
   p.seg = ceil_div(s.OW, p.nseg);
   for (p.nslot = static_cast<int>(kRingBudget / slot_bytes); ring_bytes(p.nslot) > kRingBudget;) --p.nslot;
   p.bar_bytes = static_cast<int>(ring_bar_bytes(p.nslot));
-  const int want = rows_per_block > 0 ? rows_per_block : s.OH;
-  p.bands = ceil_div(want < s.OH ? want : s.OH, p.band_rows);
+  p.bands = ring_bands(s.N, s.OH, p.band_rows, rows_per_block);
   p.blocks_per_image = ceil_div(s.OH, p.bands * p.band_rows);
   p.smem = ring_bytes(p.nslot);
   *out = p;
@@ -365,7 +386,7 @@ struct BwdRingPlan {
 };
 
 template <class TT>
-__global__ void __launch_bounds__(kRingLanes, 2)
+__global__ void __launch_bounds__(kRingLanes, kRingBlocksPerSM)
     bwd_nhwc_ring_kernel(const uint32_t* __restrict__ go, const uint32_t* __restrict__ x,
                          const typename TT::S* __restrict__ w, uint32_t* __restrict__ gx, float* __restrict__ ws,
                          ConvShape s, BwdRingPlan p) {
@@ -565,7 +586,7 @@ bool plan_bwd_ring(const ConvShape& s, DType dt, int rows_per_block, BwdRingPlan
   };
   bool found = false;
   for (int ahead = 2; ahead >= 1 && !found; --ahead) {
-    for (int nseg = 1; nseg <= p.P && !found; nseg *= 2) {
+    for (int nseg = 1; nseg <= p.P && !found; ++nseg) {
       if (p.P % nseg != 0) continue;
       const int rg = p.P / nseg;
       if (bytes(rg * (1 + ahead), rg + 2 + ahead * rg) > kRingBudget) continue;
@@ -583,8 +604,7 @@ bool plan_bwd_ring(const ConvShape& s, DType dt, int rows_per_block, BwdRingPlan
     if (to_g) ++p.nslot_g; else ++p.nslot_x;
   }
   p.bar_bytes = static_cast<int>(ring_bar_bytes(p.nslot_x + p.nslot_g));
-  const int want = rows_per_block > 0 ? rows_per_block : s.H;
-  p.bands = ceil_div(want < s.H ? want : s.H, p.rg);
+  p.bands = ring_bands(s.N, s.H, p.rg, rows_per_block);
   p.blocks_per_image = ceil_div(s.H, p.bands * p.rg);
   p.smem = bytes(p.nslot_x, p.nslot_g);
   *out = p;

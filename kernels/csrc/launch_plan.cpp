@@ -96,7 +96,7 @@ int knob(Knob k, DType dt) {
         {-1, -1, -1, 0},  // FWD_RING (NHWC 3x3 forward from a ring of input rows filled by bulk copies; -1: by shape,
                           // see depthwise_dispatch.cpp)
         {2, 2, 2, 2},     // RING_ROWS (that kernel's output rows per lane)
-        {28, 28, 28, 28}, // RING_BLOCK_ROWS (that kernel's output rows per block)
+        {-1, -1, -1, -1}, // RING_BLOCK_ROWS (the rings' rows per block; -1: bands per block by whole waves)
         {-1, -1, -1, -1}, // BWD_RING (the backward from rings of rows in place of the input-row walk: -1 by shape,
                           // see depthwise_dispatch.cpp)
         {0, 1, 1, 0},     // FWD_RING_NORM (the normalizing forward from the ring: +1.5% fp16 training on the H200;

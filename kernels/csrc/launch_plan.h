@@ -90,6 +90,21 @@ inline Tiling make_tiling(bool channels_last, int rows, int strip0, int strips, 
 int num_sms();  // of the current device, cached
 int compute_capability_major();  // of the current device, cached
 
+// The work per grid unit, 1..max_work, whose grid takes least time in whole waves of `resident` units: ceil(units(work)
+// / resident) * (work + fixed), `fixed` a unit's cost besides its work (its start and drain) in the same measure; the
+// smallest such work on ties. units(work): the grid's units (warps, blocks) at that work per unit.
+template <class Units>
+int work_by_waves(int max_work, long long resident, float fixed, Units units) {
+  int best = 1;
+  float best_t = 0.f;
+  for (int work = 1; work <= max_work; ++work) {
+    const long long waves = (units(work) + resident - 1) / resident;
+    const float t = static_cast<float>(waves) * (static_cast<float>(work) + fixed);
+    if (work == 1 || t < best_t) best = work, best_t = t;
+  }
+  return best;
+}
+
 // Above 48 KB of dynamic shared memory a kernel must opt in, once per kernel and device: to `bytes`, the most any
 // launch of it asks for. `opted` (a static of the caller, one per kernel instantiation) remembers the devices done.
 template <class Kernel>
@@ -174,8 +189,8 @@ enum class Knob {
   kFwdRing,       // NHWC 3x3 forward fed by bulk copies into a ring of input rows (depthwise_ring.cu): 1 on where it
                   // fits, 0 off, -1 by shape (depthwise_dispatch.cpp)
   kRingRows,      // that kernel's output rows per lane (1 or 2)
-  kRingBlockRows, // that kernel's output rows per block (rounded to whole bands; 0: the whole image), and the
-                  // backward ring's input rows per block
+  kRingBlockRows, // that kernel's output rows per block (rounded to whole bands; 0: the whole image; -1: bands per
+                  // block by whole waves, ring_bands in depthwise_ring.cu), and the backward ring's input rows
   kBwdRing,       // NHWC 3x3 stride-1 padding-1 backward from rings of grad_out and x rows (depthwise_ring.cu) in
                   // place of the input-row walk: 1 where it fits, 0 never, -1 by shape (depthwise_dispatch.cpp)
   kFwdRingNorm,   // norm.apply_in_depthwise's forward from the ring where FWD_RING takes the plain forward (1) or
