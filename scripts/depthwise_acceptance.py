@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """The depthwise suites' acceptance table (issue 22) from scripts/bench_depthwise.py's CSV files: a row per suite, a
 column per dtype x layout, each cell custom's speed-up over the best of the other backends for the forward and the
-forward+backward (count-weighted sums over the suite's layers; bold below 1.00), then how many sums are at least 1.00
-and the channels_last forward+backward over its HBM floor.
+forward+backward (count-weighted sums over the suite's layers; bold below 1.00), then how many sums are at least 1.00,
+the channels_last forward+backward and the fp32 NCHW forward over their HBM floors, and the fp16 channels_last
+forward against cudnn alone.
 
     python scripts/depthwise_acceptance.py docs/results/depthwise_*_h200_c6d3f32.csv [--custom custom_ab] [--out F.md]
 

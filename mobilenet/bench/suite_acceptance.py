@@ -45,6 +45,11 @@ class SuiteSums:
     def over_floor(self, custom: str = "custom") -> float:
         return self.backends.get(custom, math.nan) / self.floor if self.floor > 0 else math.nan
 
+    def against(self, backend: str, custom: str = "custom") -> float:
+        """backend's sum / custom's (nan where either is missing): custom against one competitor alone."""
+        mine = self.backends.get(custom, math.nan)
+        return self.backends.get(backend, math.nan) / mine if mine > 0 else math.nan
+
 
 def _ms(text: str) -> float:
     try:
@@ -94,7 +99,8 @@ def _cell(sums: dict[tuple[str, str, str, str], SuiteSums], suite: str, dtype: s
 
 def markdown(all_sums: list[SuiteSums], custom: str = "custom") -> str:
     """The table: a row per suite, a column per dtype x layout, each cell forward / forward+backward speed-up
-    (bold below 1.00), then how many sums are at least 1.00 and the channels_last forward+backward over its floor."""
+    (bold below 1.00), then how many sums are at least 1.00, the channels_last forward+backward and the fp32 NCHW
+    forward over their floors, and the fp16 channels_last forward against cudnn alone."""
     sums = {(s.suite, s.dtype, s.layout, s.mode): s for s in all_sums}
     suites = list(dict.fromkeys(s.suite for s in all_sums))
     cols = [(d, lay) for d in _DTYPES for lay in _LAYOUTS]
@@ -111,6 +117,15 @@ def markdown(all_sums: list[SuiteSums], custom: str = "custom") -> str:
               if s.layout == "nhwc" and s.mode == "fwdbwd" and not math.isnan(s.over_floor(custom))]
     if floors:
         lines.append(f"channels_last forward+backward, {custom} over the HBM floor: " + ", ".join(floors) + ".")
+    # The issue's other two quantities, for every suite that has them (its bounds are on large_k7's).
+    nchw = [f"{s.suite} {s.over_floor(custom):.2f}x" for s in all_sums
+            if (s.dtype, s.layout, s.mode) == ("fp32", "nchw", "fwd") and not math.isnan(s.over_floor(custom))]
+    if nchw:
+        lines.append(f"fp32 NCHW forward, {custom} over the HBM floor: " + ", ".join(nchw) + ".")
+    vs_cudnn = [f"{s.suite} {s.against('cudnn', custom):.2f}x" for s in all_sums
+                if (s.dtype, s.layout, s.mode) == ("fp16", "nhwc", "fwd") and not math.isnan(s.against("cudnn", custom))]
+    if vs_cudnn:
+        lines.append(f"fp16 channels_last forward, {custom} against cudnn alone: " + ", ".join(vs_cudnn) + ".")
     sources: dict[str, dict[str, None]] = defaultdict(dict)
     for s in all_sums:
         sources[s.source][f"{s.suite} {s.layout.upper()}"] = None
