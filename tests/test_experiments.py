@@ -1,6 +1,8 @@
 """The one-off investigations of scripts/experiments/ that run on the CPU, so that they still run and still show
 what docs/ records of them."""
 
+import pytest
+
 from scripts_under_test import load_script
 
 
@@ -52,3 +54,24 @@ def test_depthwise_precision_measures_the_rounding_floor():
     for k in range(25):  # a 5x5 stencil's 25 taps, each product and sum rounded to fp16
         acc16 = (acc16 + (x[:, k].half() * w[k].half())).half()
     assert script.relative_error(acc16, ref) > 2 * rounded
+
+
+def test_weight_cast_host_time_times_both_casts_in_alternating_rounds(capsys):
+    """weight_cast_host_time.py, whose CPU figures docs/kernel_notes.md records: both weight casts run the same
+    eager steps (one round each per round), and the table reports every round of each."""
+    script = load_script("experiments/weight_cast_host_time")
+    times = script.measure(steps=2, rounds=3, warmup=1, width_mult=0.25, batch=2, resolution=32)
+    assert list(times) == list(script.VARIANTS)
+    assert all(len(ts) == 3 and all(t > 0 for t in ts) for ts in times.values())
+    assert script.main(["--steps", "2", "--rounds", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "| autocast's per-weight casts |" in out and "one-buffer cast minus per-weight casts:" in out
+
+
+def test_weight_cast_host_time_refuses_what_it_cannot_run(capsys):
+    script = load_script("experiments/weight_cast_host_time")
+    for argv, words in ((["--dtype", "fp16"], "CPU autocast runs bf16"), (["--backend", "custom"], "needs a CUDA GPU"),
+                        (["--batch", "1"], "--batch must be >= 2")):
+        with pytest.raises(SystemExit):
+            script.main(argv)
+        assert words in capsys.readouterr().err
