@@ -250,10 +250,11 @@ __global__ void __launch_bounds__(kRingLanes, kRingBlocksPerSM)
 constexpr size_t kRingBudget = 113 * 1024;
 static_assert(kRingBlocksPerSM * (kRingBudget + 1024) <= 228 * 1024, "the rings of kRingBlocksPerSM blocks fit an SM");
 
-// A block's cost besides its bands, in bands: at its start every resident block asks for a full ring of rows at once,
-// and the first band waits for them; at its end the last bands compute with no copy in flight. On the H200, fp16
-// 16x112x112 (8-row bands, 14 an image, batch 256) took 0.075, 0.083 and 0.093 ms at 14, 7 and 4 bands per block
-// (1, 2 and 4 waves): 1-1.7 bands a wave besides the bands themselves (docs/kernels.md).
+// A block's cost besides its bands, in bands; the likely reasons, not separately measured: at its start every
+// resident block asks for a full ring of rows at once, and the first band waits for them; at its end the last bands
+// compute with no copy in flight. On the H200, fp16 16x112x112 (8-row bands, 14 an image, batch 256) took 0.075,
+// 0.083 and 0.093 ms at 14, 7 and 4 bands per block (1, 2 and 4 waves): 1-1.7 bands a wave besides the bands
+// themselves (docs/kernels.md).
 constexpr float kRingBandFixed = 1.5f;
 
 // Bands per block for a ring over `rows` rows of n images in bands of band_rows: RING_BLOCK_ROWS > 0 rows (rounded up
