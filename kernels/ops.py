@@ -59,6 +59,15 @@ def _setup_context(ctx, inputs, output):
     ctx.has_bias = bias is not None
 
 
+def _in_weight_strides(gw: Tensor | None, w: Tensor) -> Tensor | None:
+    """The weight gradient (made contiguous) in the weight's own strides. A [C, 1, kh, kw] weight in channels_last
+    is the same memory as a contiguous one, with another stride for its size-1 dimension; DDP's gradient buckets
+    compare every stride and copy the gradient (with a warning) each step where they differ."""
+    if gw is None or gw.stride() == w.stride() or not (gw.is_contiguous() and w.is_contiguous()):
+        return gw
+    return gw.as_strided(w.shape, w.stride())
+
+
 def _backward(ctx, grad):
     x, w, y = ctx.saved_tensors
     mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]]
@@ -69,7 +78,8 @@ def _backward(ctx, grad):
         grad = grad * passes
     # One op for all three gradients: grad_out is consumed by dgrad and wgrad in the same call.
     gx, gw, gb = _bwd(grad.to(x.dtype), x, w, *ctx.conv_args, mask)
-    return (gx if mask[0] else None, gw if mask[1] else None, gb if mask[2] else None, None, None, None, None)
+    return (gx if mask[0] else None, _in_weight_strides(gw, w) if mask[1] else None, gb if mask[2] else None,
+            None, None, None, None)
 
 
 torch.library.register_autograd("mobilenet_dw::depthwise_fwd", _backward, setup_context=_setup_context)
@@ -90,7 +100,7 @@ def _stats_backward(ctx, grad, _grad_partials):
     if grad is None or not any(mask):
         return None, None, None, None
     gx, gw, _ = _bwd(grad.to(x.dtype), x, w, *ctx.conv_args, mask)
-    return gx if mask[0] else None, gw if mask[1] else None, None, None
+    return gx if mask[0] else None, _in_weight_strides(gw, w) if mask[1] else None, None, None
 
 
 torch.library.register_autograd("mobilenet_dw::depthwise_fwd_stats", _stats_backward,

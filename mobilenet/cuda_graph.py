@@ -13,6 +13,11 @@ What a captured step needs, and how it is met here:
   LR scheduler fills in place every step (torch's fused SGD reads it on the device, no host read);
 - no host syncs or lazy set-up inside the capture: the first `warmup_steps` run eagerly on a side stream, as
   torch's whole-network capture recipe does (cuDNN autotuning, GradScaler and optimizer state happen there).
+- under DDP (torchrun), the gradient all-reduce is captured with the rest (NCCL collectives can be): DDP is built
+  on the capture's side stream, since the gradient accumulators it keeps remember the stream they were made on,
+  and a backward captured on another stream would wait on that one; and at least DDP_WARMUP_STEPS steps run eager
+  first, torch's recipe for DDP (DDP rebuilds its gradient buckets after its first iteration and samples its
+  runtime statistics at its tenth). sync_bn's statistics all-reduces are captured too (both norms' are sync-free).
 Every step, eager or replayed, is a real training step: nothing is run twice.
 """
 
@@ -28,6 +33,8 @@ from .config import enum_value
 from .errors import ConfigError
 
 MODES = ("auto", "true", "false")
+# torch's CUDA-graph notes: DDP needs this many eager iterations before its backward can be captured.
+DDP_WARMUP_STEPS = 11
 
 
 def parse_mode(value) -> str:
@@ -38,13 +45,11 @@ def parse_mode(value) -> str:
     return mode
 
 
-def blockers(cfg, device: torch.device, distributed: bool) -> list[str]:
+def blockers(cfg, device: torch.device) -> list[str]:
     """Why this run's training step cannot be captured; empty when it can."""
     out = []
     if device.type != "cuda":
         out.append(f"the run's device is {device.type} (CUDA graphs need a GPU)")
-    if distributed:
-        out.append("the run is distributed (torchrun): DDP's gradient all-reduce is not captured by this project yet")
     if cfg.compile:
         out.append("compile=true: Inductor launches the compiled kernels (its mode='reduce-overhead' is where capture "
                    "belongs), and the two are not combined here")
@@ -73,13 +78,15 @@ def resolve(cfg, device: torch.device, distributed: bool) -> tuple[bool, str]:
     mode = parse_mode(cfg.cuda_graph)
     if mode == "false":
         return False, "off (cuda_graph=false)"
-    reasons = blockers(cfg, device, distributed)
+    reasons = blockers(cfg, device)
     if mode == "true" and reasons:
         raise ValueError("cuda_graph=true, but this run's training step cannot be captured: " + "; ".join(reasons)
                          + ". Use cuda_graph=auto (captures where it can, and says so) or cuda_graph=false")
     reasons = reasons if mode == "true" else reasons + measured_slower(cfg)
     if reasons:
         return False, "off (cuda_graph=auto: " + "; ".join(reasons) + ")"
+    if distributed:
+        return True, f"on (cuda_graph={mode}; DDP's gradient all-reduce captured with the step)"
     return True, f"on (cuda_graph={mode})"
 
 
@@ -106,7 +113,9 @@ class CapturedStep:
     (or copy it) on the current stream before that, as the training loop's loss read-back does."""
 
     def __init__(self, step: Callable[[Tensor, Tensor], Tensor], optimizer: torch.optim.Optimizer, device: torch.device,
-                 warmup_steps: int = 3):
+                 warmup_steps: int = 3, stream: torch.cuda.Stream | None = None):
+        """`stream`: the side stream to warm up and capture on (a new one when None); a DDP model must have been
+        wrapped on it."""
         if warmup_steps < 1:
             raise ValueError(f"CapturedStep needs at least 1 eager warm-up step before capture, got {warmup_steps}")
         self.step = step
@@ -118,7 +127,7 @@ class CapturedStep:
         self.static_images: Tensor | None = None
         self.static_labels: Tensor | None = None
         self.static_loss: Tensor | None = None
-        self._side = torch.cuda.Stream(device)
+        self._side = stream if stream is not None else torch.cuda.Stream(device)
         lr_to_device(optimizer, device)
         self._lrs = [group["lr"] for group in optimizer.param_groups]
 
@@ -168,6 +177,15 @@ class CapturedStep:
             if group["lr"] is not lr:
                 raise RuntimeError("cuda_graph: an optimizer learning rate was replaced instead of filled in place; "
                                    "the captured step would keep using the old value")
+
+
+def captured_step(step: Callable[[Tensor, Tensor], Tensor], optimizer: torch.optim.Optimizer,
+                  stream: torch.cuda.Stream | None, distributed: bool) -> CapturedStep | None:
+    """A training run's captured step on `stream` (the one its DDP model was wrapped on); None for an eager run."""
+    if stream is None:
+        return None
+    return CapturedStep(step, optimizer, stream.device, warmup_steps=DDP_WARMUP_STEPS if distributed else 3,
+                        stream=stream)
 
 
 # --- inference: the whole forward replayed --------------------------------------------------------------------

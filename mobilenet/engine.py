@@ -148,9 +148,11 @@ def build_for_run(cfg, device: torch.device, num_classes: int, model: nn.Module 
     return model
 
 
-def _forward_for_run(model: nn.Module, cfg, device: torch.device, dist: distributed.DistInfo) -> tuple[nn.Module, str]:
+def _forward_for_run(model: nn.Module, cfg, device: torch.device, dist: distributed.DistInfo,
+                     capture_stream: torch.cuda.Stream | None) -> tuple[nn.Module, str]:
     """What a training step calls: the model, its weights cast as one buffer (perf.amp_weight_cast), wrapped for data
-    parallelism and compiled as configured; and how the weights are cast, for the summary."""
+    parallelism (on `capture_stream` where the step is captured: cuda_graph.py says why) and compiled as
+    configured; and how the weights are cast, for the summary."""
     with checking_user_input(ValueError):  # perf.amp_weight_cast=true where it cannot run
         cast_weights, cast_state = amp_weights.plan(cfg, dist.enabled, model)
     wrapped = model
@@ -159,8 +161,9 @@ def _forward_for_run(model: nn.Module, cfg, device: torch.device, dist: distribu
     if dist.enabled:
         from torch.nn.parallel import DistributedDataParallel
 
-        wrapped = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
-                                          gradient_as_bucket_view=True)
+        with streams.issued_on(capture_stream):
+            wrapped = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
+                                              gradient_as_bucket_view=True)
     return (torch.compile(wrapped) if cfg.compile else wrapped), cast_state
 
 
@@ -268,15 +271,15 @@ class Trainer:
         self.model = build_for_run(cfg, self.device, self.train_loader.num_classes, model)
         self.model, self.sync_bn_state = _synchronise_batchnorm(self.model, cfg, self.dist.world_size)
         self.backend_label = backend_label or cfg.backend.name
-        # Figures measured outside fit() (e.g. inference img/s) to log as perf/<name> and hparam/<name>.
-        self.forward, self.weight_cast_state = _forward_for_run(self.model, cfg, self.device, self.dist)
-        self._build_optimization(cfg, use_graph)
+        capture_stream = torch.cuda.Stream(self.device) if use_graph else None  # None: an eager run
+        self.forward, self.weight_cast_state = _forward_for_run(self.model, cfg, self.device, self.dist, capture_stream)
+        self._build_optimization(cfg, capture_stream)
         self.env = environment(self.device)
         # Only rank 0 writes: one TensorBoard run and one checkpoint per training run.
         self.tb = TensorBoardLog(str(self.run_dir), enabled=self.dist.is_main)
         self.profiler = None
 
-    def _build_optimization(self, cfg, use_graph: bool) -> None:
+    def _build_optimization(self, cfg, capture_stream: torch.cuda.Stream | None) -> None:
         """Optimizer, schedule, loss scaling and loss; then the resume, and the captured step over what it restored."""
         self.optimizer = build_optimizer(cfg, self.model, cfg.data.batch_size * self.dist.world_size)
         self.scheduler = build_scheduler(cfg, self.optimizer, self.steps_per_epoch)
@@ -290,7 +293,7 @@ class Trainer:
                 self.train_loader.num_classes)
         self.start_step = self.global_step
         # After the resume: the restored learning rates become the captured step's device tensors.
-        self.graphed = cuda_graph.CapturedStep(self._step_math, self.optimizer, self.device) if use_graph else None
+        self.graphed = cuda_graph.captured_step(self._step_math, self.optimizer, capture_stream, self.dist.enabled)
         if not cfg.profile:  # profile=true sizes its own windows
             check_steps_to_time(cfg, self.epoch, self.steps_per_epoch, self.graphed)
 

@@ -78,3 +78,22 @@ def test_cudnn_backend_runs_cudnn_kernels_not_the_native_ones(dtype, channels_la
     _, names = _profiled(lambda: conv(x, w, None, (1, 1), (1, 1), (1, 1)).sum().backward())
     assert not [n for n in names if "conv_depthwise2d" in n], names
     assert any(("cudnn" in n.lower() or "xmma" in n.lower() or "sm90" in n.lower() or "conv" in n.lower()) for n in names), names
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "cudnn", "custom"])
+@pytest.mark.parametrize("amp", [None, torch.float16])
+def test_channels_last_weight_gradients_have_their_weights_strides(backend, amp):
+    """DDP's gradient buckets take each gradient in its parameter's strides, every stride compared (a [C, 1, 3, 3]
+    depthwise weight's size-1 dimension too): any other strides cost a copy and a warning at every step."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from mobilenet.model import build_model
+
+    model = build_model("mobilenet_v1", 10, 0.25, backend).cuda().to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 64, 64, device="cuda").contiguous(memory_format=torch.channels_last)
+    with torch.autocast("cuda", dtype=amp or torch.float32, enabled=amp is not None):
+        loss = model(x).float().square().mean()
+    loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.stride() == p.stride(), (name, p.grad.stride(), p.stride())

@@ -41,9 +41,14 @@ def test_auto_captures_dali_runs_only_with_32_work_queues_and_true_captures_them
     assert cuda_graph.resolve(compose(["data=dali", "cuda_graph=auto"]), CUDA, distributed=False) == (True, "on (cuda_graph=auto)")
 
 
+def test_a_distributed_run_is_captured_with_its_gradient_all_reduce():
+    assert cuda_graph.resolve(compose(["cuda_graph=auto"]), CUDA, distributed=True) == (
+        True, "on (cuda_graph=auto; DDP's gradient all-reduce captured with the step)")
+    assert cuda_graph.resolve(compose(["cuda_graph=false"]), CUDA, distributed=True) == (False, "off (cuda_graph=false)")
+
+
 @pytest.mark.parametrize("overrides, device, distributed, reason", [
     ([], torch.device("cpu"), False, "device is cpu"),
-    ([], CUDA, True, "distributed"),
     (["compile=true"], CUDA, False, "compile=true"),
     (["profile=true"], CUDA, False, "profile=true"),
     (["optim.impl=foreach"], CUDA, False, "optim=sgd with optim.impl=foreach"),

@@ -398,10 +398,12 @@ def test_torchrun_on_two_gpus_trains_with_the_synchronised_fused_norm(tmp_path):
         pytest.skip(f"needs 2 CUDA GPUs, this machine has {torch.cuda.device_count()}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "train.py",
            "device=cuda", "norm=custom", "backend=custom", "sync_bn=true", "amp=true", "channels_last=true",
-           "data=synthetic", "data.steps_per_epoch=8", "data.batch_size=32", "data.resolution=64",
+           "data=synthetic", "data.steps_per_epoch=16", "data.batch_size=32", "data.resolution=64",
            "data.num_classes=100", "epochs=1", "evaluate=false", "save_checkpoints=false", "progress=false",
            "perf.warmup_steps=2", f"log_root={tmp_path}"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "NCCL_NVLS_ENABLE": "0", "COLUMNS": "200"})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    assert "SyncCustomBatchNormReLU" in out.stdout and "statistics over 2 ranks" in out.stdout, out.stdout[-3000:]
+    # COLUMNS: the summary table's rows on one line each, as the assertions read them.
+    assert "on (SyncCustomBatchNormReLU; statistics over 2 ranks)" in out.stdout, out.stdout[-3000:]
+    assert "DDP's gradient all-reduce captured with the step" in out.stdout, out.stdout[-3000:]
