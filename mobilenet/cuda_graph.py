@@ -23,6 +23,7 @@ Every step, eager or replayed, is a real training step: nothing is run twice.
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
@@ -35,6 +36,8 @@ from .errors import ConfigError
 MODES = ("auto", "true", "false")
 # torch's CUDA-graph notes: DDP needs this many eager iterations before its backward can be captured.
 DDP_WARMUP_STEPS = 11
+# Every CapturedStep alive, so that a process can release their graphs before it destroys its process group.
+_LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
 def parse_mode(value) -> str:
@@ -130,9 +133,14 @@ class CapturedStep:
         self._side = stream if stream is not None else torch.cuda.Stream(device)
         lr_to_device(optimizer, device)
         self._lrs = [group["lr"] for group in optimizer.param_groups]
+        self.released = False
+        _LIVE.add(self)
 
     def __call__(self, images: Tensor, labels: Tensor) -> Tensor:
         self._check_lrs()
+        if self.released:
+            raise RuntimeError("cuda_graph: this captured step was released (its process group is being destroyed); "
+                               "build a new Trainer to train again")
         if self.graph is None:
             if self.eager_steps < self.warmup_steps:
                 return self._eager(images, labels)
@@ -141,6 +149,16 @@ class CapturedStep:
             self._load(images, labels)
         self.graph.replay()
         return self.static_loss
+
+    def release(self) -> None:
+        """Free the graph. A graph that captured NCCL collectives holds a reference on their communicator, and
+        destroying the process group waits for it forever (NCCL's commDestroy waits until no graph holds one)."""
+        if self.graph is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._side)
+            torch.cuda.synchronize(self.device)
+            self.graph.reset()
+            self.graph = None
+        self.released = True
 
     def _eager(self, images: Tensor, labels: Tensor) -> Tensor:
         with streams.issued_on(self._side):
@@ -177,6 +195,12 @@ class CapturedStep:
             if group["lr"] is not lr:
                 raise RuntimeError("cuda_graph: an optimizer learning rate was replaced instead of filled in place; "
                                    "the captured step would keep using the old value")
+
+
+def release_captured_steps() -> None:
+    """Release every live captured step's graph (before a process group is destroyed: CapturedStep.release)."""
+    for step in list(_LIVE):
+        step.release()
 
 
 def captured_step(step: Callable[[Tensor, Tensor], Tensor], optimizer: torch.optim.Optimizer,

@@ -13,6 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .cuda_graph import release_captured_steps
 from .meter import Throughput
 
 
@@ -76,6 +77,7 @@ def max_over_ranks(value: float, device: torch.device, info: DistInfo) -> float:
 
 def shutdown() -> None:
     if dist.is_initialized():
+        release_captured_steps()  # graphs that captured NCCL collectives would block the destroy forever
         dist.destroy_process_group()
 
 

@@ -171,6 +171,19 @@ def test_a_captured_fit_logs_every_step_and_learns(tmp_path):
 
 
 @pytest.mark.gpu
+def test_released_captured_steps_free_their_graphs_and_refuse_further_steps(tmp_path):
+    t = Trainer(compose([*GPU_RUN, "backend=torch", "cuda_graph=true"]), tmp_path)
+    images, labels = next(iter(t.train_loader))
+    for _ in range(4):  # 3 eager steps, then the capture
+        t.train_step(images, labels)
+    assert t.graphed.graph is not None
+    cuda_graph.release_captured_steps()  # what distributed.shutdown() does before destroying the process group
+    assert t.graphed.graph is None and t.graphed.released
+    with pytest.raises(RuntimeError, match="was released"):
+        t.train_step(images, labels)
+
+
+@pytest.mark.gpu
 def test_the_captured_optimizer_step_uses_the_scheduled_lr_and_refuses_other_batch_shapes():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 8 * 8, 4)).cuda()
