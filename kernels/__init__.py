@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["KernelUnavailable", "load", "build", "build_dir", "kernel_layout", "CSRC"]
+__all__ = ["KernelUnavailable", "load", "build", "build_dir", "kernel_layout", "in_weight_strides", "CSRC"]
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ["depthwise_ops.cpp", "depthwise_dispatch.cpp", "launch_plan.cpp", "depthwise_forward.cu",
@@ -44,6 +44,15 @@ def kernel_layout(x: torch.Tensor) -> torch.memory_format:
     from torch._prims_common import suggest_memory_format
 
     return suggest_memory_format(x)
+
+
+def in_weight_strides(grad_w: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor | None:
+    """A depthwise weight gradient (made contiguous) in the weight's own strides. A [C, 1, kh, kw] weight in
+    channels_last is the same memory as a contiguous one, with another stride for its size-1 dimension; DDP's
+    gradient buckets compare every stride and copy the gradient (with a warning) each step where they differ."""
+    if grad_w is None or grad_w.stride() == w.stride() or not (grad_w.is_contiguous() and w.is_contiguous()):
+        return grad_w
+    return grad_w.as_strided(w.shape, w.stride())
 
 
 def _is_toolkit(home: str | Path | None) -> bool:

@@ -49,7 +49,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import kernel_layout, load
+from . import in_weight_strides, kernel_layout, load
 from .depthwise_args import out_shape, stats_unsupported
 from .norm_ops import _check_running_update, _check_supported, _check_unbiased_count, _f32
 
@@ -180,8 +180,8 @@ class _BatchNormReluDepthwise(torch.autograd.Function):
         elif grad_x is not None:
             grad_y, grad_norm_weight, grad_norm_bias = _bn_bwd(grad_x, y, norm_weight, norm_bias, mean, invstd)
         return (grad_y if needs[0] else None, grad_norm_weight if needs[1] else None,
-                grad_norm_bias if needs[2] else None, grad_conv_weight if needs[3] else None, None, None, None, None,
-                None, None, None, None, None, None)
+                grad_norm_bias if needs[2] else None, in_weight_strides(grad_conv_weight, conv_weight) if needs[3] else None,
+                None, None, None, None, None, None, None, None, None, None)
 
 
 def next_norm_unsupported(y: Tensor, weight: Tensor, bias: Tensor | None, stride, padding) -> str | None:
@@ -281,8 +281,8 @@ class _BatchNormReluDepthwiseBatchNormRelu(torch.autograd.Function):
         grad_y, grad_norm_weight, grad_norm_bias = _bn_bwd_from_sums(grad_x, y, norm_weight, norm_bias, mean, invstd,
                                                                      bn_sums)
         return (grad_y if needs[0] else None, grad_norm_weight if needs[1] else None,
-                grad_norm_bias if needs[2] else None, grad_conv_weight if needs[3] else None, None, None, None, None,
-                None, None, None, None, grad_out_weight if needs[12] else None,
+                grad_norm_bias if needs[2] else None, in_weight_strides(grad_conv_weight, conv_weight) if needs[3] else None,
+                None, None, None, None, None, None, None, None, grad_out_weight if needs[12] else None,
                 grad_out_bias if needs[13] else None, None, None, None, None, None)
 
 

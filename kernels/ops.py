@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import kernel_layout, load
+from . import in_weight_strides, kernel_layout, load
 from .conv_arith import IntOrPair, resolve_padding, to_pair
 from .depthwise_args import check_supported as _check_supported
 from .depthwise_args import out_shape, stats_bands, stats_unsupported
@@ -59,15 +59,6 @@ def _setup_context(ctx, inputs, output):
     ctx.has_bias = bias is not None
 
 
-def _in_weight_strides(gw: Tensor | None, w: Tensor) -> Tensor | None:
-    """The weight gradient (made contiguous) in the weight's own strides. A [C, 1, kh, kw] weight in channels_last
-    is the same memory as a contiguous one, with another stride for its size-1 dimension; DDP's gradient buckets
-    compare every stride and copy the gradient (with a warning) each step where they differ."""
-    if gw is None or gw.stride() == w.stride() or not (gw.is_contiguous() and w.is_contiguous()):
-        return gw
-    return gw.as_strided(w.shape, w.stride())
-
-
 def _backward(ctx, grad):
     x, w, y = ctx.saved_tensors
     mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]]
@@ -78,7 +69,7 @@ def _backward(ctx, grad):
         grad = grad * passes
     # One op for all three gradients: grad_out is consumed by dgrad and wgrad in the same call.
     gx, gw, gb = _bwd(grad.to(x.dtype), x, w, *ctx.conv_args, mask)
-    return (gx if mask[0] else None, _in_weight_strides(gw, w) if mask[1] else None, gb if mask[2] else None,
+    return (gx if mask[0] else None, in_weight_strides(gw, w) if mask[1] else None, gb if mask[2] else None,
             None, None, None, None)
 
 
@@ -100,7 +91,7 @@ def _stats_backward(ctx, grad, _grad_partials):
     if grad is None or not any(mask):
         return None, None, None, None
     gx, gw, _ = _bwd(grad.to(x.dtype), x, w, *ctx.conv_args, mask)
-    return gx if mask[0] else None, _in_weight_strides(gw, w) if mask[1] else None, None, None
+    return gx if mask[0] else None, in_weight_strides(gw, w) if mask[1] else None, None, None
 
 
 torch.library.register_autograd("mobilenet_dw::depthwise_fwd_stats", _stats_backward,

@@ -38,6 +38,9 @@ kernels.md) or MBN_DEPTHWISE_BACKWARD, end to end and in alternating processes w
         channels_last=true compile=false data=synthetic cuda_graph=true
 compare.py shows a variant's rows with the backend as `custom [MDW_BWD_RING=0]`.
 
+Within a round, the backends, norms and environment variants of one precision and layout run back to back, so the
+runs a comparison reads are close in time, and a matrix cut short by --time-budget still holds whole comparisons.
+
 --repeats N measures every combination N times, each time in a process of its own, in rounds: every combination once,
 then every combination again, so that the runs of a pair (custom and cudnn of one setting) alternate. Round k > 1
 writes to `<combination>,repeat=k`. compare.py turns the runs of one combination into their median and shows their

@@ -81,16 +81,19 @@ def test_cudnn_backend_runs_cudnn_kernels_not_the_native_ones(dtype, channels_la
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["torch", "cudnn", "custom"])
+@pytest.mark.parametrize("backend, norm", [("torch", "torch"), ("cudnn", "torch"), ("custom", "torch"),
+                                           ("custom", "custom")])
 @pytest.mark.parametrize("amp", [None, torch.float16])
-def test_channels_last_weight_gradients_have_their_weights_strides(backend, amp):
+def test_channels_last_weight_gradients_have_their_weights_strides(backend, norm, amp):
     """DDP's gradient buckets take each gradient in its parameter's strides, every stride compared (a [C, 1, 3, 3]
     depthwise weight's size-1 dimension too): any other strides cost a copy and a warning at every step."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from mobilenet.model import build_model
 
-    model = build_model("mobilenet_v1", 10, 0.25, backend).cuda().to(memory_format=torch.channels_last)
+    # norm=custom: with the BatchNorm+ReLU applied by the next depthwise kernel (its own weight-gradient path).
+    model = build_model("mobilenet_v1", 10, 0.25, backend, norm=norm, apply_norm_in_depthwise=norm == "custom")
+    model = model.cuda().to(memory_format=torch.channels_last)
     x = torch.randn(2, 3, 64, 64, device="cuda").contiguous(memory_format=torch.channels_last)
     with torch.autocast("cuda", dtype=amp or torch.float32, enabled=amp is not None):
         loss = model(x).float().square().mean()

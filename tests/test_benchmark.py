@@ -59,6 +59,15 @@ def test_finished_runs_are_kept_when_the_matrix_is_run_again(matrix, tmp_path):
     assert {p: p.stat().st_mtime_ns for p in copy.rglob("events.out.tfevents.*")} == before
 
 
+def test_the_backends_of_one_setting_run_back_to_back():
+    combos = benchmark.plan(benchmark.parse_args(["--backends", "cudnn,custom", "--amp", "off,fp16", "--channels-last",
+                                                  "false,true", "--data", "synthetic", "--compile", "false",
+                                                  "--peer", "no"]))
+    settings = [(c.amp, c.channels_last) for c in combos]
+    assert [c.backend for c in combos] == ["cudnn", "custom"] * 4
+    assert settings[0::2] == settings[1::2] and len(set(settings)) == 4  # each pair one setting, every setting once
+
+
 def test_axes_are_selected_with_overrides():
     full = benchmark.plan(benchmark.parse_args([]))
     assert len(full) == 3 * 3 * 2 * 2 * 2 + 3 * 2 * 2  # the grid plus the timm peer on synthetic data

@@ -169,13 +169,16 @@ _ENV_SETTING = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=\S*")
 
 
 def plan(args: argparse.Namespace) -> list[Combo]:
-    """Every combination asked for, grouped so that all runs of one data kind and compile setting are adjacent."""
+    """Every combination asked for, grouped so that all runs of one data kind and compile setting are adjacent, and
+    within them the backends, norms and environment variants of one precision and layout back to back: the runs a
+    comparison reads are close in time (clock and thermal drift hit them alike), and a matrix that --time-budget or
+    an interruption cuts short leaves whole comparisons, not one backend's rows."""
     combos = []
     for data, compile_, graph in itertools.product(args.data, args.compile, args.cuda_graph):
         backends = [] if args.peer == "only" else list(args.backends)
         if args.peer != "no" and data == "synthetic":
             backends.append(PEER_BACKEND)
-        for backend, amp, cl in itertools.product(backends, args.amp, args.channels_last):
+        for amp, cl, backend in itertools.product(args.amp, args.channels_last, backends):
             for norm in (["torch"] if backend == PEER_BACKEND else args.norms):
                 # The environment variants of one setting run back to back (the peer's: its own environment only).
                 for env in ([""] if backend == PEER_BACKEND else args.env):
