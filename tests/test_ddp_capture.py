@@ -109,3 +109,24 @@ def test_a_replayed_ddp_step_does_what_an_eager_ddp_step_does_and_keeps_the_rank
     for name, g in ranks[0]["graphed"].items():
         if "running_" not in name or case[2]:  # without sync_bn each rank keeps its own BatchNorm statistics
             assert torch.equal(g, ranks[1]["graphed"][name]), name
+
+
+@gpu
+def test_a_captured_torchrun_run_evaluates_and_checkpoints_between_replays(tmp_path):
+    """Validation (DDP's uncaptured buffer broadcast and the metric all-reduces) and checkpoints (a barrier) between
+    replayed steps that hold captured NCCL collectives on the same communicator, over two epochs; then a clean exit."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 CUDA GPUs, this machine has {torch.cuda.device_count()}")
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "train.py",
+           *[o for o in RUN if not o.startswith(("evaluate=", "save_checkpoints=", "epochs="))],
+           "backend=custom", "norm=custom", "epochs=2", "evaluate=true", "save_checkpoints=true", "data.val_steps=2",
+           f"log_root={tmp_path}"]
+    out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "NCCL_NVLS_ENABLE": "0", "COLUMNS": "200"})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert "DDP's gradient all-reduce captured with the step" in out.stdout, out.stdout[-3000:]
+    assert "val top-1 %" in out.stdout, out.stdout[-3000:]
