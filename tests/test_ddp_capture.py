@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+
+from test_sync_norm import _free_port
 
 gpu = pytest.mark.gpu
 CASES = [("custom", "custom", False), ("custom", "custom", True), ("cudnn", "torch", False), ("cudnn", "torch", True)]
@@ -29,12 +32,6 @@ _COMPARED_STEPS = 2
 def _case_id(case) -> str:
     backend, norm, sync = case
     return f"{backend}-{norm}-sync_bn={str(sync).lower()}"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _twin_steps(case, out: Path, rank: int) -> dict:
@@ -117,9 +114,6 @@ def test_a_captured_torchrun_run_evaluates_and_checkpoints_between_replays(tmp_p
     replayed steps that hold captured NCCL collectives on the same communicator, over two epochs; then a clean exit."""
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 CUDA GPUs, this machine has {torch.cuda.device_count()}")
-    import subprocess
-    import sys
-
     root = Path(__file__).resolve().parent.parent
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "train.py",
            *[o for o in RUN if not o.startswith(("evaluate=", "save_checkpoints=", "epochs="))],

@@ -97,6 +97,12 @@ def _cell(sums: dict[tuple[str, str, str, str], SuiteSums], suite: str, dtype: s
     return " / ".join(parts)
 
 
+def _figures(what: str, all_sums: list[SuiteSums], keep, value, label=lambda s: s.suite) -> list[str]:
+    """One line, `what: <label> <value>x, ...`, over the sums `keep` selects whose value is known; none without one."""
+    cells = [f"{label(s)} {v:.2f}x" for s in all_sums if keep(s) and not math.isnan(v := value(s))]
+    return [f"{what}: " + ", ".join(cells) + "."] if cells else []
+
+
 def markdown(all_sums: list[SuiteSums], custom: str = "custom") -> str:
     """The table: a row per suite, a column per dtype x layout, each cell forward / forward+backward speed-up
     (bold below 1.00), then how many sums are at least 1.00, the channels_last forward+backward and the fp32 NCHW
@@ -113,19 +119,15 @@ def markdown(all_sums: list[SuiteSums], custom: str = "custom") -> str:
     ratios = [s.speed_up(custom)[0] for s in all_sums if s.mode in _MODES]
     ratios = [r for r in ratios if not math.isnan(r)]
     lines += ["", f"{sum(r >= 1.0 for r in ratios)} of {len(ratios)} sums at least 1.00."]
-    floors = [f"{s.suite} {s.dtype} {s.over_floor(custom):.2f}x" for s in all_sums
-              if s.layout == "nhwc" and s.mode == "fwdbwd" and not math.isnan(s.over_floor(custom))]
-    if floors:
-        lines.append(f"channels_last forward+backward, {custom} over the HBM floor: " + ", ".join(floors) + ".")
+    lines += _figures(f"channels_last forward+backward, {custom} over the HBM floor", all_sums,
+                      lambda s: s.layout == "nhwc" and s.mode == "fwdbwd", lambda s: s.over_floor(custom),
+                      lambda s: f"{s.suite} {s.dtype}")
     # The issue's other two quantities, for every suite that has them (its bounds are on large_k7's).
-    nchw = [f"{s.suite} {s.over_floor(custom):.2f}x" for s in all_sums
-            if (s.dtype, s.layout, s.mode) == ("fp32", "nchw", "fwd") and not math.isnan(s.over_floor(custom))]
-    if nchw:
-        lines.append(f"fp32 NCHW forward, {custom} over the HBM floor: " + ", ".join(nchw) + ".")
-    vs_cudnn = [f"{s.suite} {s.against('cudnn', custom):.2f}x" for s in all_sums
-                if (s.dtype, s.layout, s.mode) == ("fp16", "nhwc", "fwd") and not math.isnan(s.against("cudnn", custom))]
-    if vs_cudnn:
-        lines.append(f"fp16 channels_last forward, {custom} against cudnn alone: " + ", ".join(vs_cudnn) + ".")
+    lines += _figures(f"fp32 NCHW forward, {custom} over the HBM floor", all_sums,
+                      lambda s: (s.dtype, s.layout, s.mode) == ("fp32", "nchw", "fwd"), lambda s: s.over_floor(custom))
+    lines += _figures(f"fp16 channels_last forward, {custom} against cudnn alone", all_sums,
+                      lambda s: (s.dtype, s.layout, s.mode) == ("fp16", "nhwc", "fwd"),
+                      lambda s: s.against("cudnn", custom))
     sources: dict[str, dict[str, None]] = defaultdict(dict)
     for s in all_sums:
         sources[s.source][f"{s.suite} {s.layout.upper()}"] = None
