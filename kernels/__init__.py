@@ -19,9 +19,9 @@ import torch
 __all__ = ["KernelUnavailable", "load", "build", "build_dir", "kernel_layout", "in_weight_strides", "CSRC"]
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ["depthwise_ops.cpp", "depthwise_dispatch.cpp", "launch_plan.cpp", "depthwise_forward.cu",
-            "depthwise_input_grad.cu", "depthwise_weight_grad.cu", "depthwise_k57.cu", "depthwise_smem.cu",
-            "depthwise_mma.cu", "depthwise_mma_walk.cu", "depthwise_ring.cu",
+_SOURCES = ["depthwise_ops.cpp", "depthwise_autograd.cpp", "depthwise_dispatch.cpp", "launch_plan.cpp",
+            "depthwise_forward.cu", "depthwise_input_grad.cu", "depthwise_weight_grad.cu", "depthwise_k57.cu",
+            "depthwise_smem.cu", "depthwise_mma.cu", "depthwise_mma_walk.cu", "depthwise_ring.cu",
             "batchnorm_ops.cpp", "batchnorm_relu.cu"]  # the fused BatchNorm+ReLU ops (mobilenet_bn)
 _EXT_NAME = "mobilenet_dw_kernels"
 _DEFAULT_ARCH = "9.0"  # H100/H200: the GPUs this project is tuned for

@@ -1,6 +1,7 @@
-"""Python side of the custom depthwise op: fake (meta) kernels, autograd, autocast, and the public
-`depthwise_conv2d`. Importing this module builds/loads the CUDA extension (kernels.load()), so it raises
-kernels.KernelUnavailable where the kernels cannot run.
+"""Python side of the custom depthwise op: fake (meta) kernels, depthwise_fwd_stats' autograd, and the public
+`depthwise_conv2d`; depthwise_fwd's autograd and the ops' autocast kernels are C++ (csrc/depthwise_autograd.cpp).
+Importing this module builds/loads the CUDA extension (kernels.load()), so it raises kernels.KernelUnavailable where
+the kernels cannot run.
 """
 
 from __future__ import annotations
@@ -50,31 +51,8 @@ def _fwd_stats_fake(x, w, stride, padding):
     return y, x.new_empty((bands, 3, shape[1]), dtype=torch.float64)
 
 
-def _setup_context(ctx, inputs, output):
-    x, w, bias, stride, padding, dilation, *rest = inputs
-    ctx.activation = rest[0] if rest else 0
-    # With an activation the output is needed for its gradient mask (y > 0, and y < 6 for ReLU6).
-    ctx.save_for_backward(x, w, output if ctx.activation else None)
-    ctx.conv_args = (stride, padding, dilation)
-    ctx.has_bias = bias is not None
-
-
-def _backward(ctx, grad):
-    x, w, y = ctx.saved_tensors
-    mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]]
-    if not any(mask):
-        return None, None, None, None, None, None, None
-    if ctx.activation:
-        passes = y > 0 if ctx.activation == ACTIVATIONS["relu"] else (y > 0) & (y < 6)
-        grad = grad * passes
-    # One op for all three gradients: grad_out is consumed by dgrad and wgrad in the same call.
-    gx, gw, gb = _bwd(grad.to(x.dtype), x, w, *ctx.conv_args, mask)
-    return (gx if mask[0] else None, in_weight_strides(gw, w) if mask[1] else None, gb if mask[2] else None,
-            None, None, None, None)
-
-
-torch.library.register_autograd("mobilenet_dw::depthwise_fwd", _backward, setup_context=_setup_context)
-
+# depthwise_fwd's autograd and the three ops' autocast kernels are C++ (csrc/depthwise_autograd.cpp): an eager
+# training step calls them for every layer and direction, and as Python kernels they made that step host-bound.
 
 def _stats_setup_context(ctx, inputs, output):
     x, w, stride, padding = inputs
@@ -98,34 +76,6 @@ torch.library.register_autograd("mobilenet_dw::depthwise_fwd_stats", _stats_back
                                 setup_context=_stats_setup_context)
 
 
-def _register_autocast(qualname: str) -> None:
-    """Autocast: cast floating inputs to the active autocast dtype (fp16 or bf16), then run with autocast
-    off. torch.library.register_autocast fixes one target dtype; this follows torch.autocast(dtype=...)."""
-    op = getattr(torch.ops.mobilenet_dw, qualname.split("::")[1]).default
-    key = torch._C.DispatchKey.AutocastCUDA
-
-    def cast(v, dtype):
-        if isinstance(v, Tensor) and v.is_floating_point() and v.dtype != torch.float64 and v.is_cuda:
-            return v.to(dtype)
-        return v
-
-    def autocast_impl(*args):
-        dtype = torch.get_autocast_dtype("cuda")
-        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
-            return op(*[cast(a, dtype) for a in args])
-
-    if op.has_kernel_for_dispatch_key(key):
-        op.py_kernels.pop(key, None)
-    op.py_impl(key)(autocast_impl)
-    _lib.impl(qualname.split("::")[1], lambda _keyset, *args: autocast_impl(*args), "AutocastCUDA", with_keyset=True)
-
-
-_lib = torch.library.Library("mobilenet_dw", "FRAGMENT")
-_register_autocast("mobilenet_dw::depthwise_fwd")
-_register_autocast("mobilenet_dw::depthwise_bwd")
-_register_autocast("mobilenet_dw::depthwise_fwd_stats")
-
-
 def depthwise_conv2d(
     x: Tensor,
     weight: Tensor,
@@ -143,6 +93,36 @@ def depthwise_conv2d(
     padding='same' with an even kernel pads one more at the bottom/right than at the top/left, as F.conv2d does;
     the op takes one padding per axis, so that case runs with the larger (bottom/right) padding on both sides,
     which computes one extra first output row/column, and drops it: exactly F.conv2d's taps, in the same order."""
+    key = plan = None
+    if not torch.compiler.is_compiling():  # traced once there; the cache would only add guards
+        try:
+            key = (x.shape, x.dtype, x.device, weight.shape, weight.dtype, weight.device,
+                   None if bias is None else (bias.shape, bias.dtype, bias.device), stride, padding, dilation,
+                   activation, torch.is_autocast_enabled("cuda"))
+            plan = _PLANS.get(key)
+        except (AttributeError, TypeError):  # not tensors, or list arguments: checked below, not remembered
+            key = None
+    if plan is None:
+        plan = _plan(x, weight, bias, stride, padding, dilation, activation)
+        if key is not None:
+            if len(_PLANS) >= 4096:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    stride, after, dilation, crop, code = plan
+    y = _fwd(x, weight, bias, stride, after, dilation, code)
+    if crop is not None:  # 'same' with an even kernel: drop the extra first row/column (see above)
+        y = y[:, :, crop[0]:, crop[1]:].contiguous(memory_format=_layout(x))
+    return y
+
+
+# depthwise_conv2d's checked arguments by everything its checks read: an eager training step calls it for every layer
+# with the same few keys, and the checks would cost the host tens of microseconds a call.
+_PLANS: dict[tuple, tuple] = {}
+
+
+def _plan(x, weight, bias, stride, padding, dilation, activation) -> tuple:
+    """(stride, padding, dilation as the op takes them, the (rows, columns) to crop or None, activation code); raises
+    ValueError for what F.conv2d refuses."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"depthwise_conv2d: activation {activation!r} is not supported "
                          f"(choose one of: None, 'relu', 'relu6')")
@@ -157,10 +137,8 @@ def depthwise_conv2d(
     dilation = to_pair(dilation, "depthwise_conv2d: dilation")
     before, after = resolve_padding(padding, weight.shape[-2:], stride, dilation, "depthwise_conv2d")
     _check_supported(x, weight, bias, stride, after, dilation)
-    y = _fwd(x, weight, bias, list(stride), list(after), list(dilation), ACTIVATIONS[activation])
-    if before != after:  # 'same' with an even kernel: drop the extra first row/column (see above)
-        y = y[:, :, after[0] - before[0]:, after[1] - before[1]:].contiguous(memory_format=_layout(x))
-    return y
+    crop = None if before == after else (after[0] - before[0], after[1] - before[1])
+    return list(stride), list(after), list(dilation), crop, ACTIVATIONS[activation]
 
 
 def depthwise_conv2d_stats(x: Tensor, weight: Tensor, stride: IntOrPair = (1, 1),

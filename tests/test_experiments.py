@@ -2,6 +2,7 @@
 what docs/ records of them."""
 
 import pytest
+import torch
 
 from scripts_under_test import load_script
 
@@ -75,3 +76,15 @@ def test_weight_cast_host_time_refuses_what_it_cannot_run(capsys):
         with pytest.raises(SystemExit):
             script.main(argv)
         assert words in capsys.readouterr().err
+
+
+def test_eager_host_time_refuses_what_it_cannot_run(capsys):
+    script = load_script("experiments/eager_host_time")
+    cases = [(["--backends", "cudnn,tensorrt"], "tensorrt is not a backend"), (["--batch", "1"], "--batch must be >= 2")]
+    if not torch.cuda.is_available():
+        cases.append(([], "needs a CUDA GPU"))
+    for argv, words in cases:
+        with pytest.raises(SystemExit):
+            script.main(argv)
+        assert words in capsys.readouterr().err
+

@@ -651,6 +651,48 @@ def test_autocast(dw, amp_dtype):
 
 @pytest.mark.gpu
 @cuda
+@pytest.mark.parametrize("amp_dtype", [torch.float16, torch.bfloat16])
+def test_the_ops_autocast_kernels_cast_as_autocast_does(amp_dtype):
+    # Called as torch.ops under autocast (csrc/depthwise_autograd.cpp): every floating CUDA argument but fp64 cast to
+    # the autocast dtype, then the op itself; bit for bit the op on arguments cast beforehand.
+    ops = torch.ops.mobilenet_dw
+    x = torch.randn(2, 16, 12, 12, device="cuda").contiguous(memory_format=torch.channels_last)
+    w, b = torch.randn(16, 1, 3, 3, device="cuda"), torch.randn(16, device="cuda")
+    go = torch.randn(2, 16, 12, 12, device="cuda").contiguous(memory_format=torch.channels_last)
+    args = ([1, 1], [1, 1], [1, 1])
+    with torch.autocast("cuda", dtype=amp_dtype):
+        y = ops.depthwise_fwd(x, w, b, *args, 1)
+        grads = ops.depthwise_bwd(go, x, w, *args, [True, True, True])
+        y64 = ops.depthwise_fwd(x.double(), w.double(), b.double(), *args, 0)
+    lo = [t.to(amp_dtype) for t in (x, w, b, go)]
+    assert y.dtype == amp_dtype and torch.equal(y, ops.depthwise_fwd(lo[0], lo[1], lo[2], *args, 1))
+    want = ops.depthwise_bwd(lo[3], lo[0], lo[1], *args, [True, True, True])
+    for got, ref in zip(grads, want):
+        assert got.dtype == amp_dtype and torch.equal(got, ref)
+    assert y64.dtype == torch.float64
+
+
+@pytest.mark.gpu
+@cuda
+def test_checked_arguments_are_remembered_only_for_what_was_checked(dw):
+    # depthwise_conv2d remembers arguments that passed its checks, by everything the checks read: the same shapes
+    # with another weight dtype, outside autocast, are still refused, and pass under autocast.
+    x = torch.randn(2, 8, 10, 10, device="cuda")
+    w = torch.randn(8, 1, 3, 3, device="cuda")
+    for _ in range(2):
+        assert dw(x, w, None, 1, 1, 1).dtype == torch.float32
+    with pytest.raises(ValueError, match="must match the input"):
+        dw(x, w.half(), None, 1, 1, 1)
+    with torch.autocast("cuda", dtype=torch.float16):
+        assert dw(x, w.half(), None, 1, 1, 1).dtype == torch.float16
+    with pytest.raises(ValueError, match="must match the input"):
+        dw(x, w.half(), None, 1, 1, 1)
+    with pytest.raises(ValueError, match="smaller than the dilated kernel"):
+        dw(x[:, :, :2, :2], w, None, 1, 0, 1)
+
+
+@pytest.mark.gpu
+@cuda
 def test_torch_compile_fullgraph(dw):
     def f(x, w, b):
         return torch.relu(dw(x, w, b, 2, "valid", 1) * 2)

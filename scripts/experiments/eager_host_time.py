@@ -1,0 +1,115 @@
+#!/usr/bin/env python
+"""Where does an eager training step's host time go, per depthwise backend? The backends' models in one process,
+in alternating rounds, each round the mean step time of --steps eager steps (forward under autocast,
+backward, fused SGD step, gradients cleared) at a batch small enough that the device's work is short and the step
+time is the host's. Then, with --cprofile, a cProfile of --steps steps of each backend: the Python functions that
+take the most host time, so a gap between backends points at code.
+
+    python scripts/experiments/eager_host_time.py --backends cudnn,custom --cprofile
+
+Needs a CUDA GPU for backend=cudnn|custom. Synchronised before and after each timed run of steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as `python scripts/experiments/...`
+
+from mobilenet.amp_weights import WeightCastForward  # noqa: E402
+from mobilenet.depthwise import available_backends  # noqa: E402
+from mobilenet.model import MobileNetV1  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _variant(backend: str, norm: str, weight_cast: bool, dtype: torch.dtype, device: str):
+    torch.manual_seed(0)
+    model = MobileNetV1(num_classes=1000, depthwise=backend, norm=norm).to(device).train()
+    model = model.to(memory_format=torch.channels_last)
+    forward = WeightCastForward(model, dtype) if weight_cast else model
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.01, momentum=0.9, fused=True)
+    return forward, params, opt
+
+
+def _steps(variant, x, y, dtype, steps: int) -> float:
+    """ms per step over `steps` steps, the device drained before and after."""
+    forward, params, opt = variant
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        with torch.autocast("cuda", dtype=dtype):
+            loss = torch.nn.functional.cross_entropy(forward(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / steps * 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backends", default="cudnn,custom")
+    p.add_argument("--norm", default="torch")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="fp16")
+    p.add_argument("--weight-cast", choices=("on", "off", "both"), default="both",
+                   help="perf.amp_weight_cast's one-buffer cast (on), autocast's per-weight casts (off), or both")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--resolution", type=int, default=128)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--cprofile", action="store_true", help="also profile each variant's host code (top 25)")
+    args = p.parse_args(argv)
+    unknown = [b for b in args.backends.split(",") if b not in available_backends()]
+    if unknown:
+        p.error(f"--backends: {', '.join(unknown)} is not a backend (choose from {', '.join(available_backends())})")
+    if args.batch < 2:
+        p.error("--batch must be >= 2 (BatchNorm in training needs more than one value per channel)")
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU (torch.cuda.is_available() is False)")
+    dtype = DTYPES[args.dtype]
+    casts = {"on": [True], "off": [False], "both": [False, True]}[args.weight_cast]
+    names, variants = [], []
+    for b in args.backends.split(","):
+        for wc in casts:
+            names.append(f"backend={b} norm={args.norm} amp_weight_cast={'on' if wc else 'off'}")
+            variants.append(_variant(b, args.norm, wc, dtype, "cuda"))
+    x = torch.randn(args.batch, 3, args.resolution, args.resolution, device="cuda").contiguous(
+        memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (args.batch,), device="cuda")
+    for v in variants:
+        _steps(v, x, y, dtype, 15)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for _ in range(args.rounds):
+        for n, v in zip(names, variants):
+            times[n].append(_steps(v, x, y, dtype, args.steps))
+    print(f"eager training step (autocast {args.dtype}, channels_last, fused SGD), batch {args.batch}, "
+          f"{args.resolution} px, {torch.cuda.get_device_name()}; {args.rounds} alternating rounds of {args.steps} steps\n")
+    print("| variant | ms per step, each round | median |")
+    print("|---|---|--:|")
+    for n, ts in times.items():
+        print(f"| {n} | {', '.join(f'{t:.3f}' for t in ts)} | {statistics.median(ts):.3f} |")
+    if args.cprofile:
+        for n, v in zip(names, variants):
+            prof = cProfile.Profile()
+            prof.enable()
+            _steps(v, x, y, dtype, args.steps)
+            prof.disable()
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+            print(f"\n### cProfile, {n}, {args.steps} steps (sorted by own time)\n\n```\n{s.getvalue().strip()}\n```")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
