@@ -1,7 +1,7 @@
 """Tests of the custom depthwise CUDA op (kernels/).
 
-CPU (CI): the extension compiles; without CUDA, load() and `import kernels.ops` raise KernelUnavailable
-with a clear message. GPU (`pytest -m gpu`): opcheck, gradcheck in fp64, forward and both gradients against
+CPU (CI): the extension compiles; its C++ autograd gives float64 gradients over F.conv2d-based CPU kernels of the
+two ops; without CUDA, load() and `import kernels.ops` raise KernelUnavailable with a clear message. GPU (`pytest -m gpu`): opcheck, gradcheck in fp64, forward and both gradients against
 a float64 reference over a sample of the whole coverage grid with poisoned outputs, bitwise determinism,
 autocast, torch.compile(fullgraph=True), and the profiler showing our kernels and no cuDNN.
 """
@@ -36,13 +36,74 @@ def _have_nvcc() -> bool:
 # ---------------------------------------------------------------------------------------------- CPU tests
 
 
-@pytest.mark.skipif(not _have_nvcc(), reason="needs nvcc (set CUDA_HOME) and a CUDA build of torch")
-def test_extension_compiles(monkeypatch, tmp_path):
-    # A fresh build directory: CI must compile the sources, not find an earlier build in the cache.
-    monkeypatch.setenv("MOBILENET_KERNELS_CACHE", str(tmp_path))
-    directory = kernels.build()
-    assert directory.is_relative_to(tmp_path)
+@pytest.fixture(scope="module")
+def fresh_build(tmp_path_factory):
+    """(cache root, build directory) of the extension compiled into a fresh directory: CI must compile the sources,
+    not find an earlier build in the cache."""
+    if not _have_nvcc():
+        pytest.skip("needs nvcc (set CUDA_HOME) and a CUDA build of torch")
+    root = tmp_path_factory.mktemp("kernels")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MOBILENET_KERNELS_CACHE", str(root))
+        return root, kernels.build()
+
+
+def test_extension_compiles(fresh_build):
+    root, directory = fresh_build
+    assert directory.is_relative_to(root)
     assert any(directory.glob("mobilenet_dw_kernels*.so"))
+
+
+@pytest.fixture(scope="module")
+def cpu_reference_ops(fresh_build):
+    """The extension's ops with F.conv2d-based CPU kernels registered beside its CUDA ones, so that its C++ autograd
+    (csrc/depthwise_autograd.cpp) runs on the CPU; yields the backward masks the autograd asked for."""
+    if torch.cuda.is_available():
+        kernels.load()  # the process's one copy of the ops (a second library of the namespace would be refused)
+    else:
+        torch.ops.load_library(str(next(fresh_build[1].glob("mobilenet_dw_kernels*.so"))))
+    masks = []
+
+    def fwd(x, w, bias, stride, padding, dilation, activation=0):
+        y = F.conv2d(x, w, bias, stride, padding, dilation, groups=x.shape[1])
+        return y.clamp_min(0) if activation == 1 else y.clamp(0, 6) if activation == 2 else y
+
+    def bwd(grad_out, x, w, stride, padding, dilation, output_mask):
+        masks.append(list(output_mask))
+        groups = x.shape[1]
+        gx = torch.nn.grad.conv2d_input(x.shape, w, grad_out, stride, padding, dilation, groups) \
+            if output_mask[0] else x.new_empty(0)
+        gw = torch.nn.grad.conv2d_weight(x, w.shape, grad_out, stride, padding, dilation, groups).contiguous() \
+            if output_mask[1] else w.new_empty(0)
+        gb = grad_out.sum((0, 2, 3)) if output_mask[2] else w.new_empty(0)
+        return gx, gw, gb
+
+    lib = torch.library.Library("mobilenet_dw", "IMPL")
+    lib.impl("depthwise_fwd", fwd, "CPU")
+    lib.impl("depthwise_bwd", bwd, "CPU")
+    yield masks
+    lib._destroy()
+
+
+@pytest.mark.parametrize("activation", [0, 1, 2])
+def test_the_cpp_autograd_gives_float64_gradients_on_reference_kernels(cpu_reference_ops, activation):
+    # The C++ autograd's own work: which gradients it asks the backward op for, the activation's mask from the saved
+    # output, the saved stride, padding and dilation, and the weight gradient in the weight's strides.
+    op = torch.ops.mobilenet_dw.depthwise_fwd
+    for stride, padding, dilation, bias in (([1, 1], [1, 1], [1, 1], True), ([2, 1], [2, 0], [2, 1], False)):
+        x = (torch.randn(2, 3, 9, 8, dtype=torch.float64) * 3).requires_grad_()
+        w = torch.randn(3, 1, 3, 3, dtype=torch.float64, requires_grad=True)
+        b = torch.randn(3, dtype=torch.float64, requires_grad=True) if bias else None
+        inputs = (x, w, b) if bias else (x, w)
+        assert torch.autograd.gradcheck(
+            lambda *t: op(t[0], t[1], t[2] if bias else None, stride, padding, dilation, activation), inputs)
+    cpu_reference_ops.clear()
+    # A [C, 1, 3, 3] weight in channels_last strides, as model.to(memory_format=torch.channels_last) leaves it
+    w_cl = torch.empty_strided((4, 1, 3, 3), (9, 1, 3, 1), dtype=torch.float64).normal_().requires_grad_()
+    y = op(torch.randn(2, 4, 6, 6, dtype=torch.float64), w_cl, None, [1, 1], [1, 1], [1, 1], activation)
+    (grad_w,) = torch.autograd.grad(y.sum(), w_cl)  # as the autograd returns it (.grad would be restrided anyway)
+    assert cpu_reference_ops == [[False, True, False]]  # no input or bias gradient asked for
+    assert grad_w.stride() == w_cl.stride()
 
 
 def test_load_without_cuda_raises_clear_error(monkeypatch):
