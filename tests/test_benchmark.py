@@ -143,6 +143,30 @@ def test_time_budget_leaves_combinations_for_the_next_invocation(tmp_path):
     assert "not started" in table and "--time-budget spent" in table, table
 
 
+def test_runs_of_one_comparison_are_counted_per_round_and_setting():
+    args = benchmark.parse_args(["--backends", "cudnn,custom", "--amp", "fp16,bf16", "--channels-last", "true",
+                                 "--peer", "no", "--compile", "false", "--data", "synthetic", "--repeats", "2"])
+    rounds = [(k, combo) for k in (1, 2) for combo in benchmark.plan(args)]
+    assert [c.backend for _, c in rounds] == ["cudnn", "custom"] * 4
+    assert benchmark.runs_left_in_comparison(rounds) == [2, 1] * 4
+
+
+def test_time_budget_starts_a_comparison_only_if_all_its_runs_fit(tmp_path):
+    # Two environment variants of one setting: one comparison of two runs. With the longest run so far at 30 s and
+    # 50 s left, one run would fit but not both, so neither starts (the second is not measured without the first).
+    args = benchmark.parse_args(["--backends", "torch", "--amp", "off", "--channels-last", "false", "--peer", "no",
+                                 "--compile", "false", "--data", "synthetic", "--env", "MBN_UNUSED=1", "--time-budget", "50",
+                                 "--out", str(tmp_path)])
+    rounds = [(1, combo) for combo in benchmark.plan(args)]
+    assert benchmark.runs_left_in_comparison(rounds) == [2, 1]
+    matrix = benchmark._Matrix(args)
+    matrix.longest[False] = 30.0
+    for (k, combo), left in zip(rounds, [2, 1]):
+        record = matrix.record(combo, tmp_path / combo.name, first_round=True, round_=k, runs_left=left)
+        assert record["status"] == "not started" and "--time-budget spent" in record["reason"], record
+        assert json.loads((tmp_path / combo.name / "benchmark.json").read_text())["status"] == "not started"
+
+
 def test_last_error_line_of_a_traceback():
     log = "step 1\nTraceback (most recent call last):\n  File \"x.py\", line 1\n    boom()\nRuntimeError: CUDA out of memory\n"
     assert benchmark.last_error_line(log) == "RuntimeError: CUDA out of memory"

@@ -117,7 +117,8 @@ def _parser(description: str | None) -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="measure again the runs --out already holds as ok")
     p.add_argument("--timeout", type=float, default=600, help="seconds one combination may take (default 600)")
     p.add_argument("--time-budget", type=float,
-                   help="seconds for the whole invocation: no combination starts (or runs) past it; run the same "
+                   help="seconds for the whole invocation: no combination starts (or runs) past it, nor a comparison "
+                        "(one setting's backends, norms and variants) whose runs are unlikely all to fit; run the same "
                         "command again to continue")
     p.add_argument("--dry-run", action="store_true", help="print the plan and the skip reasons, measure nothing")
     p.add_argument("overrides", nargs="*",
@@ -307,13 +308,34 @@ def run_combo(combo: Combo, run_dir: Path, overrides: list[str], args: argparse.
     return record
 
 
+def _setting(combo: Combo) -> tuple:
+    """What the runs of one comparison share: everything but the backend, the norm and the environment variant."""
+    return combo.data, combo.compile, combo.cuda_graph, combo.amp, combo.channels_last
+
+
+def runs_left_in_comparison(rounds: list[tuple[int, Combo]]) -> list[int]:
+    """For each run of the plan (round, combination), how many runs of its comparison (the same round and setting,
+    back to back in the plan) are left, itself included."""
+    left = [1] * len(rounds)
+    for i in range(len(rounds) - 2, -1, -1):
+        (k, combo), (k_next, combo_next) = rounds[i], rounds[i + 1]
+        if k == k_next and _setting(combo) == _setting(combo_next):
+            left[i] = left[i + 1] + 1
+    return left
+
+
+_NOT_STARTED = "--time-budget spent; run the same command again to continue"
+
+
 class _Matrix:
-    """One invocation's state across its combinations: the deadline, what runs took so far, the prechecks."""
+    """One invocation's state across its combinations: the deadline, what runs took so far, the comparisons the
+    deadline cut, the prechecks."""
 
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.deadline = time.monotonic() + args.time_budget if args.time_budget else None
         self.longest: dict[bool, float] = {}  # the longest run so far, eager and compiled: what the next one may need
+        self.cut: set[tuple] = set()  # (round, setting) of comparisons whose runs are left for the next invocation
         self.prechecks = Prechecks()
 
     def _took(self, combo: Combo, seconds: float) -> None:
@@ -330,8 +352,11 @@ class _Matrix:
             return earlier
         return None
 
-    def record(self, combo: Combo, run_dir: Path, first_round: bool) -> dict | None:
-        """The combination's record after keeping, skipping, planning or measuring it (None: a skip said already)."""
+    def record(self, combo: Combo, run_dir: Path, first_round: bool, round_: int = 1, runs_left: int = 1) -> dict | None:
+        """The combination's record after keeping, skipping, planning or measuring it (None: a skip said already).
+        runs_left: the runs of its comparison still to come, itself included (runs_left_in_comparison): under
+        --time-budget a comparison starts only if all of them are likely to fit, so that no backend's row is measured
+        without the rows it is compared with."""
         args = self.args
         overrides = hydra_overrides(combo, args)
         if (earlier := self._kept(combo, overrides, run_dir)) is not None:
@@ -349,9 +374,12 @@ class _Matrix:
         timeout = args.timeout
         if self.deadline is not None:
             timeout = min(timeout, self.deadline - time.monotonic())
-            # Not worth starting if it would likely be cut off: leave it for the next invocation.
-            if timeout < max(10.0, 1.1 * self.longest.get(combo.compile, 0.0)):
-                record = _record(combo, overrides, "not started", "--time-budget spent; run the same command again to continue")
+            # Not worth starting if it, or the rest of its comparison, would likely be cut off: leave the comparison
+            # for the next invocation.
+            if (round_, _setting(combo)) in self.cut \
+                    or timeout < max(10.0, 1.1 * self.longest.get(combo.compile, 0.0) * runs_left):
+                self.cut.add((round_, _setting(combo)))
+                record = _record(combo, overrides, "not started", _NOT_STARTED)
                 _leave_record(run_dir, record)
                 return record
         record = run_combo(combo, run_dir, overrides, args, timeout)
@@ -370,10 +398,11 @@ def run_matrix(args: argparse.Namespace) -> int:
     matrix = _Matrix(args)
     records: list[dict] = []
     rounds = [(k, combo) for k in range(1, args.repeats + 1) for combo in combos]
+    runs_left = runs_left_in_comparison(rounds)
     print(f"{len(combos)} combinations" + (f" x {args.repeats} rounds" if args.repeats > 1 else "") + f" -> {out}", flush=True)
     for i, (k, combo) in enumerate(rounds, 1):
         run_dir = out / (combo.name if k == 1 else f"{combo.name},repeat={k}")
-        record = matrix.record(combo, run_dir, first_round=k == 1)
+        record = matrix.record(combo, run_dir, first_round=k == 1, round_=k, runs_left=runs_left[i - 1])
         if record is None:
             continue
         records.append(record)
