@@ -32,9 +32,11 @@ from mobilenet.model import MobileNetV1  # noqa: E402
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _variant(backend: str, norm: str, weight_cast: bool, dtype: torch.dtype, device: str):
+def _variant(backend: str, norm: str, weight_cast: bool, dtype: torch.dtype, device: str,
+             apply_in_depthwise: bool = False):
     torch.manual_seed(0)
-    model = MobileNetV1(num_classes=1000, depthwise=backend, norm=norm).to(device).train()
+    model = MobileNetV1(num_classes=1000, depthwise=backend, norm=norm,
+                        apply_norm_in_depthwise=apply_in_depthwise).to(device).train()
     model = model.to(memory_format=torch.channels_last)
     forward = WeightCastForward(model, dtype) if weight_cast else model
     params = list(model.parameters())
@@ -60,7 +62,10 @@ def _steps(variant, x, y, dtype, steps: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", default="cudnn,custom")
-    p.add_argument("--norm", default="torch")
+    p.add_argument("--norm", default="torch", help="torch, custom or apex")
+    p.add_argument("--apply-in-depthwise", action="store_true",
+                   help="norm.apply_in_depthwise: each BatchNorm + ReLU before a depthwise conv applied by its kernels "
+                        "(needs --norm custom and a custom backend; train.py turns it on there by default)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="fp16")
     p.add_argument("--weight-cast", choices=("on", "off", "both"), default="both",
                    help="perf.amp_weight_cast's one-buffer cast (on), autocast's per-weight casts (off), or both")
@@ -73,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [b for b in args.backends.split(",") if b not in available_backends()]
     if unknown:
         p.error(f"--backends: {', '.join(unknown)} is not a backend (choose from {', '.join(available_backends())})")
+    if args.apply_in_depthwise and (args.norm != "custom" or args.backends != "custom"):
+        p.error("--apply-in-depthwise needs --norm custom --backends custom (the depthwise kernels apply the norm)")
     if args.batch < 2:
         p.error("--batch must be >= 2 (BatchNorm in training needs more than one value per channel)")
     if not torch.cuda.is_available():
@@ -82,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     names, variants = [], []
     for b in args.backends.split(","):
         for wc in casts:
-            names.append(f"backend={b} norm={args.norm} amp_weight_cast={'on' if wc else 'off'}")
-            variants.append(_variant(b, args.norm, wc, dtype, "cuda"))
+            names.append(f"backend={b} norm={args.norm}{' apply_in_depthwise' if args.apply_in_depthwise else ''} "
+                         f"amp_weight_cast={'on' if wc else 'off'}")
+            variants.append(_variant(b, args.norm, wc, dtype, "cuda", args.apply_in_depthwise))
     x = torch.randn(args.batch, 3, args.resolution, args.resolution, device="cuda").contiguous(
         memory_format=torch.channels_last)
     y = torch.randint(0, 1000, (args.batch,), device="cuda")
