@@ -3,7 +3,7 @@ once as a CUDA graph and replayed, one graph launch per step instead of ~330 ker
 
 Why: at batch 256 on an H200, MobileNetV1's kernels take about as long as the host needs to launch them, so the
 eager loop is close to host-bound, and on a slow host day every microsecond added per launch shows in img/s (the
-custom backend's Python autograd wrappers; DALI's decoder threads sharing the CUDA context). Measured gain on a day
+fused norm's Python autograd functions; DALI's decoder threads sharing the CUDA context). Measured gain on a day
 the host kept up: 1-2% (docs/results/cuda_graph_h200.md); DALI-fed, with 32 hardware work queues, about 5%
 (docs/results/loader_h200.md), and a loss with CUDA's default 8. With today's kernels (norm=custom) the eager step
 is host-bound outright: 10.4 ms a step captured against about 21 ms eager under DDP on two H200s, where capture took

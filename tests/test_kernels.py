@@ -1,9 +1,10 @@
 """Tests of the custom depthwise CUDA op (kernels/).
 
 CPU (CI): the extension compiles; its C++ autograd gives float64 gradients over F.conv2d-based CPU kernels of the
-two ops; without CUDA, load() and `import kernels.ops` raise KernelUnavailable with a clear message. GPU (`pytest -m gpu`): opcheck, gradcheck in fp64, forward and both gradients against
-a float64 reference over a sample of the whole coverage grid with poisoned outputs, bitwise determinism,
-autocast, torch.compile(fullgraph=True), and the profiler showing our kernels and no cuDNN.
+two ops; without CUDA, load() and `import kernels.ops` raise KernelUnavailable with a clear message.
+GPU (`pytest -m gpu`): opcheck, gradcheck in fp64, forward and both gradients against a float64 reference over a
+sample of the whole coverage grid with poisoned outputs, bitwise determinism, autocast, torch.compile(fullgraph=True),
+and the profiler showing our kernels and no cuDNN.
 """
 
 from __future__ import annotations
