@@ -81,7 +81,9 @@ def test_weight_cast_host_time_refuses_what_it_cannot_run(capsys):
 def test_eager_host_time_refuses_what_it_cannot_run(capsys):
     script = load_script("experiments/eager_host_time")
     cases = [(["--backends", "cudnn,tensorrt"], "tensorrt is not a backend"), (["--batch", "1"], "--batch must be >= 2"),
-             (["--apply-in-depthwise"], "--apply-in-depthwise needs --norm custom --backends custom")]
+             (["--apply-in-depthwise"], "--apply-in-depthwise needs --norm custom --backends custom"),
+             (["--dtype", "fp32"], "with --dtype fp32 use --weight-cast off"),
+             (["--compile", "--weight-cast", "both"], "--compile needs --weight-cast off")]
     if not torch.cuda.is_available():
         cases.append(([], "needs a CUDA GPU"))
     for argv, words in cases:
