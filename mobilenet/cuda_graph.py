@@ -50,15 +50,16 @@ def parse_mode(value) -> str:
     return mode
 
 
-def blockers(cfg, device: torch.device) -> list[str]:
-    """Why this run's training step cannot be captured; empty when it can."""
+def blockers(cfg, device: torch.device, profiling: bool | None = None) -> list[str]:
+    """Why this run's training step cannot be captured; empty when it can. `profiling` (default: cfg.profile) says
+    whether the run traces its steps with the profiler."""
     out = []
     if device.type != "cuda":
         out.append(f"the run's device is {device.type} (CUDA graphs need a GPU)")
     if cfg.compile:
         out.append("compile=true: Inductor launches the compiled kernels (its mode='reduce-overhead' is where capture "
                    "belongs), and the two are not combined here")
-    if cfg.profile:
+    if cfg.profile if profiling is None else profiling:
         out.append("profile=true traces eager steps, so that every kernel is attributed to the op that launched it")
     name, impl = enum_value(cfg.optim.name), enum_value(cfg.optim.impl)
     if (name, impl) != ("sgd", "fused"):
@@ -76,6 +77,15 @@ def measured_slower(cfg) -> list[str]:
                 f"with {streams.MAX_CONNECTIONS} queues (perf.max_connections=auto's choice for data=dali) captured was "
                 "the fastest, 13.8-14.1k against 13.1-13.6k eager (docs/results/loader_h200.md)"]
     return []
+
+
+def captured_unless_profiled(cfg, device: torch.device) -> bool:
+    """Whether this run's step is captured when it is not profiled (profile=true traces eager steps): what a profile's
+    launch findings are read against."""
+    mode = parse_mode(cfg.cuda_graph)
+    if mode == "false" or blockers(cfg, device, profiling=False):
+        return False
+    return mode == "true" or not measured_slower(cfg)
 
 
 def resolve(cfg, device: torch.device, distributed: bool) -> tuple[bool, str]:

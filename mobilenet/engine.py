@@ -441,13 +441,15 @@ class Trainer:
 def profile_training(trainer: Trainer) -> RunResult:
     """profile=true: time steps without the profiler, then trace a window of steps and diagnose it."""
     from .profiling import StepProfiler
+    from .profiling.trace import unprofiled_launches
 
     cfg, result = trainer.cfg, RunResult(run_dir=str(trainer.run_dir))
     trainer._first_epoch = trainer.epoch
     baseline = trainer.train_epoch(result, max_steps=cfg.perf.warmup_steps + cfg.profiler.baseline_steps)
     result.train = baseline
-    trainer.profiler = StepProfiler(trainer.run_dir, trainer.device, run_meta(cfg, trainer.env, "train"), cfg.profiler,
-                                    baseline_step_ms=baseline.step_ms_median)
+    unprofiled = unprofiled_launches(cuda_graph.captured_unless_profiled(cfg, trainer.device), cfg.compile)
+    trainer.profiler = StepProfiler(trainer.run_dir, trainer.device, run_meta(cfg, trainer.env, "train", unprofiled),
+                                    cfg.profiler, baseline_step_ms=baseline.step_ms_median)
     if trainer.device.type == "cpu":  # Kineto's own stderr line cannot be silenced from Python; say what it means
         log.info("a CPU-only trace: PyTorch's profiler (Kineto) may print 'ERROR: ... gpuGetDeviceCount failed' "
                  "as it finishes; that is its probe for a GPU finding none, and the trace is complete")

@@ -273,6 +273,7 @@ def profile(cfg, run_dir: Path, warmup: int, steps: int) -> None:
     """Time inference steps without the profiler, then trace a window of steps and print the diagnosis."""
     from .engine import run_meta
     from .profiling import StepProfiler
+    from .profiling.trace import unprofiled_launches
 
     setup = _setup(cfg, None, profiling=True)
     path, device = setup.path, setup.device
@@ -280,7 +281,9 @@ def profile(cfg, run_dir: Path, warmup: int, steps: int) -> None:
     baseline_steps = max(steps, cfg.profiler.baseline_steps)
     baseline = measure(path.forward, path.model, cfg, device, warmup, baseline_steps, amp_dtype=path.amp_dtype)
     x = _input_batch(cfg, device)
-    prof = StepProfiler(run_dir, device, run_meta(cfg, environment(device), "infer"), cfg.profiler,
+    replayed = cuda_graph.resolve_inference(cfg, device, profiling=False)[0]
+    prof = StepProfiler(run_dir, device,
+                        run_meta(cfg, environment(device), "infer", unprofiled_launches(replayed, cfg.compile)), cfg.profiler,
                         baseline_step_ms=baseline.step_ms_median)
     with torch.inference_mode(), prof:
         for _ in range(prof.total_steps):

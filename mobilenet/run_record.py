@@ -14,6 +14,7 @@ from .distributed import DistInfo
 from .meter import Throughput
 from .model import apply_in_depthwise_state, apply_in_pointwise_state
 from .norm import DEFAULT_DEPTHWISE_BACKWARD, depthwise_backward_mode, running_update_label
+from .profiling.trace import UNPROFILED
 
 
 def precision_label(cfg) -> str:
@@ -67,8 +68,9 @@ def config_rows(cfg, device: torch.device, env: dict, backend: str | None = None
     }
 
 
-def run_meta(cfg, env: dict, mode: str) -> dict[str, Any]:
-    """The facts of a run that reports and traces carry."""
+def run_meta(cfg, env: dict, mode: str, unprofiled: str | None = None) -> dict[str, Any]:
+    """The facts of a run that reports and traces carry; `unprofiled`, for a profile, how the run launches its
+    kernels when it is not profiled (one of profiling.report's UNPROFILED_* values)."""
     return {
         # norm as the summary names it: a training profile says whether the depthwise kernels applied the BatchNorm
         **env, "mode": mode, "backend": cfg.backend.name, "norm": norm_label(cfg, training=mode == "train"),
@@ -79,6 +81,7 @@ def run_meta(cfg, env: dict, mode: str) -> dict[str, Any]:
         "data": cfg.data.name,
         # the profiler's "streams share hardware work queues" finding compares it with the streams in the trace
         **({"cuda_work_queues": streams.connections_in_force()} if env.get("gpu", "none") != "none" else {}),
+        **({UNPROFILED: unprofiled} if unprofiled is not None else {}),
     }
 
 

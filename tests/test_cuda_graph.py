@@ -61,6 +61,26 @@ def test_what_cannot_be_captured_is_said_under_auto_and_refused_under_true(overr
         cuda_graph.resolve(compose([*overrides, "cuda_graph=true"]), device, distributed)
 
 
+def test_a_profiled_run_knows_whether_its_unprofiled_step_is_captured():
+    """profile=true traces eager steps; what the run does without it decides the profile's launch findings."""
+    assert not cuda_graph.resolve(compose(["profile=true"]), CUDA, distributed=False)[0]
+    assert cuda_graph.captured_unless_profiled(compose(["profile=true"]), CUDA)
+    assert cuda_graph.captured_unless_profiled(compose(["profile=true", "cuda_graph=true"]), CUDA)
+    for overrides, device in ((["cuda_graph=false"], CUDA), (["compile=true"], CUDA), ([], torch.device("cpu")),
+                              (["optim.impl=foreach"], CUDA)):
+        assert not cuda_graph.captured_unless_profiled(compose(["profile=true", *overrides]), device), overrides
+
+
+def test_a_training_profile_records_how_the_run_launches_without_the_profiler(run_dir):
+    from mobilenet.engine import profile_training
+
+    t = Trainer(compose([*CPU_FAST, "profile=true", "profiler.skip_first=0", "profiler.warmup=1", "profiler.active=2",
+                         "profiler.baseline_steps=2"]), run_dir)
+    profile_training(t)
+    report = (run_dir / "profile_report.md").read_text()
+    assert "| launches without the profiler | eager, launched one by one |" in report  # a CPU run is not captured
+
+
 def test_cpu_run_states_its_graph_mode_in_the_summary_and_hparams(run_dir):
     t = Trainer(compose([*CPU_FAST, "epochs=1", "cuda_graph=auto"]), run_dir)
     result = t.fit()

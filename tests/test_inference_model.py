@@ -138,6 +138,7 @@ def test_profile_traces_as_many_steps_as_steps_asks(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "| profiled steps | 3 |" in proc.stdout
     assert "overhead" in proc.stdout
+    assert "| launches without the profiler | eager, launched one by one |" in proc.stdout  # a CPU run: no replay
 
 
 def test_latency_sweep_prints_one_row_per_batch_size():

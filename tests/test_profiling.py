@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from mobilenet.model import MobileNetV1
+from mobilenet.profiling.trace import UNPROFILED, UNPROFILED_COMPILED, UNPROFILED_EAGER, UNPROFILED_GRAPH
 from mobilenet.profiling import (
     CATEGORIES,
     REPORT_FILE,
@@ -275,6 +276,34 @@ def test_more_streams_than_hardware_work_queues_is_a_finding_with_the_setting_th
                    for f in analyse_trace(_many_streams_trace(), meta={"cuda_work_queues": 32}).findings)
     (f,) = [f for f in analyse_trace(_many_streams_trace()).findings if f.title == "streams share hardware work queues"]
     assert "8 hardware work queues (CUDA's default; the trace does not record the setting)" in f.detail
+
+
+def _launch_bound_trace() -> dict:
+    """Three host-bound steps of ten 2 us kernels, each launched by a 10 us call, the GPU idle in between."""
+    b = _TraceBuilder()
+    for s in range(3):
+        t = 1000.0 * s
+        b.x(f"ProfilerStep#{s}", "user_annotation", t, 1000)
+        for k in range(10):
+            b.launch(t + 20 + 90 * k, f"elementwise_{k}", t + 35 + 90 * k, 2, launch_dur=10)
+    return {"traceEvents": b.events, "deviceProperties": [{"name": "Synthetic GPU"}]}
+
+
+@pytest.mark.parametrize("meta, words", [
+    ({"mode": "train", UNPROFILED: UNPROFILED_GRAPH}, "nothing to change for the run itself"),
+    ({"mode": "infer", UNPROFILED: UNPROFILED_GRAPH}, "nothing to change for the run itself"),
+    ({"mode": "train", UNPROFILED: UNPROFILED_COMPILED}, "the step is compiled already; capture it instead"),
+    ({"mode": "train", UNPROFILED: UNPROFILED_EAGER}, "capture the step (cuda_graph=true"),
+    ({"mode": "infer", UNPROFILED: UNPROFILED_COMPILED}, "replay the forward as a CUDA graph"),
+    ({"mode": "infer", UNPROFILED: UNPROFILED_EAGER}, "replay the forward as a CUDA graph"),
+    ({}, "torch.compile, CUDA graphs or a larger batch"),
+])
+def test_launch_findings_say_what_removes_launches_from_the_run_as_it_runs_unprofiled(meta, words):
+    r = analyse_trace(_launch_bound_trace(), meta=meta, baseline_step_ms=0.9)
+    hints = {f.title: f.hint for f in r.findings}
+    assert words in hints["launch-bound"] and words in hints["GPU waits for the host"]
+    # Only a run captured without the profiler has eager figures that its own summary does not share.
+    assert ("Both are eager steps" in r.markdown()) == (meta.get(UNPROFILED) == UNPROFILED_GRAPH)
 
 
 def _cold_trace() -> dict:

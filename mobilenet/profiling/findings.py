@@ -10,6 +10,7 @@ from typing import Any, Callable
 from ..streams import CUDA_DEFAULT_CONNECTIONS  # the hardware work queues when nothing sets CUDA_DEVICE_MAX_CONNECTIONS
 from .classify import SLOW_LAUNCH_US
 from .report import Finding, Report
+from .trace import UNPROFILED, UNPROFILED_COMPILED, UNPROFILED_EAGER, UNPROFILED_GRAPH
 from .window import median
 
 FindingRule = Callable[[Report], "Finding | None"]
@@ -87,6 +88,23 @@ def no_gpu(r: Report) -> Finding | None:
     return Finding("no GPU", "this trace has no GPU activity (a CPU run): only CPU ops were profiled")
 
 
+def _fewer_launches(env: dict) -> str:
+    """What removes per-kernel launches from this run, given how it launches them without the profiler."""
+    how, inference = env.get(UNPROFILED), env.get("mode") == "infer"
+    if how == UNPROFILED_GRAPH:
+        return ("nothing to change for the run itself: without the profiler it replays one CUDA graph per step; the "
+                "traced steps are eager so that each kernel is attributed to its op")
+    if how == UNPROFILED_COMPILED and not inference:
+        return ("the step is compiled already; capture it instead (cuda_graph=true with compile=false: training does "
+                "not combine the two) or raise the batch")
+    if how in (UNPROFILED_EAGER, UNPROFILED_COMPILED):
+        if inference:
+            return "replay the forward as a CUDA graph (cuda_graph=auto or true) or raise the batch"
+        return ("capture the step (cuda_graph=true; the summary's CUDA graph row says why this run was not captured), "
+                "compile it (compile=true) or raise the batch")
+    return "torch.compile, CUDA graphs or a larger batch"  # a trace that does not record how its run launches
+
+
 @finding()
 def launch_bound(r: Report) -> Finding | None:
     launches = r.launches
@@ -95,7 +113,7 @@ def launch_bound(r: Report) -> Finding | None:
     return Finding("launch-bound",
                    f"{launches.short_kernels_per_step:.0f} of {launches.kernels_per_step:.0f} kernels per step ({launches.short_kernel_pct:.0f}%) are "
                    f"shorter than their launch (median kernel {launches.median_kernel_us:.1f} us, median launch {launches.median_launch_us:.1f} us)",
-                   "launch-bound: try torch.compile / CUDA graphs / a larger batch", "warn")
+                   "launch-bound: " + _fewer_launches(r.env), "warn")
 
 
 @finding()
@@ -111,7 +129,7 @@ def gpu_waits_for_host(r: Report) -> Finding | None:
     return Finding("GPU waits for the host",
                    f"the GPU is idle {util.idle_host_pct:.0f}% of the window with nothing queued"
                    + (f" ({'; '.join(parts)})" if parts else ""),
-                   "the host is the bottleneck: remove syncs, feed data faster, or cut launches (torch.compile / CUDA graphs)"
+                   "the host is the bottleneck: remove syncs, feed data faster, or cut launches: " + _fewer_launches(r.env)
                    + (f"; part of this is the profiler's own host overhead ({timing.profiler_overhead_pct:+.0f}% step time)"
                       if timing.profiler_overhead_pct is not None and timing.profiler_overhead_pct > 10 else ""),
                    "warn")

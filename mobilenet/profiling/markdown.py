@@ -7,6 +7,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from .classify import CATEGORY_TITLES, short_kernel_name
+from .trace import UNPROFILED, UNPROFILED_GRAPH
 
 if TYPE_CHECKING:
     from .report import Report
@@ -37,6 +38,9 @@ def _header(r: Report) -> list[str]:
     if timing.baseline_step_ms is not None:
         out += [f"Step time: **{timing.baseline_step_ms:.2f} ms** without the profiler (median, this run); the {r.steps} profiled "
                 f"steps took {timing.step_ms_median:.2f} ms ({timing.profiler_overhead_pct:+.1f}% profiler overhead).", ""]
+        if r.env.get(UNPROFILED) == UNPROFILED_GRAPH:
+            out[-2] += (" Both are eager steps: the profiler traces them so, while this run without it replays one CUDA "
+                        "graph per step; that step's time is the summary's of the same command without the profiler.")
     else:
         out += [f"Step time: **{timing.step_ms_median:.2f} ms** (median of the {r.steps} profiled steps; not measured without "
                 "the profiler, so the profiler's overhead is unknown).", ""]

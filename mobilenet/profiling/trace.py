@@ -14,6 +14,19 @@ from typing import Any, Iterable
 # Top-level key of the trace JSON that carries the run's facts (environment, config) for offline analysis.
 META_KEY = "mobilenet_meta"
 
+# How the run launches its kernels when it is not profiled (profile=true and infer.py --profile trace eager steps, so
+# that every kernel is attributed to its op): the env key the engine and infer.py set, and its values. The launch
+# findings' hints depend on it: a launch-bound trace of a run that is captured without the profiler is no finding
+# about that run.
+UNPROFILED = "launches without the profiler"
+UNPROFILED_GRAPH = "one CUDA graph replayed per step"
+UNPROFILED_COMPILED = "compiled kernels, launched one by one"
+UNPROFILED_EAGER = "eager, launched one by one"
+
+
+def unprofiled_launches(captured: bool, compiled: bool) -> str:
+    return UNPROFILED_GRAPH if captured else UNPROFILED_COMPILED if compiled else UNPROFILED_EAGER
+
 
 def load_trace(path: str | Path) -> dict:
     """A Chrome trace exported by torch.profiler (.json or .json.gz)."""
