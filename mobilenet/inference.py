@@ -281,9 +281,8 @@ def profile(cfg, run_dir: Path, warmup: int, steps: int) -> None:
     baseline_steps = max(steps, cfg.profiler.baseline_steps)
     baseline = measure(path.forward, path.model, cfg, device, warmup, baseline_steps, amp_dtype=path.amp_dtype)
     x = _input_batch(cfg, device)
-    replayed = cuda_graph.resolve_inference(cfg, device, profiling=False)[0]
-    prof = StepProfiler(run_dir, device,
-                        run_meta(cfg, environment(device), "infer", unprofiled_launches(replayed, cfg.compile)), cfg.profiler,
+    unprofiled = unprofiled_launches(cuda_graph.resolve_inference(cfg, device, profiling=False)[0], cfg.compile)
+    prof = StepProfiler(run_dir, device, run_meta(cfg, environment(device), "infer", unprofiled), cfg.profiler,
                         baseline_step_ms=baseline.step_ms_median)
     with torch.inference_mode(), prof:
         for _ in range(prof.total_steps):
