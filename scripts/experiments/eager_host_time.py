@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as `python s
 from mobilenet.amp_weights import WeightCastForward  # noqa: E402
 from mobilenet.depthwise import available_backends  # noqa: E402
 from mobilenet.model import MobileNetV1  # noqa: E402
+from mobilenet.reporting import environment  # noqa: E402
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # fp32: autocast off
 
@@ -123,7 +124,10 @@ def main(argv: list[str] | None = None) -> int:
             times[n].append(_steps(v, x, y, dtype, args.steps))
     print(f"{'compiled' if args.compile else 'eager'} training step ({args.dtype}, "
           f"{'channels_last' if args.channels_last == 'true' else 'NCHW'}, fused SGD), batch {args.batch}, "
-          f"{args.resolution} px, {torch.cuda.get_device_name()}; {args.rounds} alternating rounds of {args.steps} steps\n")
+          f"{args.resolution} px, {torch.cuda.get_device_name()}; {args.rounds} alternating rounds of {args.steps} steps")
+    env = environment(torch.device("cuda"))
+    print(f"tree {env['tree']}, torch {env['torch']}, cuDNN {env['cudnn']}, driver {env['driver']}, "
+          f"{env['cpu_cores']} CPU cores\n")
     print("| variant | ms per step, each round | median | img/s at the median |")
     print("|---|---|--:|--:|")
     for n, ts in times.items():
