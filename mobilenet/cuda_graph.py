@@ -79,21 +79,14 @@ def measured_slower(cfg) -> list[str]:
     return []
 
 
-def captured_unless_profiled(cfg, device: torch.device) -> bool:
-    """Whether this run's step is captured when it is not profiled (profile=true traces eager steps): what a profile's
-    launch findings are read against."""
-    mode = parse_mode(cfg.cuda_graph)
-    if mode == "false" or blockers(cfg, device, profiling=False):
-        return False
-    return mode == "true" or not measured_slower(cfg)
-
-
-def resolve(cfg, device: torch.device, distributed: bool) -> tuple[bool, str]:
-    """(capture or not, why) for `cfg.cuda_graph`. `true` with a blocker is an error: nothing is silently left eager."""
+def resolve(cfg, device: torch.device, distributed: bool, profiling: bool | None = None) -> tuple[bool, str]:
+    """(capture or not, why) for `cfg.cuda_graph`. `true` with a blocker is an error: nothing is silently left eager.
+    profiling=False answers for the run as it is without the profiler (profile=true traces eager steps), which is what
+    a profile's launch findings are read against."""
     mode = parse_mode(cfg.cuda_graph)
     if mode == "false":
         return False, "off (cuda_graph=false)"
-    reasons = blockers(cfg, device)
+    reasons = blockers(cfg, device, profiling)
     if mode == "true" and reasons:
         raise ValueError("cuda_graph=true, but this run's training step cannot be captured: " + "; ".join(reasons)
                          + ". Use cuda_graph=auto (captures where it can, and says so) or cuda_graph=false")

@@ -447,7 +447,8 @@ def profile_training(trainer: Trainer) -> RunResult:
     trainer._first_epoch = trainer.epoch
     baseline = trainer.train_epoch(result, max_steps=cfg.perf.warmup_steps + cfg.profiler.baseline_steps)
     result.train = baseline
-    unprofiled = unprofiled_launches(cuda_graph.captured_unless_profiled(cfg, trainer.device), cfg.compile)
+    captured = cuda_graph.resolve(cfg, trainer.device, trainer.dist.enabled, profiling=False)[0]
+    unprofiled = unprofiled_launches(captured, cfg.compile)
     trainer.profiler = StepProfiler(trainer.run_dir, trainer.device, run_meta(cfg, trainer.env, "train", unprofiled),
                                     cfg.profiler, baseline_step_ms=baseline.step_ms_median)
     if trainer.device.type == "cpu":  # Kineto's own stderr line cannot be silenced from Python; say what it means

@@ -70,7 +70,7 @@ def config_rows(cfg, device: torch.device, env: dict, backend: str | None = None
 
 def run_meta(cfg, env: dict, mode: str, unprofiled: str | None = None) -> dict[str, Any]:
     """The facts of a run that reports and traces carry; `unprofiled`, for a profile, how the run launches its
-    kernels when it is not profiled (one of profiling.report's UNPROFILED_* values)."""
+    kernels when it is not profiled (one of profiling.trace's UNPROFILED_* values)."""
     return {
         # norm as the summary names it: a training profile says whether the depthwise kernels applied the BatchNorm
         **env, "mode": mode, "backend": cfg.backend.name, "norm": norm_label(cfg, training=mode == "train"),

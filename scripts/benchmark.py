@@ -12,8 +12,8 @@
 Every combination runs in its own subprocess with its own run directory under --out: torch.compile's in-process
 state and cuDNN's autotuning stay isolated (Inductor's on-disk cache, shared by default, only shortens compiling a
 graph seen before, which happens in the untimed warm-up), and a crash is recorded as a failed row (with its last
-error line) instead of ending the matrix. All combinations use the same batch size, resolution, warm-up and timed steps and run back to
-back, so their ratios are fair. Each run measures, in this order,
+error line) instead of ending the matrix. All combinations use the same batch size, resolution, warm-up and timed
+steps and run back to back, so their ratios are fair. Each run measures, in this order,
   - inference: --infer-warmup + --infer-steps forward passes of the run's model on a device-resident batch of the
     same size under torch.inference_mode (perf/infer_img_s);
   - training: the project's Trainer (mobilenet/engine.py), one epoch of --warmup + --steps steps; its StepMeter

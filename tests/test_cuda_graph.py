@@ -64,11 +64,15 @@ def test_what_cannot_be_captured_is_said_under_auto_and_refused_under_true(overr
 def test_a_profiled_run_knows_whether_its_unprofiled_step_is_captured():
     """profile=true traces eager steps; what the run does without it decides the profile's launch findings."""
     assert not cuda_graph.resolve(compose(["profile=true"]), CUDA, distributed=False)[0]
-    assert cuda_graph.captured_unless_profiled(compose(["profile=true"]), CUDA)
-    assert cuda_graph.captured_unless_profiled(compose(["profile=true", "cuda_graph=true"]), CUDA)
+
+    def unprofiled(overrides, device=CUDA):
+        return cuda_graph.resolve(compose(["profile=true", *overrides]), device, distributed=False, profiling=False)[0]
+
+    assert unprofiled([])
+    assert unprofiled(["cuda_graph=true"])
     for overrides, device in ((["cuda_graph=false"], CUDA), (["compile=true"], CUDA), ([], torch.device("cpu")),
                               (["optim.impl=foreach"], CUDA)):
-        assert not cuda_graph.captured_unless_profiled(compose(["profile=true", *overrides]), device), overrides
+        assert not unprofiled(overrides, device), overrides
 
 
 def test_a_training_profile_records_how_the_run_launches_without_the_profiler(run_dir):

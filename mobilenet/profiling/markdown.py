@@ -36,11 +36,12 @@ def _header(r: Report) -> list[str]:
     if r.trace_path:
         out += [f"Trace: `{r.trace_path}` (open in https://ui.perfetto.dev or chrome://tracing).", ""]
     if timing.baseline_step_ms is not None:
+        eager_only = (" Both are eager steps: the profiler traces them so, while this run without it replays one CUDA "
+                      "graph per step; that step's time is the summary's of the same command without the profiler."
+                      if r.env.get(UNPROFILED) == UNPROFILED_GRAPH else "")
         out += [f"Step time: **{timing.baseline_step_ms:.2f} ms** without the profiler (median, this run); the {r.steps} profiled "
-                f"steps took {timing.step_ms_median:.2f} ms ({timing.profiler_overhead_pct:+.1f}% profiler overhead).", ""]
-        if r.env.get(UNPROFILED) == UNPROFILED_GRAPH:
-            out[-2] += (" Both are eager steps: the profiler traces them so, while this run without it replays one CUDA "
-                        "graph per step; that step's time is the summary's of the same command without the profiler.")
+                f"steps took {timing.step_ms_median:.2f} ms ({timing.profiler_overhead_pct:+.1f}% profiler overhead)."
+                + eager_only, ""]
     else:
         out += [f"Step time: **{timing.step_ms_median:.2f} ms** (median of the {r.steps} profiled steps; not measured without "
                 "the profiler, so the profiler's overhead is unknown).", ""]
