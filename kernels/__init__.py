@@ -2,8 +2,8 @@
 
 The kernels are compiled on first use (JIT, torch.utils.cpp_extension) and cached under
 ~/.cache/mobilenet-fast/kernels/<torch version>-sm<arch>/, so `pip install` needs no nvcc. `load()`
-builds (if needed) and registers the ops `torch.ops.mobilenet_dw.depthwise_fwd/_bwd`; `build()` only
-compiles, which also works on a machine without a GPU (CI). Python-side registrations (fake tensors,
+builds (if needed) and registers the ops `torch.ops.mobilenet_dw.depthwise_fwd/_bwd`; `build()` compiles without
+a GPU (CI) and, as cpp_extension.load does, registers the ops in the calling process too. Python-side registrations (fake tensors,
 autograd, autocast) and the public `depthwise_conv2d` live in kernels/ops.py.
 """
 
@@ -28,6 +28,7 @@ _DEFAULT_ARCH = "9.0"  # H100/H200: the GPUs this project is tuned for
 
 _lock = threading.Lock()
 _loaded = False
+_registered_from: Path | None = None  # the build directory whose library this process loaded
 
 
 class KernelUnavailable(RuntimeError):
@@ -105,10 +106,18 @@ def build_dir(arch_list: str | None = None) -> Path:
 
 
 def _compile(verbose: bool) -> None:
+    global _registered_from
     from torch.utils import cpp_extension
 
     arch = _arch_list()
     directory = build_dir(arch)
+    if _registered_from is not None and _registered_from != directory:
+        # A second library of the mobilenet_dw namespace is refused by a C++ exception thrown while it is loaded,
+        # which on some builds ends the process instead of raising.
+        raise KernelUnavailable(
+            f"the custom kernels are already loaded in this process from {_registered_from}; a build into "
+            f"{directory} (MOBILENET_KERNELS_CACHE or the GPU changed) cannot be loaded beside them. "
+            "Build into another directory from a new process.")
     directory.mkdir(parents=True, exist_ok=True)
     old_arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
     os.environ["TORCH_CUDA_ARCH_LIST"] = arch  # read by cpp_extension to pick -gencode flags
@@ -127,6 +136,7 @@ def _compile(verbose: bool) -> None:
             with_cuda=True,
             verbose=verbose,
         )
+        _registered_from = directory
     except Exception as e:  # compiler errors, missing headers, ...
         raise KernelUnavailable(f"building the custom depthwise kernels failed in {directory}: {e}") from e
     finally:

@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +25,8 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import KernelUnavailable
+
+ROOT = Path(__file__).resolve().parents[1]
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -40,13 +43,15 @@ def _have_nvcc() -> bool:
 @pytest.fixture(scope="module")
 def fresh_build(tmp_path_factory):
     """(cache root, build directory) of the extension compiled into a fresh directory: CI must compile the sources,
-    not find an earlier build in the cache."""
+    not find an earlier build in the cache. Compiled in a child process, since compiling also loads the library and
+    this process may load the cached one (a second library of the namespace cannot load beside it)."""
     if not _have_nvcc():
         pytest.skip("needs nvcc (set CUDA_HOME) and a CUDA build of torch")
     root = tmp_path_factory.mktemp("kernels")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MOBILENET_KERNELS_CACHE", str(root))
-        return root, kernels.build()
+    proc = subprocess.run([sys.executable, "-c", "import kernels; print(kernels.build())"], cwd=ROOT,
+                          env={**os.environ, "MOBILENET_KERNELS_CACHE": str(root)}, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return root, Path(proc.stdout.strip().splitlines()[-1])
 
 
 def test_extension_compiles(fresh_build):
@@ -823,3 +828,16 @@ def test_unsupported_parameters_raise_clear_errors(dw):
         dw(x, torch.randn(4, 1, 3, 3, device="cuda"), None, 2, "same", 1)
     with pytest.raises(ValueError, match="CUDA tensors"):
         dw(x.cpu(), torch.randn(4, 1, 3, 3), None, 1, 1, 1)
+
+
+def test_a_second_build_directory_in_one_process_is_refused_clearly(fresh_build, monkeypatch):
+    # This process has the fresh build's library loaded (the reference-kernel tests load it, or this does); a build
+    # into another directory would load a second library of the namespace, which ends the process on some builds.
+    if not torch.cuda.is_available():
+        torch.ops.load_library(str(next(fresh_build[1].glob("mobilenet_dw_kernels*.so"))))
+        monkeypatch.setattr(kernels, "_registered_from", fresh_build[1])
+    else:
+        kernels.load()
+    monkeypatch.setenv("MOBILENET_KERNELS_CACHE", str(fresh_build[0] / "elsewhere"))
+    with pytest.raises(KernelUnavailable, match=r"already loaded in this process from .*cannot be loaded beside"):
+        kernels.build()
