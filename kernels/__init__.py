@@ -3,8 +3,8 @@
 The kernels are compiled on first use (JIT, torch.utils.cpp_extension) and cached under
 ~/.cache/mobilenet-fast/kernels/<torch version>-sm<arch>/, so `pip install` needs no nvcc. `load()`
 builds (if needed) and registers the ops `torch.ops.mobilenet_dw.depthwise_fwd/_bwd`; `build()` compiles without
-a GPU (CI) and, as cpp_extension.load does, registers the ops in the calling process too. Python-side registrations (fake tensors,
-autograd, autocast) and the public `depthwise_conv2d` live in kernels/ops.py.
+a GPU (CI) and, as cpp_extension.load does, registers the ops in the calling process too. Python-side
+registrations (fake tensors, autograd, autocast) and the public `depthwise_conv2d` live in kernels/ops.py.
 """
 
 from __future__ import annotations
@@ -111,7 +111,9 @@ def _compile(verbose: bool) -> None:
 
     arch = _arch_list()
     directory = build_dir(arch)
-    if _registered_from is not None and _registered_from != directory:
+    if _registered_from == directory:
+        return  # loaded already: cpp_extension.load would only check the build and open the same library again
+    if _registered_from is not None:
         # A second library of the mobilenet_dw namespace is refused by a C++ exception thrown while it is loaded,
         # which on some builds ends the process instead of raising.
         raise KernelUnavailable(

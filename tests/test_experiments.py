@@ -90,4 +90,3 @@ def test_eager_host_time_refuses_what_it_cannot_run(capsys):
         with pytest.raises(SystemExit):
             script.main(argv)
         assert words in capsys.readouterr().err
-

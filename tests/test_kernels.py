@@ -54,6 +54,11 @@ def fresh_build(tmp_path_factory):
     return root, Path(proc.stdout.strip().splitlines()[-1])
 
 
+def _load_fresh_build(fresh_build) -> None:
+    """On a machine without CUDA (where kernels.load() refuses): the fresh build's ops registered in this process."""
+    torch.ops.load_library(str(next(fresh_build[1].glob("mobilenet_dw_kernels*.so"))))
+
+
 def test_extension_compiles(fresh_build):
     root, directory = fresh_build
     assert directory.is_relative_to(root)
@@ -67,7 +72,7 @@ def cpu_reference_ops(fresh_build):
     if torch.cuda.is_available():
         kernels.load()  # the process's one copy of the ops (a second library of the namespace would be refused)
     else:
-        torch.ops.load_library(str(next(fresh_build[1].glob("mobilenet_dw_kernels*.so"))))
+        _load_fresh_build(fresh_build)
     masks = []
 
     def fwd(x, w, bias, stride, padding, dilation, activation=0):
@@ -834,7 +839,7 @@ def test_a_second_build_directory_in_one_process_is_refused_clearly(fresh_build,
     # This process has the fresh build's library loaded (the reference-kernel tests load it, or this does); a build
     # into another directory would load a second library of the namespace, which ends the process on some builds.
     if not torch.cuda.is_available():
-        torch.ops.load_library(str(next(fresh_build[1].glob("mobilenet_dw_kernels*.so"))))
+        _load_fresh_build(fresh_build)
         monkeypatch.setattr(kernels, "_registered_from", fresh_build[1])
     else:
         kernels.load()
