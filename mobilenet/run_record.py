@@ -10,6 +10,7 @@ import torch
 
 from . import streams
 from .config import enum_value
+from .data import data_label
 from .distributed import DistInfo
 from .meter import Throughput
 from .model import apply_in_depthwise_state, apply_in_pointwise_state
@@ -59,7 +60,7 @@ def config_rows(cfg, device: torch.device, env: dict, backend: str | None = None
         "precision": precision_label(cfg),
         "memory format": layout_label(cfg),
         "compile": cfg.compile,
-        "data": cfg.data.name + (f" ({cfg.data.builtin})" if cfg.data.builtin else ""),
+        "data": data_label(cfg.data),
         "batch size": cfg.data.batch_size,
         "resolution": cfg.data.resolution,
         "device": env.get("gpu") if device.type == "cuda" else "cpu",

@@ -20,10 +20,11 @@ pytest.importorskip("nvidia.dali", reason="data=dali tests need nvidia-dali-cuda
 
 from mobilenet import streams  # noqa: E402
 from mobilenet.config import compose  # noqa: E402
-from mobilenet.data import LoaderSpec, build_loaders  # noqa: E402
+from mobilenet.data import LoaderSpec, build_loaders, data_label  # noqa: E402
 from mobilenet.data.builtin import write_digits  # noqa: E402
 from mobilenet.data.dali import DaliLoader, make_train_pipeline  # noqa: E402
 from mobilenet.data.folder import CorruptImageError  # noqa: E402
+from mobilenet.errors import ConfigError  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 NUM_TRAIN, NUM_VAL = 1437, 360
@@ -331,6 +332,19 @@ def test_missing_dali_says_how_to_install(digits):
     assert "ERROR:" in out.stdout, out.stdout
     assert "pip install nvidia-dali-cuda130" in out.stdout and "nvidia-dali-cuda120" in out.stdout
     assert "does not fall back" in out.stdout
+
+
+def test_a_hardware_decoder_share_outside_0_to_1_is_refused_before_anything_runs(digits):
+    # decode=mixed on this CPU-only spec would be refused too: the share's own error comes first.
+    with pytest.raises(ConfigError, match=r"hw_decoder_load=1.5 is the share .* a number from 0 to 1"):
+        build_loaders(data_cfg(digits, "data.dali.decode=mixed", "data.dali.hw_decoder_load=1.5"), CPU_FP32)
+
+
+def test_the_summary_names_how_dali_decodes(digits):
+    assert data_label(data_cfg(digits)) == "dali (decode=cpu, 2 thread(s), prefetch 2)"
+    mixed = data_cfg(digits, "data.dali.decode=mixed", "data.dali.hw_decoder_load=0.8", "data.dali.threads=10")
+    assert data_label(mixed) == "dali (decode=mixed, 10 thread(s), prefetch 2, hw_decoder_load 0.8)"
+    assert data_label(data_cfg(digits, loader="folder")) == "folder"
 
 
 # ---------------------------------------------------------------------------------------------------- GPU

@@ -90,3 +90,26 @@ def test_eager_host_time_refuses_what_it_cannot_run(capsys):
         with pytest.raises(SystemExit):
             script.main(argv)
         assert words in capsys.readouterr().err
+
+
+def test_dali_decode_ceiling_times_the_host_cuts_alone_and_together(capsys, digits_root):
+    """dali_decode_ceiling.py, whose H200 figures docs/results/loader_h200.md records: on the CPU its host cuts run
+    (the reader alone, the host decode), each setting in each round, and two pipelines run at once."""
+    pytest.importorskip("nvidia.dali", reason="needs nvidia-dali-cuda130 (or -cuda120)")
+    script = load_script("experiments/dali_decode_ceiling")
+    common = ["--root", str(digits_root), "--batch-size", "32", "--warmup", "1", "--iters", "3", "--rounds", "2"]
+    assert script.main([*common, "--cuts", "read,cpu_decode", "--threads", "1,2"]) == 0
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| read") or
+            line.startswith("| cpu_decode")]
+    assert [(r[1].strip(), r[2].strip()) for r in rows] == [("read", "1"), ("read", "2"), ("cpu_decode", "1"),
+                                                            ("cpu_decode", "2")]
+    for r in rows:
+        per_round = [float(v.replace(",", "")) for v in r[5].split("/")]
+        assert len(per_round) == 2 and all(v > 0 for v in per_round)
+    assert script.main([*common, "--together", "read+cpu_decode:1+1:4+2"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "together" in line]
+    assert len(lines) == 2 and all("read (1 threads)" in line and "cpu_decode (1 threads)" in line for line in lines)
+    if not torch.cuda.is_available():  # a GPU cut says it needs a GPU instead of decoding somewhere else
+        with pytest.raises(SystemExit):
+            script.main([*common, "--cuts", "decode"])
+        assert "['decode'] decode on a CUDA GPU" in capsys.readouterr().err

@@ -68,6 +68,16 @@ def _import_all() -> None:
     from . import dali, folder, synthetic  # noqa: F401  (each registers itself)
 
 
+def data_label(cfg) -> str:
+    """The loader as a run's summary names it: its name, and for data=dali how it decodes."""
+    label = cfg.name + (f" ({cfg.builtin})" if cfg.builtin else "")
+    if cfg.name == "dali":
+        from .dali import decoder_label
+
+        label += f" ({decoder_label(cfg.dali)})"
+    return label
+
+
 def resolve_root(cfg) -> Path:
     """The ImageFolder root: data.root, or the cached JPEG copy of a built-in dataset."""
     if cfg.builtin is not None:

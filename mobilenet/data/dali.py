@@ -38,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..config import enum_value
+from ..errors import ConfigError
 from . import LoaderSpec, register_loader
 from .folder import CorruptImageError, check_batch_fits, scan_image_folder, val_resize_size
 
@@ -350,6 +351,23 @@ def _output_type(spec: LoaderSpec, types):
     raise ValueError(f"data=dali produces float16, float32 or (via float32) bfloat16 images, not {spec.dtype}")
 
 
+def check_decoder_load(dali_cfg) -> None:
+    """A clear error for a hardware-decoder share outside 0..1 (DALI's own message does not name the setting)."""
+    hw = float(dali_cfg.hw_decoder_load)
+    if not 0.0 <= hw <= 1.0:
+        raise ConfigError(f"data.dali.hw_decoder_load={hw:g} is the share of JPEGs sent to the GPU's hardware decoder: "
+                          "a number from 0 to 1 (1.0, the default: all of them)")
+
+
+def decoder_label(dali_cfg) -> str:
+    """How a data=dali run decodes, for its summary and log."""
+    decode = enum_value(dali_cfg.decode)
+    label = f"decode={decode}, {dali_cfg.threads} thread(s), prefetch {dali_cfg.prefetch}"
+    if decode == "mixed":
+        label += f", hw_decoder_load {float(dali_cfg.hw_decoder_load):g}"
+    return label
+
+
 def _device_id(spec: LoaderSpec) -> int | None:
     if spec.device.type == "cpu":
         return None
@@ -361,8 +379,9 @@ def _device_id(spec: LoaderSpec) -> int | None:
 @register_loader("dali")
 def build(cfg, spec: LoaderSpec):
     _, types, _, _, _ = import_dali()  # before anything else: a missing DALI is the error to report
-    _, train_samples, val_samples, classes = scan_image_folder(cfg)
     dali_cfg = cfg.dali
+    check_decoder_load(dali_cfg)
+    _, train_samples, val_samples, classes = scan_image_folder(cfg)
     skipped = {"train": 0, "val": 0}
     if dali_cfg.check_files:
         check_threads = max(dali_cfg.threads, min(32, os.cpu_count() or 1))
@@ -412,7 +431,6 @@ def build(cfg, spec: LoaderSpec):
                      num_batches=math.ceil(len(val_rank) / cfg.batch_size), num_samples=len(val_rank),
                      skipped=skipped["val"], name="val")
     train.classes = val.classes = classes  # class names, as data=folder provides them
-    log.info("data=dali: decode=%s on %s, %d train / %d val image(s) on rank %d of %d, %d thread(s), prefetch %d",
-             decode, spec.device, train.num_samples, val.num_samples, spec.rank, spec.world_size,
-             dali_cfg.threads, dali_cfg.prefetch)
+    log.info("data=dali: %s on %s, %d train / %d val image(s) on rank %d of %d", decoder_label(dali_cfg),
+             spec.device, train.num_samples, val.num_samples, spec.rank, spec.world_size)
     return train, val
