@@ -55,7 +55,8 @@ def resize_one(job: tuple[str, str, int, int]) -> tuple[str, str, int, int]:
             else:
                 scale = short_side / min(width, height)
                 target = (max(1, round(width * scale)), max(1, round(height * scale)))
-                fmt, info = img.format, dict(img.info)
+                # MPO (a camera's JPEG with extra frames): the first frame, saved as the JPEG it starts with
+                fmt, info = ("JPEG" if img.format == "MPO" else img.format), dict(img.info)
                 img.draft(img.mode, target)  # JPEG: let libjpeg decode at 1/2, 1/4 or 1/8 scale where that still covers target
                 out = img.resize(target, Image.Resampling.LANCZOS)
                 action = "resized"

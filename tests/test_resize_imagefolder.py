@@ -132,3 +132,18 @@ def test_bad_arguments_are_refused_with_what_is_allowed(folder, tmp_path, capsys
     with pytest.raises(SystemExit):
         script.main(["--src", str(folder), "--dst", str(dst), *args])
     assert message in capsys.readouterr().err
+
+
+def test_a_cameras_mpo_jpeg_is_resized_as_the_jpeg_of_its_first_frame(tmp_path, capsys):
+    src = tmp_path / "src"
+    (src / "train" / "a").mkdir(parents=True)
+    first, second = Image.new("RGB", (120, 80), (10, 200, 30)), Image.new("RGB", (120, 80), (200, 10, 30))
+    first.save(src / "train" / "a" / "x.jpg", format="MPO", save_all=True, append_images=[second])
+    run(capsys, "--src", src, "--dst", tmp_path / "dst", "--short-side", 40)
+    with Image.open(tmp_path / "dst" / "train" / "a" / "x.jpg") as img:
+        assert img.format == "JPEG" and img.size == (60, 40) and getattr(img, "n_frames", 1) == 1
+        r, g, b = img.convert("RGB").getpixel((30, 20))
+        assert g > 150 and r < 60  # the first frame's green, not the second's red
+        reference = io.BytesIO()
+        first.save(reference, format="JPEG", quality=90)
+        assert img.quantization == Image.open(reference).quantization  # --quality's tables, as for any JPEG
