@@ -347,6 +347,17 @@ def test_the_summary_names_how_dali_decodes(digits):
     assert data_label(data_cfg(digits, loader="folder")) == "folder"
 
 
+def test_a_dali_fed_run_names_its_decode_settings_in_the_summary(digits, run_dir):
+    from mobilenet.engine import Trainer
+
+    cfg = compose(["data=dali", f"data.root={digits}", *SMALL, "data.dali.decode=cpu", "data.dali.prefetch=3",
+                   "data.batch_size=16", "data.steps_per_epoch=2", "model.width_mult=0.25", "device=cpu", "epochs=1",
+                   "evaluate=false", "progress=false", "perf.warmup_steps=1"])
+    trainer = Trainer(cfg, run_dir)
+    rows = trainer.summary_rows(trainer.fit())
+    assert rows["data"] == "dali (decode=cpu, 2 thread(s), prefetch 3)"
+
+
 # ---------------------------------------------------------------------------------------------------- GPU
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
