@@ -10,8 +10,8 @@ What it writes: the same class directories and file names under --dst. An image 
 --short-side is copied byte for byte; a larger one is resized (aspect ratio kept, Lanczos, from a DCT-domain
 downscale where libjpeg can do part of it exactly) and saved in its own format, JPEGs at --quality with their EXIF and
 ICC profile kept. Each file is written under --dst/.partial/ and then renamed into place, so an interrupted run can
-be started again: files already in --dst are left alone. A file that cannot be decoded stops the run with its name, or with
---skip-corrupt is left out, counted and listed.
+be started again: files already in --dst are left alone. A file that cannot be decoded stops the run with its name,
+or with --skip-corrupt is left out, counted and listed.
 
     python scripts/resize_imagefolder.py --src /data/imagenet --dst /data/imagenet-320 --short-side 320
     python train.py data=dali data.root=/data/imagenet-320 ...
@@ -34,8 +34,6 @@ from mobilenet.data.folder import scan_split  # noqa: E402
 from mobilenet.errors import DataError, report_user_errors  # noqa: E402
 
 SPLITS = ("train", "val")
-
-
 # Files being written live here (under --dst, beside train/ and val/, where the loaders do not look) until renamed.
 PARTIAL = ".partial"
 
@@ -57,7 +55,7 @@ def resize_one(job: tuple[str, str, int, int]) -> tuple[str, str, int, int]:
                 target = (max(1, round(width * scale)), max(1, round(height * scale)))
                 # MPO (a camera's JPEG with extra frames): the first frame, saved as the JPEG it starts with
                 fmt, info = ("JPEG" if img.format == "MPO" else img.format), dict(img.info)
-                img.draft(img.mode, target)  # JPEG: let libjpeg decode at 1/2, 1/4 or 1/8 scale where that still covers target
+                img.draft(img.mode, target)  # JPEG: libjpeg decodes at 1/2, 1/4 or 1/8 scale where that covers target
                 out = img.resize(target, Image.Resampling.LANCZOS)
                 action = "resized"
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:

@@ -195,11 +195,17 @@ def _normalize_args(cfg, out_type, channels_last: bool) -> dict:
     )
 
 
-def _decoder_args(cfg, decode: str) -> dict:
+def decoder_args(cfg, decode: str) -> dict:
+    """The GPU decoder's settings (memory padding, hardware share) for `decode`; none for the CPU decoder."""
     if decode != "mixed":
         return {}
     return dict(device_memory_padding=NVJPEG_DEVICE_PADDING, host_memory_padding=NVJPEG_HOST_PADDING,
                 hw_decoder_load=float(cfg.dali.hw_decoder_load))
+
+
+def random_crop_args(cfg) -> dict:
+    """The random-resized crop's window, as torchvision's RandomResizedCrop draws it (area, aspect ratio, attempts)."""
+    return dict(random_area=list(cfg.crop_scale), random_aspect_ratio=list(CROP_RATIO), num_attempts=10)
 
 
 def make_train_pipeline(cfg, files, labels, *, decode: str, on_gpu: bool, out_type, channels_last: bool,
@@ -208,7 +214,7 @@ def make_train_pipeline(cfg, files, labels, *, decode: str, on_gpu: bool, out_ty
     fn, types, pipeline_def, _, _ = import_dali()
     res = cfg.resolution
     initial_fill = max(1, min(SHUFFLE_BUFFER, len(files) // max(1, num_shards)))
-    decoder_extra = _decoder_args(cfg, decode)
+    decoder_extra = decoder_args(cfg, decode)
 
     @pipeline_def(exec_dynamic=True)
     def train_pipe():
@@ -216,9 +222,8 @@ def make_train_pipeline(cfg, files, labels, *, decode: str, on_gpu: bool, out_ty
         # into the next epoch's samples, which would repeat images within one epoch.
         jpegs, lbl = fn.readers.file(files=files, labels=labels, random_shuffle=True, initial_fill=initial_fill,
                                      shard_id=shard_id, num_shards=num_shards, pad_last_batch=True, name="Reader")
-        images = fn.decoders.image_random_crop(jpegs, device=decode, output_type=types.RGB,
-                                               random_area=list(cfg.crop_scale), random_aspect_ratio=list(CROP_RATIO),
-                                               num_attempts=10, **decoder_extra)
+        images = fn.decoders.image_random_crop(jpegs, device=decode, output_type=types.RGB, **random_crop_args(cfg),
+                                               **decoder_extra)
         if on_gpu and decode == "cpu":
             images = images.gpu()  # only the decode runs on the host; resize and normalise stay on the GPU
         images = fn.resize(images, resize_x=res, resize_y=res, interp_type=types.INTERP_LINEAR, antialias=True)
@@ -237,7 +242,7 @@ def make_val_pipeline(cfg, files, labels, *, decode: str, on_gpu: bool, out_type
     """The validation pipeline over this rank's own file list (no DALI sharding, last batch padded then trimmed)."""
     fn, types, pipeline_def, _, _ = import_dali()
     res = cfg.resolution
-    decoder_extra = _decoder_args(cfg, decode)
+    decoder_extra = decoder_args(cfg, decode)
 
     @pipeline_def(exec_dynamic=True)
     def val_pipe():

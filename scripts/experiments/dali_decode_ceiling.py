@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -30,7 +31,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from mobilenet.config import compose  # noqa: E402
-from mobilenet.data.dali import CROP_RATIO, NVJPEG_DEVICE_PADDING, NVJPEG_HOST_PADDING, import_dali, make_train_pipeline  # noqa: E402
+from mobilenet.data.dali import decoder_args, import_dali, make_train_pipeline, random_crop_args  # noqa: E402
 from mobilenet.data.folder import scan_image_folder  # noqa: E402
 
 CUTS = ("read", "decode", "decode_full", "cpu_decode", "pipeline")
@@ -41,12 +42,11 @@ def build_cut(cut: str, cfg, files, labels, *, threads: int, hw: float, hint: st
     fn, types, pipeline_def, _, _ = import_dali()
     common = dict(batch_size=cfg.batch_size, num_threads=threads, device_id=device_id,
                   prefetch_queue_depth=prefetch, seed=seed)
+    data_cfg = compose(["data=dali", f"data.root={cfg.root}", f"data.dali.hw_decoder_load={hw}"]).data
     if cut == "pipeline":
-        data_cfg = compose(["data=dali", f"data.root={cfg.root}", f"data.dali.hw_decoder_load={hw}"]).data
         return make_train_pipeline(data_cfg, files, labels, decode="mixed", on_gpu=True, out_type=types.FLOAT16,
                                    channels_last=True, shard_id=0, num_shards=1, **common)
-    gpu = dict(device_memory_padding=NVJPEG_DEVICE_PADDING, host_memory_padding=NVJPEG_HOST_PADDING,
-               hw_decoder_load=hw)
+    gpu = decoder_args(data_cfg, "mixed")  # the training pipeline's own decoder settings
     if hint != "none":  # the hardware decoder's buffers sized up front for images up to W x H
         width, height = (int(v) for v in hint.split("x"))
         gpu.update(preallocate_width_hint=width, preallocate_height_hint=height)
@@ -58,7 +58,7 @@ def build_cut(cut: str, cfg, files, labels, *, threads: int, hw: float, hint: st
             return jpegs
         if cut == "decode_full":
             return fn.decoders.image(jpegs, device="mixed", output_type=types.RGB, **gpu)
-        crop = dict(random_area=list(cfg.crop_scale), random_aspect_ratio=list(CROP_RATIO), num_attempts=10)
+        crop = random_crop_args(cfg)
         if cut == "cpu_decode":
             return fn.decoders.image_random_crop(jpegs, device="cpu", output_type=types.RGB, **crop)
         return fn.decoders.image_random_crop(jpegs, device="mixed", output_type=types.RGB, **crop, **gpu)
@@ -83,16 +83,13 @@ def timed(pipe, warmup: int, iters: int, batch: int) -> float:
     return iters * batch / (time.perf_counter() - start)
 
 
-def timed_together(pipes: list, warmup: int, iters: list[int], batch: int) -> list[float]:
+def timed_together(pipes: list, warmup: int, iters: list[int], batch: int) -> tuple[list[float], float]:
     """Each pipeline in a thread of its own, started together: (img/s of each, img/s of all together)."""
-    import threading
-
     for pipe in pipes:
         for _ in range(warmup):
             pipe.run()
     sync()
     barrier = threading.Barrier(len(pipes) + 1)
-
     ends = [0.0] * len(pipes)
 
     def work(i, pipe, n):
@@ -175,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {r + 1} {time.strftime('%H:%M:%S')} {cut} threads={threads} hw={hw} hint={hint}: "
                   f"{rate:,.0f} img/s", flush=True)
             del pipe
-    print("\n| cut | threads | hw_decoder_load | preallocate hint | img/s per round | median |\n|---|--:|--:|---|---|--:|")
+    print("\n| cut | threads | hw_decoder_load | preallocate hint | img/s per round | median |")
+    print("|---|--:|--:|---|---|--:|")
     for (cut, threads, hw, hint), values in rates.items():
         print(f"| {cut} | {threads} | {hw} | {hint} | {' / '.join(f'{v:,.0f}' for v in values)} | "
               f"{statistics.median(values):,.0f} |")
