@@ -13,9 +13,9 @@ from kernels.depthwise_args import column_walk_offsets_fit
 from .config import enum_value
 from .depthwise import DepthwiseConv2d
 from .errors import ConfigError
-from .norm import (check_apply_in_depthwise, check_apply_in_pointwise, check_stats_from_depthwise, custom_pair_needs,
-                   depthwise_backward_mode, depthwise_norm_relu, get_norm, norm_relu_depthwise,
-                   norm_relu_depthwise_norm_relu, norm_relu_pointwise)
+from .norm import (NEXT_NORM_MODES, check_apply_in_depthwise, check_apply_in_pointwise, check_stats_from_depthwise,
+                   custom_pair_needs, depthwise_backward_mode, depthwise_norm_relu, get_norm, next_norm_in,
+                   norm_relu_depthwise, norm_relu_depthwise_norm_relu, norm_relu_pointwise)
 
 # (output channels, stride) of the 13 depthwise-separable blocks at width multiplier 1.0 (Table 1).
 BLOCKS: tuple[tuple[int, int], ...] = (
@@ -279,10 +279,10 @@ class MobileNetV1(nn.Module):
         # MBN_DEPTHWISE_BACKWARD=next_norm: the BatchNorm after each depthwise conv joins the pair, whose backward
         # kernel then applies that BatchNorm's input gradient (not with the pointwise fusion, which applies it itself).
         next_norm = (self.apply_norm_in_depthwise and not self.apply_norm_in_pointwise
-                     and depthwise_backward_mode() == "next_norm")
+                     and depthwise_backward_mode() in NEXT_NORM_MODES)
         for block in self.features[1:]:
             depthwise, norm_relu, relu_slot, (pointwise_conv, next_pending) = block
-            if next_norm:
+            if next_norm and next_norm_in(depthwise, y):
                 y = pointwise_conv(relu_slot(norm_relu_depthwise_norm_relu(pending, depthwise, norm_relu, y, sums)))
                 pending = next_pending
                 continue

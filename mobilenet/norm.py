@@ -103,7 +103,8 @@ def _running_update_mode() -> str:
     return mode
 
 
-DEPTHWISE_BACKWARD_MODES = ("sums", "next_norm", "walk", "separate")
+DEPTHWISE_BACKWARD_MODES = ("sums", "next_norm", "next_norm_ring", "walk", "separate")
+NEXT_NORM_MODES = ("next_norm", "next_norm_ring")
 DEFAULT_DEPTHWISE_BACKWARD = "sums"
 
 
@@ -114,8 +115,10 @@ def depthwise_backward_mode() -> str:
     and the gradient sums of the BatchNorm before it, whose backward then skips its reduce pass; "next_norm", "sums"
     and the BatchNorm + ReLU after the depthwise conv too, whose input gradient that kernel applies as it loads the
     gradient (where that BatchNorm runs its own kernels: norm.apply_in_pointwise off; measured slower, so not the
-    default); "walk", the stride-1 kernel without the sums (stride 2 as "separate"); "separate", the conv's input and
-    weight gradients as two kernels, each reading the output gradient."""
+    default); "next_norm_ring", "next_norm" only in the layers whose stride-1 backward runs from the rings of rows
+    (MDW_BWD_RING_NORM), which apply that input gradient once per word in shared memory, and "sums" elsewhere;
+    "walk", the stride-1 kernel without the sums (stride 2 as "separate"); "separate", the conv's input and weight
+    gradients as two kernels, each reading the output gradient."""
     mode = os.environ.get("MBN_DEPTHWISE_BACKWARD", DEFAULT_DEPTHWISE_BACKWARD)
     if mode not in DEPTHWISE_BACKWARD_MODES:
         raise ConfigError(f"MBN_DEPTHWISE_BACKWARD must be one of {', '.join(DEPTHWISE_BACKWARD_MODES)}, got "
@@ -344,7 +347,22 @@ def norm_relu_depthwise(bn: "CustomBatchNormReLU", conv: nn.Module, y: Tensor, s
     return batch_norm_relu_depthwise_conv2d(y, bn.weight, bn.bias, conv.weight, conv.stride, conv.padding, bn.eps,
                                             *running, momentum=momentum, sums=sums,
                                             one_walk=depthwise_backward_mode() != "separate",
-                                            walk_sums=depthwise_backward_mode() in ("sums", "next_norm"))
+                                            walk_sums=depthwise_backward_mode() in ("sums",) + NEXT_NORM_MODES)
+
+
+def next_norm_in(conv: nn.Module, y: Tensor) -> bool:
+    """Whether the BatchNorm + ReLU after this depthwise conv (of input y) joins its pair in the backward mode: every
+    layer with "next_norm", with "next_norm_ring" those whose backward runs from the rings of rows (a 3x3 stride-1
+    padding-1 conv whose shape and dtype the rings take on this device)."""
+    mode = depthwise_backward_mode()
+    if mode != "next_norm_ring":
+        return mode == "next_norm"
+    if tuple(conv.stride) != (1, 1) or tuple(conv.padding) != (1, 1) or tuple(conv.weight.shape[2:]) != (3, 3):
+        return False
+    import kernels.ops  # noqa: F401  (loads the kernels: torch.ops.mobilenet_dw)
+
+    n, c, h, w = y.shape
+    return torch.ops.mobilenet_dw.bwd_normed_ring_runs(n, c, h, w, y.dtype)
 
 
 def norm_relu_depthwise_norm_relu(bn: "CustomBatchNormReLU", conv: nn.Module, out_bn: "CustomBatchNormReLU",

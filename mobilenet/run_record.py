@@ -14,7 +14,7 @@ from .data import data_label
 from .distributed import DistInfo
 from .meter import Throughput
 from .model import apply_in_depthwise_state, apply_in_pointwise_state
-from .norm import DEFAULT_DEPTHWISE_BACKWARD, depthwise_backward_mode, running_update_label
+from .norm import DEFAULT_DEPTHWISE_BACKWARD, NEXT_NORM_MODES, depthwise_backward_mode, running_update_label
 from .profiling.trace import UNPROFILED
 
 
@@ -37,9 +37,12 @@ def norm_label(cfg, training: bool = True) -> str:
         pointwise, pointwise_why = apply_in_pointwise_state(cfg)
         if applied and mode != DEFAULT_DEPTHWISE_BACKWARD:
             label += f" (backward: MBN_DEPTHWISE_BACKWARD={mode}"
-            if mode == "next_norm":
-                label += (": not with norm.apply_in_pointwise, which applies that BatchNorm itself" if pointwise else
-                          ": the BatchNorm+ReLU after it has its input gradient applied by the depthwise backward kernel")
+            if mode in NEXT_NORM_MODES and pointwise:
+                label += ": not with norm.apply_in_pointwise, which applies that BatchNorm itself"
+            elif mode in NEXT_NORM_MODES:
+                label += ": the BatchNorm+ReLU after it has its input gradient applied by the depthwise backward kernel"
+                if mode == "next_norm_ring":
+                    label += " where that kernel runs from the rings of rows"
             label += ")"
         applied, why = pointwise, pointwise_why
         label += (f" (applied by cuDNN's fused pointwise conv after it, in training; {why})" if applied

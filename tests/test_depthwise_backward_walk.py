@@ -47,8 +47,8 @@ def backward_mode(monkeypatch):
 
 def test_an_unknown_mode_stops_naming_the_choices(backward_mode):
     backward_mode("both")
-    with pytest.raises(ConfigError, match="MBN_DEPTHWISE_BACKWARD must be one of sums, next_norm, walk, separate, "
-                                          "got 'both'; unset it for the default \\(sums\\)"):
+    with pytest.raises(ConfigError, match="MBN_DEPTHWISE_BACKWARD must be one of sums, next_norm, next_norm_ring, walk, "
+                                          "separate, got 'both'; unset it for the default \\(sums\\)"):
         depthwise_backward_mode()
     backward_mode(None)
     assert depthwise_backward_mode() == "sums"
@@ -58,8 +58,8 @@ def test_validate_refuses_an_unknown_mode_before_any_work(backward_mode):
     from mobilenet.engine import validate
 
     backward_mode("fused")
-    with pytest.raises(ConfigError, match="MBN_DEPTHWISE_BACKWARD must be one of sums, next_norm, walk, separate, "
-                                          "got 'fused'"):
+    with pytest.raises(ConfigError, match="MBN_DEPTHWISE_BACKWARD must be one of sums, next_norm, next_norm_ring, walk, "
+                                          "separate, got 'fused'"):
         validate(compose(["backend=custom", "norm=custom", "channels_last=true"]), torch.device("cpu"))
     validate(compose([]), torch.device("cpu"))  # norm=torch reads no such variable
 

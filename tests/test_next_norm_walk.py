@@ -36,6 +36,9 @@ def test_the_summary_says_what_next_norm_does(backward_mode):
     backward_mode("next_norm")
     assert ("(backward: MBN_DEPTHWISE_BACKWARD=next_norm: the BatchNorm+ReLU after it has its input gradient applied "
             "by the depthwise backward kernel)") in norm_label(cfg)
+    backward_mode("next_norm_ring")
+    assert ("(backward: MBN_DEPTHWISE_BACKWARD=next_norm_ring: the BatchNorm+ReLU after it has its input gradient "
+            "applied by the depthwise backward kernel where that kernel runs from the rings of rows)") in norm_label(cfg)
 
 
 

@@ -97,6 +97,9 @@ void launch_wgrad_normed(const DepthwiseShape& s, DType dt, const void* grad_out
 bool bwd_normed_one_walk(const DepthwiseShape& s);
 size_t bwd_normed_workspace_elems(const DepthwiseShape& s, DType dt, bool sums);
 int bwd_normed_sums_chunks(const DepthwiseShape& s, DType dt);
+// Whether launch_bwd_normed with the sums runs the backward's rings for this shape on the current device
+// (BWD_RING_NORM; the pointers permitting, which the launch checks).
+bool bwd_normed_ring_runs(const DepthwiseShape& s, DType dt);
 void launch_bwd_normed(const DepthwiseShape& s, DType dt, const void* grad_out, const void* y, const void* w,
                        const InputNorm& norm, void* grad_input, void* workspace, void* grad_weight, float* sums,
                        const OutputGradNorm* out_norm, cudaStream_t stream);

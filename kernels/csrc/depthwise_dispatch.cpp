@@ -2,6 +2,9 @@
 // first that takes the case runs it; the launchers are declared in depthwise_launchers.h and defined in the pass's
 // file (the 5x5/7x7 walks' in depthwise_k57.cu). Later rows are the more general kernels, so the order is the
 // preference.
+#include <c10/cuda/CUDAException.h>
+#include <cuda_runtime_api.h>
+
 #include <climits>
 #include <cstddef>
 
@@ -320,17 +323,38 @@ static size_t input_row_workspace_elems(const ConvShape& s, DType dt) {
   return static_cast<size_t>(backward_input_row_normed_chunks(s, dt)) * s.C * (s.KH * s.KW + 1);
 }
 
+// BWD_RING_NORM = 1: the stride-1 backward with the sums from the backward's rings where BWD_RING would take the plain
+// backward there (its launcher checks the pointers and the device, else the walk runs).
+static bool bwd_normed_ring_wanted(const DepthwiseShape& g, const ConvShape& s, DType dt, bool sums) {
+  return sums && bwd_normed_one_walk(g) && knob(Knob::kBwdRingNorm, dt) == 1 && bwd_ring_wanted(s, dt);
+}
+
 size_t bwd_normed_workspace_elems(const DepthwiseShape& g, DType dt, bool sums) {
   ConvShape s;
   if (!narrow_shape(g, &s)) return 0;
   if (!bwd_normed_one_walk(g) && !(sums && bwd_normed_s2_walk(g))) return wgrad_normed_workspace_elems(g, dt);
-  return input_row_workspace_elems(s, dt);
+  const size_t walk = input_row_workspace_elems(s, dt);
+  if (!bwd_normed_ring_wanted(g, s, dt, sums)) return walk;
+  const size_t ring = static_cast<size_t>(backward_nhwc_ring_chunks(s, dt, true)) * s.C * (s.KH * s.KW + 1);
+  return ring > walk ? ring : walk;
 }
 
+// Rows of the sums: the walk's chunks, or where the ring is wanted the larger of its blocks and the walk's chunks (the
+// technique that runs writes its rows and the rest are zeroed, so that the size depends on the shape alone).
 int bwd_normed_sums_chunks(const DepthwiseShape& g, DType dt) {
   ConvShape s;
   const bool walk = bwd_normed_one_walk(g) || bwd_normed_s2_walk(g);
-  return walk && narrow_shape(g, &s) ? backward_input_row_normed_chunks(s, dt) : 0;
+  if (!walk || !narrow_shape(g, &s)) return 0;
+  const int chunks = backward_input_row_normed_chunks(s, dt);
+  if (!bwd_normed_ring_wanted(g, s, dt, true)) return chunks;
+  const int ring = backward_nhwc_ring_chunks(s, dt, true);
+  return ring > chunks ? ring : chunks;
+}
+
+bool bwd_normed_ring_runs(const DepthwiseShape& g, DType dt) {
+  ConvShape s;
+  return narrow_shape(g, &s) && bwd_normed_ring_wanted(g, s, dt, true) && compute_capability_major() >= 9 &&
+         backward_nhwc_ring_chunks(s, dt, true) > 0;
 }
 
 void launch_bwd_normed(const DepthwiseShape& g, DType dt, const void* go, const void* y, const void* w,
@@ -339,7 +363,15 @@ void launch_bwd_normed(const DepthwiseShape& g, DType dt, const void* go, const 
   ConvShape s;
   if (!narrow_shape(g, &s)) return;
   if (bwd_normed_one_walk(g) || (sums != nullptr && bwd_normed_s2_walk(g))) {
-    const int chunks = backward_input_row_normed(s, dt, go, y, w, norm, gx, ws, sums, out_norm, stream);
+    int chunks = bwd_normed_ring_wanted(g, s, dt, sums != nullptr)
+                     ? backward_nhwc_ring_normed(s, dt, go, y, w, norm, gx, ws, sums, out_norm, stream)
+                     : 0;
+    if (chunks == 0) chunks = backward_input_row_normed(s, dt, go, y, w, norm, gx, ws, sums, out_norm, stream);
+    const int rows = sums != nullptr ? bwd_normed_sums_chunks(g, dt) : 0;
+    if (rows > chunks) {  // the rows the other technique would have written: zeros, which add nothing
+      const size_t row = 2 * static_cast<size_t>(s.C);
+      C10_CUDA_CHECK(cudaMemsetAsync(sums + chunks * row, 0, (rows - chunks) * row * sizeof(float), stream));
+    }
     return weight_grad_finalize(s, dt, ws, chunks, gw, nullptr, stream);
   }
   launch_dgrad(g, dt, go, w, gx, stream);

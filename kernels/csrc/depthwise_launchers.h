@@ -116,11 +116,18 @@ int backward_input_row(const ConvShape& s, DType dt, const void* grad_out, const
 // NHWC 3x3, stride 1, padding 1, channels in whole 16-byte units, grad_out and x 16-byte aligned, compute capability
 // 9.0 or later: both gradients of the plain op from rings of grad_out and x rows that bulk copies fill
 // (depthwise_ring.cu, BWD_RING); stage 1 of the weight gradient as above, one chunk per block.
-// backward_nhwc_ring_chunks: its chunks, 0 where the shape does not fit; backward_nhwc_ring returns them, or 0 having
-// launched nothing where the case does not fit.
-int backward_nhwc_ring_chunks(const ConvShape& s, DType dt);
+// backward_nhwc_ring_chunks: its chunks (norm: the normalizing ring's), 0 where the shape does not fit;
+// backward_nhwc_ring returns them, or 0 having launched nothing where the case does not fit.
+int backward_nhwc_ring_chunks(const ConvShape& s, DType dt, bool norm = false);
 int backward_nhwc_ring(const ConvShape& s, DType dt, const void* grad_out, const void* x, const void* w,
                        void* grad_input, void* ws, cudaStream_t stream);
+// The same rings for norm.apply_in_depthwise's backward with the BatchNorm's sums (BWD_RING_NORM): as
+// backward_input_row_normed at stride 1 with sums, one chunk of partials and one row of sums per block; out_norm: the
+// BatchNorm after the convolution, applied to the grad_out rows in shared memory. Returns the chunks, or 0 having
+// launched nothing.
+int backward_nhwc_ring_normed(const ConvShape& s, DType dt, const void* grad_out, const void* y, const void* w,
+                              const InputNorm& norm, void* grad_input, void* ws, float* sums,
+                              const OutputGradNorm* out_norm, cudaStream_t stream);
 // 5x5 or 7x7, stride 1 or 2, 16/32-bit, one kernel row per lane. NHWC (whole 32-bit words of channels): a lane walks
 // one output row; NCHW (16-bit: W and OW even): a lane takes 4 columns of one output row.
 int weight_grad_column_k57_chunks(const ConvShape& s, DType dt);

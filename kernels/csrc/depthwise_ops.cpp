@@ -281,6 +281,16 @@ int64_t bwd_normed_sums_rows(int64_t n, int64_t c, int64_t h, int64_t w, int64_t
   return bwd_normed_sums_chunks(s, to_dtype(dtype));
 }
 
+// Whether depthwise_bwd_normed with grad_sums runs from the rings of rows (MDW_BWD_RING_NORM) for a 3x3 stride-1
+// padding-1 convolution of an (n, c, h, w) input on the current device, its tensors 16-byte aligned.
+bool bwd_normed_ring_runs_for(int64_t n, int64_t c, int64_t h, int64_t w, c10::ScalarType dtype) {
+  DepthwiseShape s{};
+  s.N = n, s.C = c, s.M = 1, s.H = h, s.W = w, s.OH = h, s.OW = w;
+  s.KH = s.KW = 3, s.SH = s.SW = 1, s.PH = s.PW = 1, s.DH = s.DW = 1;
+  s.channels_last = true;
+  return bwd_normed_ring_runs(s, to_dtype(dtype));
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_bwd(const at::Tensor& grad_out, const at::Tensor& x_in,
                                                              const at::Tensor& w_in, at::IntArrayRef stride,
                                                              at::IntArrayRef padding, at::IntArrayRef dilation,
@@ -365,6 +375,7 @@ TORCH_LIBRARY(mobilenet_dw, m) {
       "Tensor? out_consts=None) -> (Tensor, Tensor, Tensor)");
   m.def("bwd_normed_sums_rows(int n, int c, int h, int w, int stride, ScalarType dtype) -> int",
         &mdw::bwd_normed_sums_rows);
+  m.def("bwd_normed_ring_runs(int n, int c, int h, int w, ScalarType dtype) -> bool", &mdw::bwd_normed_ring_runs_for);
   // The launch knobs (MDW_* environment, launch_plan.h) are read once and kept; this re-reads them.
   m.def("reload_knobs() -> ()", &mdw::reload_knobs);
 }

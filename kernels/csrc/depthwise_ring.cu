@@ -79,6 +79,8 @@ __device__ __forceinline__ void ring_wait(uint64_t* bar, unsigned parity) {
 
 // Steps whose shared-memory loads are issued before their FMAs.
 constexpr int kRingUnroll = 2;
+// GNORM: the words of out_norm.x a lane loads together when it turns a grad_out row (bwd_nhwc_ring_kernel).
+constexpr int kZWords = 14;
 
 // Block b: image b / blocks_per_image, output rows [part * bands * band_rows, +bands * band_rows). Lane t: word
 // t % words, p = t / words; row group p % rg (neighbouring lanes of a warp take neighbouring rows, whose slots the
@@ -375,6 +377,15 @@ bool ring_by_shape(const ConvShape& s, DType dt, const void* x, const void* w, c
 // bias's products into the lane's sums. At the end the block adds its lanes' sums per word in lane order and writes
 // the partials ws[block][C][10]; weight_grad_finalize adds the blocks in index order. Bitwise repeatable; the weight
 // gradient groups its products otherwise than the input-row walk's grid, so it is that walk's to a rounding.
+// NORM: norm.apply_in_depthwise's backward with the BatchNorm's gradient sums (the sums walk of
+// depthwise_weight_grad.cu, wgrad_nhwc_input_row_kernel with SUMS): x is y, the BatchNorm + ReLU's input, each word
+// normalized as the lane reads it (each is read by one lane only); no bias slot (written 0); the lane adds sum(g) and
+// sum(g * (y - mean)) at each word it writes (add_grad_sums), and the block adds its lanes' in lane order into
+// sums[block][2][C]. grad_input has the walk's bits; the sums, grouped by block, are the walk's to a rounding.
+// GNORM (with NORM): grad_out is the gradient of the BatchNorm + ReLU after the convolution (out_norm): once a band's
+// new grad_out rows have landed, the block turns their words in place into that BatchNorm's input gradient
+// (WordGradNorm, the bits its own input-gradient pass would have stored), each word once, loading out_norm.x's words
+// from global memory (a third ring does not fit beside the two at 2 blocks per SM); the lanes then read them as above.
 
 struct BwdRingPlan {
   int words, P, nseg, seg, rg;  // a band is rg input rows; nseg * rg = P lanes per word
@@ -386,12 +397,14 @@ struct BwdRingPlan {
   size_t smem;                  // its slots at least the final reduction's P * words * 10 * V floats
 };
 
-template <class TT>
+template <class TT, bool NORM = false, bool GNORM = false>
 __global__ void __launch_bounds__(kRingLanes, kRingBlocksPerSM)
     bwd_nhwc_ring_kernel(const uint32_t* __restrict__ go, const uint32_t* __restrict__ x,
                          const typename TT::S* __restrict__ w, uint32_t* __restrict__ gx, float* __restrict__ ws,
-                         ConvShape s, BwdRingPlan p) {
+                         ConvShape s, BwdRingPlan p, InputNorm input_norm, float* __restrict__ sums,
+                         OutputGradNorm out_norm) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  static_assert(NORM || !GNORM, "the BatchNorm after the convolution is applied by the sums backward only");
   constexpr int K = 3, KK = K * K;
   constexpr int V = 4 / sizeof(typename TT::S);
   constexpr int U = kRingUnroll;
@@ -450,10 +463,44 @@ __global__ void __launch_bounds__(kRingLanes, kRingBlocksPerSM)
     for (int k = 0; k < KK; ++k) wr[k][v] = TT::to_acc(__ldg(w + (cw * V + v) * KK + k));
   float acc[KK + 1][V];
   fill(acc, 0.f);
+  float bn_sums[2][V];  // NORM: sum(g), sum(g * (y - mean))
+  fill(bn_sums, 0.f);
+  WordNorm<TT, V, NORM> norm;
+  norm.setup(input_norm, cw * V);
+  WordGradNorm<TT, V, GNORM> gnorm;
+  gnorm.setup(out_norm, cw * V);
+  const uint32_t* zn = GNORM ? static_cast<const uint32_t*>(out_norm.x) + image : nullptr;
+  int g_applied = g_first;  // GNORM: grad_out rows below it hold the BatchNorm's input gradient
 
   for (int band = 0; band < p.bands; ++band) {
     const int ib = ih_begin + band * p.rg;
     if (ib >= ih_end) break;  // the same for every lane
+    if constexpr (GNORM) {
+      // The band's grad_out rows not yet turned: every lane waits for them and takes the words of its own channel
+      // word (word i of a row is channel word i % words: lanes step by words * P), out_norm.x's words loaded
+      // kZWords at a time before the row's copy is waited for (14: a whole row of MobileNetV1's ring layers per lane,
+      // one round trip to memory).
+      const int g_until = min(g_last, ib + p.rg);
+      for (int r = g_applied; r <= g_until; ++r) {
+        const int k = (r - g_first) / p.nslot_g, slot = r - g_first - k * p.nslot_g;
+        uint32_t* row = slots_g + slot * p.slot_words + p.words;
+        const uint32_t* zr = zn + static_cast<size_t>(r) * s.W * p.words;
+        const int row_words = s.W * p.words, step = p.words * p.P;
+        bool waited = false;
+        for (int i0 = tid; pp < p.P && i0 < row_words; i0 += kZWords * step) {
+          uint32_t zw[kZWords];
+#pragma unroll
+          for (int u = 0; u < kZWords; ++u) zw[u] = i0 + u * step < row_words ? __ldg(zr + i0 + u * step) : 0u;
+          if (!waited) ring_wait(bar_g + slot, k & 1);
+          waited = true;
+#pragma unroll
+          for (int u = 0; u < kZWords; ++u)
+            if (i0 + u * step < row_words) row[i0 + u * step] = gnorm.apply(row[i0 + u * step], zw[u]);
+        }
+      }
+      g_applied = max(g_applied, g_until + 1);
+      __syncthreads();
+    }
     const int ih = ib + q;
     if (lane_works && ih < ih_end) {
       {
@@ -503,15 +550,20 @@ __global__ void __launch_bounds__(kRingLanes, kRingBlocksPerSM)
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           float xv[V], fresh[K][V];
-          widen_word<TT, V>(xraw[u], xv);
+          widen_word<TT, V>(norm(xraw[u]), xv);
 #pragma unroll
           for (int kh = 0; kh < K; ++kh) widen_word<TT, V>(graw[u][kh], fresh[kh]);
           float d[V];
           input_row_grad<V>(wr, held, fresh, d);  // grad_input(ih, iw), in the input-row walk's order
           if (!kChecked || iw0 + u < c1) {
-            store_global(gxp + u * p.words, narrow_word<TT, V>(d));
+            const uint32_t stored = narrow_word<TT, V>(d);
+            store_global(gxp + u * p.words, stored);
+            if constexpr (NORM) {
+              add_grad_sums<TT, V>(stored, xraw[u], xv, true, norm.mean, bn_sums);
+            } else {
 #pragma unroll
-            for (int v = 0; v < V; ++v) acc[KK][v] += held[1][0][v];  // the bias: grad_out(ih, iw)
+              for (int v = 0; v < V; ++v) acc[KK][v] += held[1][0][v];  // the bias: grad_out(ih, iw)
+            }
 #pragma unroll
             for (int kh = 0; kh < K; ++kh)
 #pragma unroll
@@ -544,9 +596,9 @@ __global__ void __launch_bounds__(kRingLanes, kRingBlocksPerSM)
   }
 
   // Every copy has landed (each row was waited for by some lane before the last barrier): the slots' memory now
-  // takes the lanes' sums, [p][word][(KK + 1) * V], added per word in lane order. (Not the mbarriers': memory of a
-  // live mbarrier is not to be reused.)
-  constexpr int E = (KK + 1) * V;
+  // takes the lanes' sums, [p][word][(KK + 1 + NORM's 2) * V], added per word in lane order. (Not the mbarriers':
+  // memory of a live mbarrier is not to be reused.)
+  constexpr int E = (KK + 1 + (NORM ? 2 : 0)) * V;
   float* red = reinterpret_cast<float*>(slots_x);
   __syncthreads();
   if (pp < p.P) {
@@ -554,6 +606,12 @@ __global__ void __launch_bounds__(kRingLanes, kRingBlocksPerSM)
     for (int k = 0; k <= KK; ++k)
 #pragma unroll
       for (int v = 0; v < V; ++v) red[(pp * p.words + cw) * E + k * V + v] = acc[k][v];
+    if constexpr (NORM) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int v = 0; v < V; ++v) red[(pp * p.words + cw) * E + (KK + 1 + j) * V + v] = bn_sums[j][v];
+    }
   }
   __syncthreads();
   for (int idx = tid; idx < p.words * E; idx += blockDim.x) {
@@ -561,7 +619,11 @@ __global__ void __launch_bounds__(kRingLanes, kRingBlocksPerSM)
     float sum = 0.f;
     for (int lane_p = 0; lane_p < p.P; ++lane_p) sum += red[(lane_p * p.words + c_word) * E + e];
     const int c = c_word * V + e % V, k = e / V;
-    ws[(static_cast<size_t>(blockIdx.x) * s.C + c) * (KK + 1) + k] = sum;
+    if (k <= KK) {
+      ws[(static_cast<size_t>(blockIdx.x) * s.C + c) * (KK + 1) + k] = sum;
+    } else {
+      sums[(static_cast<size_t>(blockIdx.x) * 2 + (k - KK - 1)) * s.C + c] = sum;  // batchnorm_relu.cu's layout
+    }
   }
 #endif
 }
@@ -569,7 +631,7 @@ __global__ void __launch_bounds__(kRingLanes, kRingBlocksPerSM)
 // A plan for the backward, or false when it does not fit: as plan_ring, with both rings (x: a band plus `ahead`
 // bands; grad_out: the band, its two neighbour rows and `ahead` bands) and the zero slot within kRingBudget, and the
 // final reduction's floats too.
-bool plan_bwd_ring(const ConvShape& s, DType dt, int rows_per_block, BwdRingPlan* out) {
+bool plan_bwd_ring(const ConvShape& s, DType dt, int rows_per_block, bool norm, BwdRingPlan* out) {
   BwdRingPlan p{};
   RingRows rows;
   if (!ring_rows(s, dt, 1, &rows)) return false;  // padding 1 (bwd_ring_shape)
@@ -579,7 +641,7 @@ bool plan_bwd_ring(const ConvShape& s, DType dt, int rows_per_block, BwdRingPlan
   p.row_bytes = rows.row_bytes;
   const int V = dt == DType::F32 ? 1 : 2;
   const size_t slot_bytes = static_cast<size_t>(p.slot_words) * 4;
-  const size_t red_bytes = static_cast<size_t>(p.P) * p.words * 10 * V * 4;
+  const size_t red_bytes = static_cast<size_t>(p.P) * p.words * (norm ? 12 : 10) * V * 4;
   auto bytes = [&](int nx, int ng) {
     const size_t bars = ring_bar_bytes(nx + ng);
     const size_t slots = static_cast<size_t>(nx + ng + 1) * slot_bytes;
@@ -612,18 +674,31 @@ bool plan_bwd_ring(const ConvShape& s, DType dt, int rows_per_block, BwdRingPlan
   return true;
 }
 
-template <class TT>
+template <class TT, bool NORM = false, bool GNORM = false>
 void launch_bwd_ring(const ConvShape& s, const BwdRingPlan& p, const void* go, const void* x, const void* w, void* gx,
-                     void* ws, cudaStream_t stream) {
+                     void* ws, cudaStream_t stream, const InputNorm& norm = {}, float* sums = nullptr,
+                     const OutputGradNorm& out_norm = {}) {
   using Sx = typename TT::S;
-  auto kernel = bwd_nhwc_ring_kernel<TT>;
+  auto kernel = bwd_nhwc_ring_kernel<TT, NORM, GNORM>;
   static std::atomic<uint64_t> opted_in{0};
   opt_in_shared_memory(kernel, static_cast<int>(kRingBudget), opted_in);
   const long long blocks = static_cast<long long>(s.N) * p.blocks_per_image;
   kernel<<<static_cast<unsigned>(blocks), kRingLanes, p.smem, stream>>>(
       static_cast<const uint32_t*>(go), static_cast<const uint32_t*>(x), static_cast<const Sx*>(w),
-      static_cast<uint32_t*>(gx), static_cast<float*>(ws), s, p);
+      static_cast<uint32_t*>(gx), static_cast<float*>(ws), s, p, norm, sums, out_norm);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The normalizing backward with the sums, and with the BatchNorm after the convolution where out_norm is given.
+template <class TT>
+void launch_bwd_ring_normed(const ConvShape& s, const BwdRingPlan& p, const void* go, const void* y, const void* w,
+                            void* gx, void* ws, float* sums, const InputNorm& norm, const OutputGradNorm* out_norm,
+                            cudaStream_t stream) {
+  if (out_norm != nullptr) {
+    launch_bwd_ring<TT, true, true>(s, p, go, y, w, gx, ws, stream, norm, sums, *out_norm);
+  } else {
+    launch_bwd_ring<TT, true, false>(s, p, go, y, w, gx, ws, stream, norm, sums);
+  }
 }
 
 // The backward's shape conditions, beyond the pointers' alignment (backward_nhwc_ring checks those).
@@ -669,9 +744,26 @@ bool forward_nhwc_ring_normed(const ConvShape& s, DType dt, const void* x, const
 }
 
 
-int backward_nhwc_ring_chunks(const ConvShape& s, DType dt) {
+int backward_nhwc_ring_chunks(const ConvShape& s, DType dt, bool norm) {
   BwdRingPlan p;
-  if (dt == DType::F64 || !bwd_ring_shape(s) || !plan_bwd_ring(s, dt, knob(Knob::kRingBlockRows, dt), &p)) return 0;
+  if (dt == DType::F64 || !bwd_ring_shape(s) || !plan_bwd_ring(s, dt, knob(Knob::kRingBlockRows, dt), norm, &p))
+    return 0;
+  return s.N * p.blocks_per_image;
+}
+
+int backward_nhwc_ring_normed(const ConvShape& s, DType dt, const void* go, const void* y, const void* w,
+                              const InputNorm& norm, void* gx, void* ws, float* sums, const OutputGradNorm* out_norm,
+                              cudaStream_t stream) {
+  BwdRingPlan p;
+  if (dt == DType::F64 || !bwd_ring_shape(s) || !aligned(go, 16) || !aligned(y, 16) || compute_capability_major() < 9 ||
+      !plan_bwd_ring(s, dt, knob(Knob::kRingBlockRows, dt), true, &p))
+    return 0;
+  switch (dt) {
+    case DType::F32: launch_bwd_ring_normed<F32T>(s, p, go, y, w, gx, ws, sums, norm, out_norm, stream); break;
+    case DType::F16: launch_bwd_ring_normed<F16T>(s, p, go, y, w, gx, ws, sums, norm, out_norm, stream); break;
+    case DType::BF16: launch_bwd_ring_normed<BF16T>(s, p, go, y, w, gx, ws, sums, norm, out_norm, stream); break;
+    default: return 0;
+  }
   return s.N * p.blocks_per_image;
 }
 
@@ -679,7 +771,7 @@ int backward_nhwc_ring(const ConvShape& s, DType dt, const void* go, const void*
                        cudaStream_t stream) {
   BwdRingPlan p;
   if (dt == DType::F64 || !bwd_ring_shape(s) || !aligned(go, 16) || !aligned(x, 16) || compute_capability_major() < 9 ||
-      !plan_bwd_ring(s, dt, knob(Knob::kRingBlockRows, dt), &p))
+      !plan_bwd_ring(s, dt, knob(Knob::kRingBlockRows, dt), false, &p))
     return 0;
   switch (dt) {
     case DType::F32: launch_bwd_ring<F32T>(s, p, go, x, w, gx, ws, stream); break;

@@ -471,23 +471,6 @@ __global__ void __launch_bounds__(256, MINB)
   reduce_nhwc_partials<KK, V>(acc, red, ws, s, t, blk.group, blk.chunk);
 }
 
-// The BatchNorm + ReLU backward's per-channel sums at one word the walk wrote: g = the grad_input word as stored,
-// counted where the ReLU passed (x, the normalized word, > 0: the mask bn_relu_bwd recomputes from y) and the word is
-// inside the row; bn_sums += (g, g * (y - mean)).
-template <class TT, int V>
-__device__ __forceinline__ void add_grad_sums(uint32_t stored, uint32_t y_word, const float (&x)[V], bool inside,
-                                              const float (&mean)[V], float (&bn_sums)[2][V]) {
-  float g[V], yv[V];
-  widen_word<TT, V>(stored, g);
-  widen_word<TT, V>(y_word, yv);
-#pragma unroll
-  for (int v = 0; v < V; ++v) {
-    const float gm = inside && x[v] > 0.f ? g[v] : 0.f;
-    bn_sums[0][v] += gm;
-    bn_sums[1][v] = fmaf(gm, yv[v] - mean[v], bn_sums[1][v]);
-  }
-}
-
 // An input-row walk's lane: its block, its place in the block, and the 32-bit word of channels it owns (cw, of
 // words); active when it owns one.
 template <int V>

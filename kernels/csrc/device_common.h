@@ -301,6 +301,24 @@ struct WordNorm<TT, V, true> {
 };
 
 // V consecutive elements in one load instruction (the caller guarantees alignment).
+// The BatchNorm + ReLU backward's per-channel sums at one word a backward walk wrote (the input-row walks of
+// depthwise_weight_grad.cu, the backward ring of depthwise_ring.cu): g = the grad_input word as stored,
+// counted where the ReLU passed (x, the normalized word, > 0: the mask bn_relu_bwd recomputes from y) and the word is
+// inside the row; bn_sums += (g, g * (y - mean)).
+template <class TT, int V>
+__device__ __forceinline__ void add_grad_sums(uint32_t stored, uint32_t y_word, const float (&x)[V], bool inside,
+                                              const float (&mean)[V], float (&bn_sums)[2][V]) {
+  float g[V], yv[V];
+  widen_word<TT, V>(stored, g);
+  widen_word<TT, V>(y_word, yv);
+#pragma unroll
+  for (int v = 0; v < V; ++v) {
+    const float gm = inside && x[v] > 0.f ? g[v] : 0.f;
+    bn_sums[0][v] += gm;
+    bn_sums[1][v] = fmaf(gm, yv[v] - mean[v], bn_sums[1][v]);
+  }
+}
+
 template <class TT, int V>
 __device__ __forceinline__ void load_vec(const typename TT::S* p, float (&out)[V]) {
   const Pack<typename TT::S, V> pk = *reinterpret_cast<const Pack<typename TT::S, V>*>(p);

@@ -55,7 +55,7 @@ int knob(Knob k, DType dt) {
                                 "NCHW_COLUMN_K57_PREFETCH", "FWD_COLUMN_K57_PREFETCH", "FWD_COLUMN_PREFETCH",
                                 "S2_WALK_PAIRS", "FWD_MMA", "BWD_WALK", "FWD_RING", "RING_ROWS",
                                 "RING_BLOCK_ROWS", "BWD_RING", "FWD_RING_NORM", "FWD_MMA_WALK",
-                                "MMA_WALK_ROWS", "MMA_WALK_CH", "MMA_WALK_IMAGES"};
+                                "MMA_WALK_ROWS", "MMA_WALK_CH", "MMA_WALK_IMAGES", "BWD_RING_NORM"};
   static_assert(sizeof(names) / sizeof(names[0]) == kKnobs, "one MDW_ name per launch knob (launch_plan.h)");
   static const char* suffix[] = {"F32", "F16", "BF16", "F64"};
   static int cache[kKnobs][4];
@@ -107,6 +107,7 @@ int knob(Knob k, DType dt) {
         {0, 0, 0, 0},     // MMA_WALK_CH (that walk's 8-channel products per warp; 0: 2 where possible)
         {0, 0, 0, 0},     // MMA_WALK_IMAGES (that walk's images per warp on rows of <= 8 columns; 0: by whole
                           // waves, walk_images)
+        {0, 0, 0, 0},     // BWD_RING_NORM (the normalizing backward with the sums from the rings; not yet measured)
     };
     static_assert(sizeof(defaults) / sizeof(defaults[0]) == kKnobs,
                   "one row of defaults per launch knob (launch_plan.h)");

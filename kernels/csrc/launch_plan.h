@@ -202,6 +202,8 @@ enum class Knob {
                   // K <= 5 allow
   kMmaWalkImages, // that walk's images per warp on rows of <= 8 columns (the weights loaded once for them); 0: by
                   // whole waves of resident warps (walk_images, depthwise_mma_walk.cu)
+  kBwdRingNorm,   // norm.apply_in_depthwise's stride-1 backward with the BatchNorm's sums from the backward's rings
+                  // (depthwise_ring.cu) where BWD_RING takes the plain backward (1), or the input-row walk (0)
   kCount
 };
 int knob(Knob k, DType dt);
