@@ -105,18 +105,19 @@ def _running_update_mode() -> str:
 
 DEPTHWISE_BACKWARD_MODES = ("sums", "next_norm", "next_norm_ring", "walk", "separate")
 NEXT_NORM_MODES = ("next_norm", "next_norm_ring")
-DEFAULT_DEPTHWISE_BACKWARD = "sums"
+DEFAULT_DEPTHWISE_BACKWARD = "next_norm_ring"
 
 
 @functools.cache
 def depthwise_backward_mode() -> str:
     """The backward of norm.apply_in_depthwise's pairs, read once per process at the first training forward, for A/B
-    runs (docs/kernels.md): "sums" (the default), one kernel gives both gradients of a depthwise conv (stride 1 or 2)
+    runs (docs/kernels.md): "sums", one kernel gives both gradients of a depthwise conv (stride 1 or 2)
     and the gradient sums of the BatchNorm before it, whose backward then skips its reduce pass; "next_norm", "sums"
     and the BatchNorm + ReLU after the depthwise conv too, whose input gradient that kernel applies as it loads the
     gradient (where that BatchNorm runs its own kernels: norm.apply_in_pointwise off; measured slower, so not the
-    default); "next_norm_ring", "next_norm" only in the layers whose stride-1 backward runs from the rings of rows
-    (MDW_BWD_RING_NORM), which apply that input gradient once per word in shared memory, and "sums" elsewhere;
+    default); "next_norm_ring" (the default: measured fastest, docs/kernels.md), "next_norm" only in the layers whose
+    stride-1 backward runs from the rings of rows (MDW_BWD_RING_NORM; 16-bit), which apply that input gradient once
+    per word in shared memory, and "sums" elsewhere (every layer in fp32, where the rings are off by default);
     "walk", the stride-1 kernel without the sums (stride 2 as "separate"); "separate", the conv's input and weight
     gradients as two kernels, each reading the output gradient."""
     mode = os.environ.get("MBN_DEPTHWISE_BACKWARD", DEFAULT_DEPTHWISE_BACKWARD)
@@ -357,6 +358,8 @@ def next_norm_in(conv: nn.Module, y: Tensor) -> bool:
     mode = depthwise_backward_mode()
     if mode != "next_norm_ring":
         return mode == "next_norm"
+    if not y.is_cuda:  # the pair's own check names what is wrong
+        return True
     if tuple(conv.stride) != (1, 1) or tuple(conv.padding) != (1, 1) or tuple(conv.weight.shape[2:]) != (3, 3):
         return False
     import kernels.ops  # noqa: F401  (loads the kernels: torch.ops.mobilenet_dw)

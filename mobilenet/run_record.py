@@ -35,15 +35,19 @@ def norm_label(cfg, training: bool = True) -> str:
         label += f" (applied by the depthwise kernel after it, in training; {why})" if applied else f" ({why})"
         mode = depthwise_backward_mode()
         pointwise, pointwise_why = apply_in_pointwise_state(cfg)
-        if applied and mode != DEFAULT_DEPTHWISE_BACKWARD:
-            label += f" (backward: MBN_DEPTHWISE_BACKWARD={mode}"
+        if applied:
+            named = mode != DEFAULT_DEPTHWISE_BACKWARD
+            detail = ""
             if mode in NEXT_NORM_MODES and pointwise:
-                label += ": not with norm.apply_in_pointwise, which applies that BatchNorm itself"
+                detail = "not with norm.apply_in_pointwise, which applies that BatchNorm itself" if named else ""
             elif mode in NEXT_NORM_MODES:
-                label += ": the BatchNorm+ReLU after it has its input gradient applied by the depthwise backward kernel"
+                detail = "the BatchNorm+ReLU after it has its input gradient applied by the depthwise backward kernel"
                 if mode == "next_norm_ring":
-                    label += " where that kernel runs from the rings of rows"
-            label += ")"
+                    detail += " where that kernel runs from the rings of rows"
+            if named:
+                label += f" (backward: MBN_DEPTHWISE_BACKWARD={mode}" + (f": {detail}" if detail else "") + ")"
+            elif detail:
+                label += f" (backward: {detail})"
         applied, why = pointwise, pointwise_why
         label += (f" (applied by cuDNN's fused pointwise conv after it, in training; {why})" if applied
                   else f" ({why})")

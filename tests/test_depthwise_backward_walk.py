@@ -48,10 +48,10 @@ def backward_mode(monkeypatch):
 def test_an_unknown_mode_stops_naming_the_choices(backward_mode):
     backward_mode("both")
     with pytest.raises(ConfigError, match="MBN_DEPTHWISE_BACKWARD must be one of sums, next_norm, next_norm_ring, walk, "
-                                          "separate, got 'both'; unset it for the default \\(sums\\)"):
+                                          "separate, got 'both'; unset it for the default \\(next_norm_ring\\)"):
         depthwise_backward_mode()
     backward_mode(None)
-    assert depthwise_backward_mode() == "sums"
+    assert depthwise_backward_mode() == "next_norm_ring"
 
 
 def test_validate_refuses_an_unknown_mode_before_any_work(backward_mode):

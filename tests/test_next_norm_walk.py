@@ -31,14 +31,18 @@ def test_the_summary_says_what_next_norm_does(backward_mode):
     from mobilenet.run_record import norm_label
 
     cfg = compose(["backend=custom", "norm=custom", "channels_last=true", "data=synthetic"])
-    backward_mode(None)
-    assert "next_norm" not in norm_label(cfg) and "input gradient applied" not in norm_label(cfg)
+    backward_mode(None)  # the default, next_norm_ring, named by what it does
+    assert "MBN_DEPTHWISE_BACKWARD" not in norm_label(cfg)
+    assert ("(backward: the BatchNorm+ReLU after it has its input gradient applied by the depthwise backward kernel "
+            "where that kernel runs from the rings of rows)") in norm_label(cfg)
+    backward_mode("sums")
+    assert "input gradient applied" not in norm_label(cfg)
+    assert "(backward: MBN_DEPTHWISE_BACKWARD=sums)" in norm_label(cfg)
     backward_mode("next_norm")
     assert ("(backward: MBN_DEPTHWISE_BACKWARD=next_norm: the BatchNorm+ReLU after it has its input gradient applied "
             "by the depthwise backward kernel)") in norm_label(cfg)
-    backward_mode("next_norm_ring")
-    assert ("(backward: MBN_DEPTHWISE_BACKWARD=next_norm_ring: the BatchNorm+ReLU after it has its input gradient "
-            "applied by the depthwise backward kernel where that kernel runs from the rings of rows)") in norm_label(cfg)
+    backward_mode("next_norm_ring")  # named as the default is not
+    assert "MBN_DEPTHWISE_BACKWARD=next_norm_ring" not in norm_label(cfg)
 
 
 

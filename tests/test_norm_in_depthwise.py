@@ -163,7 +163,10 @@ def test_summary_names_the_switch():
     pair = ["backend=custom", "norm=custom", "channels_last=true", "data=synthetic"]
     # the rest of the row is norm.apply_in_pointwise's (tests/test_norm_in_pointwise.py)
     assert norm_label(compose(pair)).startswith("custom (applied by the depthwise kernel after it, in training; "
-                                                "norm.apply_in_depthwise=auto) (norm.apply_in_pointwise=")
+                                                "norm.apply_in_depthwise=auto) (backward: the BatchNorm+ReLU after "
+                                                "it has its input gradient applied by the depthwise backward kernel "
+                                                "where that kernel runs from the rings of rows) "
+                                                "(norm.apply_in_pointwise=")
     assert norm_label(compose([*pair, "norm.apply_in_depthwise=false"])).startswith(
         "custom (norm.apply_in_depthwise=false) (norm.apply_in_pointwise=")
     assert norm_label(compose(["norm=custom"])).startswith("custom (norm.apply_in_depthwise=auto: off, it needs "
