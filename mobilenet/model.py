@@ -276,8 +276,9 @@ class MobileNetV1(nn.Module):
         pre-normalization output of the conv before, `pending` the BatchNorm + ReLU still to apply to it."""
         stem_conv, pending = self.features[0]
         y, sums = stem_conv(x), None  # sums: y's per-channel sums where the conv that wrote it returned them
-        # MBN_DEPTHWISE_BACKWARD=next_norm: the BatchNorm after each depthwise conv joins the pair, whose backward
-        # kernel then applies that BatchNorm's input gradient (not with the pointwise fusion, which applies it itself).
+        # MBN_DEPTHWISE_BACKWARD=next_norm (every layer) or next_norm_ring (the default: the layers whose backward runs
+        # from the rings of rows): the BatchNorm after the depthwise conv joins the pair, whose backward kernel then
+        # applies that BatchNorm's input gradient (not with the pointwise fusion, which applies it itself).
         next_norm = (self.apply_norm_in_depthwise and not self.apply_norm_in_pointwise
                      and depthwise_backward_mode() in NEXT_NORM_MODES)
         for block in self.features[1:]:

@@ -376,8 +376,8 @@ def norm_relu_depthwise_norm_relu(bn: "CustomBatchNormReLU", conv: nn.Module, ou
     for bit. Eval mode runs the modules one by one. A training input the walks do not take stops the run
     (NormUnavailable naming why)."""
     if type(out_bn) is not CustomBatchNormReLU:
-        raise NormUnavailable(f"MBN_DEPTHWISE_BACKWARD=next_norm needs norm=custom without sync_bn after the depthwise "
-                              f"conv (got {type(out_bn).__name__}); unset MBN_DEPTHWISE_BACKWARD or set it to sums")
+        raise NormUnavailable(f"MBN_DEPTHWISE_BACKWARD={depthwise_backward_mode()} needs norm=custom without sync_bn "
+                              f"after the depthwise conv (got {type(out_bn).__name__}); set MBN_DEPTHWISE_BACKWARD=sums")
     if not (_uses_batch_stats(bn) and _uses_batch_stats(out_bn)):
         return out_bn(norm_relu_depthwise(bn, conv, y, sums))
     check_apply_in_depthwise(bn, conv)
