@@ -43,7 +43,7 @@ def norm_label(cfg, training: bool = True) -> str:
             elif mode in NEXT_NORM_MODES:
                 detail = "the BatchNorm+ReLU after it has its input gradient applied by the depthwise backward kernel"
                 if mode == "next_norm_ring":
-                    detail += " where that kernel runs from the rings of rows"
+                    detail += " where that kernel runs from the rings of rows (MDW_BWD_RING_NORM: 16-bit by default)"
             if named:
                 label += f" (backward: MBN_DEPTHWISE_BACKWARD={mode}" + (f": {detail}" if detail else "") + ")"
             elif detail:

@@ -34,7 +34,7 @@ def test_the_summary_says_what_next_norm_does(backward_mode):
     backward_mode(None)  # the default, next_norm_ring, named by what it does
     assert "MBN_DEPTHWISE_BACKWARD" not in norm_label(cfg)
     assert ("(backward: the BatchNorm+ReLU after it has its input gradient applied by the depthwise backward kernel "
-            "where that kernel runs from the rings of rows)") in norm_label(cfg)
+            "where that kernel runs from the rings of rows (MDW_BWD_RING_NORM: 16-bit by default))") in norm_label(cfg)
     backward_mode("sums")
     assert "input gradient applied" not in norm_label(cfg)
     assert "(backward: MBN_DEPTHWISE_BACKWARD=sums)" in norm_label(cfg)

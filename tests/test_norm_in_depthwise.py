@@ -165,7 +165,8 @@ def test_summary_names_the_switch():
     assert norm_label(compose(pair)).startswith("custom (applied by the depthwise kernel after it, in training; "
                                                 "norm.apply_in_depthwise=auto) (backward: the BatchNorm+ReLU after "
                                                 "it has its input gradient applied by the depthwise backward kernel "
-                                                "where that kernel runs from the rings of rows) "
+                                                "where that kernel runs from the rings of rows (MDW_BWD_RING_NORM: "
+                                                "16-bit by default)) "
                                                 "(norm.apply_in_pointwise=")
     assert norm_label(compose([*pair, "norm.apply_in_depthwise=false"])).startswith(
         "custom (norm.apply_in_depthwise=false) (norm.apply_in_pointwise=")
