@@ -270,25 +270,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_bwd_normed(
   return {grad_input, grad_weight, sums};
 }
 
-// The first dimension of depthwise_bwd_normed's sums for a 3x3 convolution with padding 1 and this stride of an
-// (n, c, h, w) input on the current device (0 where no walk gives them): a function of the shape, dtype and GPU only,
-// so that the op's fake kernel can size it.
-int64_t bwd_normed_sums_rows(int64_t n, int64_t c, int64_t h, int64_t w, int64_t stride, c10::ScalarType dtype) {
+// The NHWC 3x3 padding-1 convolution of an (n, c, h, w) input at this stride, as the normalizing backward's queries
+// below describe it.
+static DepthwiseShape padded_3x3_shape(int64_t n, int64_t c, int64_t h, int64_t w, int64_t stride) {
   DepthwiseShape s{};
   s.N = n, s.C = c, s.M = 1, s.H = h, s.W = w, s.OH = (h - 1) / stride + 1, s.OW = (w - 1) / stride + 1;
   s.KH = s.KW = 3, s.SH = s.SW = stride, s.PH = s.PW = 1, s.DH = s.DW = 1;
   s.channels_last = true;
-  return bwd_normed_sums_chunks(s, to_dtype(dtype));
+  return s;
+}
+
+// The first dimension of depthwise_bwd_normed's sums for a 3x3 convolution with padding 1 and this stride of an
+// (n, c, h, w) input on the current device (0 where no walk gives them): a function of the shape, dtype and GPU only,
+// so that the op's fake kernel can size it.
+int64_t bwd_normed_sums_rows(int64_t n, int64_t c, int64_t h, int64_t w, int64_t stride, c10::ScalarType dtype) {
+  return bwd_normed_sums_chunks(padded_3x3_shape(n, c, h, w, stride), to_dtype(dtype));
 }
 
 // Whether depthwise_bwd_normed with grad_sums runs from the rings of rows (MDW_BWD_RING_NORM) for a 3x3 stride-1
 // padding-1 convolution of an (n, c, h, w) input on the current device, its tensors 16-byte aligned.
 bool bwd_normed_ring_runs_for(int64_t n, int64_t c, int64_t h, int64_t w, c10::ScalarType dtype) {
-  DepthwiseShape s{};
-  s.N = n, s.C = c, s.M = 1, s.H = h, s.W = w, s.OH = h, s.OW = w;
-  s.KH = s.KW = 3, s.SH = s.SW = 1, s.PH = s.PW = 1, s.DH = s.DW = 1;
-  s.channels_last = true;
-  return bwd_normed_ring_runs(s, to_dtype(dtype));
+  return bwd_normed_ring_runs(padded_3x3_shape(n, c, h, w, 1), to_dtype(dtype));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_bwd(const at::Tensor& grad_out, const at::Tensor& x_in,

@@ -394,7 +394,7 @@ struct BwdRingPlan {
   int slot_words;               // (W + 2) * words, padded as the forward's
   unsigned row_bytes;           // one row of x or grad_out: W * words * 4
   int bar_bytes;                // nslot_x + nslot_g mbarriers, padded to 128 bytes
-  size_t smem;                  // its slots at least the final reduction's P * words * 10 * V floats
+  size_t smem;                  // its slots at least the final reduction's P * words * (10, NORM: 12) * V floats
 };
 
 template <class TT, bool NORM = false, bool GNORM = false>
@@ -744,20 +744,28 @@ bool forward_nhwc_ring_normed(const ConvShape& s, DType dt, const void* x, const
 }
 
 
+// The backward's plan for this shape and dtype (norm: the normalizing ring's), false where the rings do not take it.
+static bool plan_bwd_ring_for(const ConvShape& s, DType dt, bool norm, BwdRingPlan* p) {
+  return dt != DType::F64 && bwd_ring_shape(s) && plan_bwd_ring(s, dt, knob(Knob::kRingBlockRows, dt), norm, p);
+}
+
+// The same, where this launch can also make its bulk copies: 16-byte aligned grad_out and x rows, compute capability
+// 9.0 or later.
+static bool plan_bwd_ring_launch(const ConvShape& s, DType dt, const void* go, const void* x, bool norm,
+                                 BwdRingPlan* p) {
+  return aligned(go, 16) && aligned(x, 16) && compute_capability_major() >= 9 && plan_bwd_ring_for(s, dt, norm, p);
+}
+
 int backward_nhwc_ring_chunks(const ConvShape& s, DType dt, bool norm) {
   BwdRingPlan p;
-  if (dt == DType::F64 || !bwd_ring_shape(s) || !plan_bwd_ring(s, dt, knob(Knob::kRingBlockRows, dt), norm, &p))
-    return 0;
-  return s.N * p.blocks_per_image;
+  return plan_bwd_ring_for(s, dt, norm, &p) ? s.N * p.blocks_per_image : 0;
 }
 
 int backward_nhwc_ring_normed(const ConvShape& s, DType dt, const void* go, const void* y, const void* w,
                               const InputNorm& norm, void* gx, void* ws, float* sums, const OutputGradNorm* out_norm,
                               cudaStream_t stream) {
   BwdRingPlan p;
-  if (dt == DType::F64 || !bwd_ring_shape(s) || !aligned(go, 16) || !aligned(y, 16) || compute_capability_major() < 9 ||
-      !plan_bwd_ring(s, dt, knob(Knob::kRingBlockRows, dt), true, &p))
-    return 0;
+  if (!plan_bwd_ring_launch(s, dt, go, y, true, &p)) return 0;
   switch (dt) {
     case DType::F32: launch_bwd_ring_normed<F32T>(s, p, go, y, w, gx, ws, sums, norm, out_norm, stream); break;
     case DType::F16: launch_bwd_ring_normed<F16T>(s, p, go, y, w, gx, ws, sums, norm, out_norm, stream); break;
@@ -770,9 +778,7 @@ int backward_nhwc_ring_normed(const ConvShape& s, DType dt, const void* go, cons
 int backward_nhwc_ring(const ConvShape& s, DType dt, const void* go, const void* x, const void* w, void* gx, void* ws,
                        cudaStream_t stream) {
   BwdRingPlan p;
-  if (dt == DType::F64 || !bwd_ring_shape(s) || !aligned(go, 16) || !aligned(x, 16) || compute_capability_major() < 9 ||
-      !plan_bwd_ring(s, dt, knob(Knob::kRingBlockRows, dt), false, &p))
-    return 0;
+  if (!plan_bwd_ring_launch(s, dt, go, x, false, &p)) return 0;
   switch (dt) {
     case DType::F32: launch_bwd_ring<F32T>(s, p, go, x, w, gx, ws, stream); break;
     case DType::F16: launch_bwd_ring<F16T>(s, p, go, x, w, gx, ws, stream); break;
