@@ -334,6 +334,43 @@ def test_first_call_effects_are_flagged():
         analyse_trace(_cold_trace(), skip_steps=3)
 
 
+def _warmup_tail_trace() -> dict:
+    """Three 1 ms steps of a GPU-bound loop whose profiler window opened while the GPU still ran 4 kernels (800 us)
+    launched in the profiler's warm-up: their launch calls were dropped with the warm-up's host rows, their GPU rows
+    kept (correlation ids 1-4, below every launch call the trace kept)."""
+    b = _TraceBuilder()
+    b._corr = itertools.count(100)
+    for i in range(4):
+        b.x(f"warmup_kernel_{i}", "kernel", 200 * i, 200, tid=7, pid=0, correlation=1 + i)
+    for s in range(3):
+        t = 1000.0 * s
+        b.x(f"ProfilerStep#{s + 5}", "user_annotation", t, 1000)
+        b.launch(t + 10, "gemm_a", 800 + t + 10, 600)
+        b.launch(t + 20, "bn_relu", 800 + t + 610, 300)
+    return {"traceEvents": b.events}
+
+
+def test_gpu_rows_launched_before_the_window_are_not_work_of_its_first_step():
+    r = analyse_trace(_warmup_tail_trace())
+    _assert_partition(r)
+    assert r.launches.kernels_per_step == 2 and r.launches.first_step_extra_kernels == 0
+    assert math.isclose(r.gpu_time.gpu_ms_per_step, 0.9)
+    assert r.gpu_time.top_kernels[0]["calls_per_step"] == 1
+    assert "first-call effects in the window" not in {f.title for f in r.findings}
+    assert any("4 GPU rows (0.800 ms) were launched before" in n for n in r.notes)
+    assert not any("unlinked" in n for n in r.notes)
+    # The first step counts from when the GPU was free of the earlier rows (800 us), not from its host start (0).
+    assert [round(t, 6) for t in r.timing.step_ms] == [0.91, 1.0, 1.0]
+    # The GPU was busy with them all the same: over the window (0 to 3710 us) it idles only 10 + 100 + 100 us.
+    assert r.utilisation.busy_pct == pytest.approx(100 * 3500 / 3710)
+
+
+def test_first_call_finding_quotes_the_host_ranges_it_compares():
+    r = analyse_trace(_cold_trace())
+    finding = next(f for f in r.findings if f.title == "first-call effects in the window")
+    assert "host range took 20.00 ms, 20.0x the later steps' median (1.00 ms)" in finding.detail
+
+
 def test_slim_trace_analyses_the_same():
     trace = _synthetic_gpu_trace()
     trace["traceEvents"].append({"ph": "s", "cat": "ac2g", "name": "flow", "id": 1, "ts": 0, "pid": 1, "tid": 1})

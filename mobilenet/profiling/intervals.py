@@ -29,13 +29,16 @@ def overlap(a: float, b: float, intervals: list[tuple[float, float]], starts: li
     return total
 
 
-def completion_periods(steps: list[Event], per_step_first_last: dict[int, list[float]]) -> list[float]:
+def completion_periods(steps: list[Event], per_step_first_last: dict[int, list[float]],
+                       gpu_free_from: float | None = None) -> list[float]:
     """Step times (ms) from one step's completion to the next. A step completes when its host range and the last
     GPU row it launched (per_step_first_last: step index -> [first GPU start, last GPU end]) have both ended: host
     ranges alone understate a GPU-bound step (the host runs ahead, queueing work), GPU spans alone miss a host-bound
-    one. The first step counts from its host start."""
+    one. The first step counts from its host start, or from gpu_free_from when the GPU was still running earlier
+    work then (launched before the window)."""
     done = [max(st.end, per_step_first_last[i][1]) if i in per_step_first_last else st.end for i, st in enumerate(steps)]
-    return [(done[0] - steps[0].ts) / 1000] + [(b - a) / 1000 for a, b in zip(done, done[1:])]
+    start = max(steps[0].ts, gpu_free_from) if gpu_free_from is not None else steps[0].ts
+    return [(done[0] - start) / 1000] + [(b - a) / 1000 for a, b in zip(done, done[1:])]
 
 
 def site_rows(agg: dict[tuple, list], keys: tuple[str, ...], n_steps: int) -> list[dict]:

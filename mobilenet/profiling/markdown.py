@@ -78,7 +78,7 @@ def _steps(r: Report) -> list[str]:
              ["profiled step ms, min / max", f"{timing.step_ms_min:.3f} / {timing.step_ms_max:.3f}"],
              ["spread (max-min)/median", f"{100 * (timing.step_ms_max - timing.step_ms_min) / timing.step_ms_median:.1f}%" if timing.step_ms_median else "-"]]
     if timing.first_step_ratio is not None:
-        rows.append(["first step / steady median", f"{timing.first_step_ratio:.2f}x"])
+        rows.append(["first step's host range / later steps' median", f"{timing.first_step_ratio:.2f}x"])
     if timing.profiler_overhead_pct is not None:
         rows.append(["profiler overhead (profiled vs unprofiled step)", f"{timing.profiler_overhead_pct:+.1f}%"])
     rows.append(["host-side ProfilerStep range, median ms", timing.host_step_ms_median])

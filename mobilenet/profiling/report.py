@@ -31,6 +31,7 @@ class StepTiming:
     step_ms_median: float = float("nan")
     step_ms_min: float = float("nan")
     step_ms_max: float = float("nan")
+    host_step_ms: list[float] = field(default_factory=list)
     host_step_ms_median: float = 0.0
     baseline_step_ms: float | None = None
     profiler_overhead_pct: float | None = None

@@ -19,12 +19,12 @@ from .window import GpuRows, Window, median
 
 def step_timing(window: Window, gpu: GpuRows, baseline_step_ms: float | None) -> StepTiming:
     host_ms = [s.dur / 1000 for s in window.steps]
-    times = completion_periods(window.steps, gpu.first_last) if gpu.rows else host_ms
+    times = completion_periods(window.steps, gpu.first_last, gpu.earlier_end) if gpu.rows else host_ms
     step_median = median(times)
     spans = [b - a for a, b in gpu.first_last.values()]
     return StepTiming(
         step_ms=times, step_ms_median=step_median, step_ms_min=min(times), step_ms_max=max(times),
-        host_step_ms_median=median(host_ms), baseline_step_ms=baseline_step_ms,
+        host_step_ms=host_ms, host_step_ms_median=median(host_ms), baseline_step_ms=baseline_step_ms,
         profiler_overhead_pct=100 * (step_median / baseline_step_ms - 1) if baseline_step_ms else None,
         # first-call effects (lazy loading, autotuning) are host-side: compare host ranges
         first_step_ratio=host_ms[0] / median(host_ms[1:]) if window.n_steps >= 3 else None,

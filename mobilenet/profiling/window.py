@@ -89,15 +89,29 @@ class GpuRows:
     counted: list[Launched]  # those issued inside a step of the window
     runtime_by_corr: dict
     first_last: dict[int, list[float]]  # step -> [first start, last end] of the GPU rows it launched
+    earlier_end: float | None = None  # end of the last row launched before the trace's host record (None: none)
 
 
 def link_gpu_rows(host: list[Event], rows: list[Event], window: Window, notes: list[str]) -> GpuRows:
     runtime_by_corr = {e.args["correlation"]: e for e in host if e.cat == "runtime" and "correlation" in e.args}
-    linked = []
+    # Correlation ids grow with every launch call. A GPU row whose id is below the first call the trace kept was
+    # launched before the trace's host record begins (in the profiler's warm-up, whose host rows are dropped) and
+    # ran late into the window: the GPU of a GPU-bound loop lags its host. Placed by its own start time it would
+    # count as work of the first step, so it is left out of every per-step figure; its busy time still counts.
+    first_corr = min((c for c in runtime_by_corr if isinstance(c, int)), default=None)
+    linked, earlier = [], []
     for g in rows:
-        launch = runtime_by_corr.get(g.args.get("correlation"))
+        corr = g.args.get("correlation")
+        launch = runtime_by_corr.get(corr)
+        if launch is None and first_corr is not None and isinstance(corr, int) and corr < first_corr:
+            earlier.append(g)
+            continue
         t_issue = launch.ts if launch is not None else g.ts
         linked.append(Launched(g, launch, cpu_ops(launch.parent if launch else None), window.step_index(t_issue)))
+    if earlier:
+        notes.append(f"{len(earlier)} GPU rows ({sum(g.dur for g in earlier) / 1000:.3f} ms) were launched before the "
+                     "trace's first recorded launch call (in the profiler's warm-up) and ran inside the window: they "
+                     "are left out of the per-step figures, and count only as GPU busy time")
     unlinked = sum(1 for r in linked if r.launch is None)
     if unlinked:
         notes.append(f"{unlinked} of {len(linked)} GPU rows are unlinked (no launch call with their correlation id): "
@@ -107,4 +121,4 @@ def link_gpu_rows(host: list[Event], rows: list[Event], window: Window, notes: l
     for r in counted:
         fl = first_last.setdefault(r.step, [r.row.ts, r.row.end])
         fl[0], fl[1] = min(fl[0], r.row.ts), max(fl[1], r.row.end)
-    return GpuRows(rows, counted, runtime_by_corr, first_last)
+    return GpuRows(rows, counted, runtime_by_corr, first_last, max((g.end for g in earlier), default=None))
