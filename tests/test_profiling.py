@@ -94,6 +94,29 @@ def test_cpu_capture_writes_trace_and_report(tmp_path, mode):
     assert wanted <= names
 
 
+@pytest.mark.gpu
+def test_a_gpu_bound_loop_counts_the_same_kernels_in_every_profiled_step(tmp_path):
+    """The host queues 4 matmuls a step (~2 ms of GPU work each) in microseconds, so the profiler's window opens while
+    the GPU still runs the warm-up's kernels: those must not count as work of the first profiled step."""
+    a = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    prof = StepProfiler(tmp_path, "cuda", {"mode": "infer"}, _cfg(skip_first=2, warmup=2, active=4), print_report=False)
+    with prof:
+        while not prof.finished:
+            with prof.range("forward"):
+                b = a
+                for _ in range(4):
+                    b = b @ a
+            prof.step()
+    report = prof.finish()
+    assert report.gpu and report.steps == 4
+    assert report.launches.first_step_extra_kernels == 0
+    assert report.launches.kernels_per_step == round(report.launches.kernels_per_step) >= 4
+    assert not any("unlinked" in n for n in report.notes), report.notes
+    # The step time is the GPU's: four 4096^3 matmuls, never the host's microseconds.
+    assert report.timing.step_ms_median > 20 * report.timing.host_step_ms_median
+
+
 def test_finish_without_active_step_raises(tmp_path):
     prof = StepProfiler(tmp_path, "cpu", {}, _cfg(skip_first=5), print_report=False)
     with prof:
