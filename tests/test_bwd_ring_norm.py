@@ -1,7 +1,7 @@
 """Tests of MDW_BWD_RING_NORM: norm.apply_in_depthwise's stride-1 backward with the BatchNorm's gradient sums
-(MBN_DEPTHWISE_BACKWARD=sums, the default) from the backward's rings of grad_out and y rows (depthwise_ring.cu), and
-with MBN_DEPTHWISE_BACKWARD=next_norm the BatchNorm after the convolution applied once to each grad_out word in shared
-memory.
+(MBN_DEPTHWISE_BACKWARD=sums) from the backward's rings of grad_out and y rows (depthwise_ring.cu), and with
+MBN_DEPTHWISE_BACKWARD=next_norm or next_norm_ring (the default) the BatchNorm after the convolution applied once to
+each grad_out word in shared memory.
 
 GPU (`pytest -m gpu`), each with MDW_BWD_RING=1 so that the rings run wherever they fit: the ring's input gradient bit
 for bit the input-row walk's, its weight gradient and sums the walk's to a rounding and against float64, outputs

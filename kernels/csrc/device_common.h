@@ -300,7 +300,6 @@ struct WordNorm<TT, V, true> {
   }
 };
 
-// V consecutive elements in one load instruction (the caller guarantees alignment).
 // The BatchNorm + ReLU backward's per-channel sums at one word a backward walk wrote (the input-row walks of
 // depthwise_weight_grad.cu, the backward ring of depthwise_ring.cu): g = the grad_input word as stored,
 // counted where the ReLU passed (x, the normalized word, > 0: the mask bn_relu_bwd recomputes from y) and the word is
@@ -319,6 +318,7 @@ __device__ __forceinline__ void add_grad_sums(uint32_t stored, uint32_t y_word, 
   }
 }
 
+// V consecutive elements in one load instruction (the caller guarantees alignment).
 template <class TT, int V>
 __device__ __forceinline__ void load_vec(const typename TT::S* p, float (&out)[V]) {
   const Pack<typename TT::S, V> pk = *reinterpret_cast<const Pack<typename TT::S, V>*>(p);
