@@ -196,6 +196,10 @@ class PerfConfig:
     # (amp=true, compile=false, one process), measured 0.8% faster on an H200 (docs/results/train_norm_h200.md);
     # true = required (an error where it cannot run); false = autocast's own casts. The summary says which ran.
     amp_weight_cast: str = "auto"
+    # Sample the host's CPUs (busy, steal), this process's threads and the GPU's SMs and JPEG engines (NVML, with
+    # nvidia-ml-py) over each epoch's timed steps, for the summary (mobilenet/machine_load.py): auto = for loaders that
+    # decode images (data=dali, data=folder), true, false.
+    sample_load: str = "auto"
 
 
 @dataclass

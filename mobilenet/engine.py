@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import amp_weights, cuda_graph, distributed, streams
+from . import amp_weights, cuda_graph, distributed, machine_load, streams
 from .checkpoint import CHECKPOINT_IN_RUN_DIR, load_checkpoint, restore_training_state, save_checkpoint, training_state
 from .config import enum_value
 from .data import LoaderSpec, build_loaders
@@ -275,6 +275,8 @@ class Trainer:
         self.forward, self.weight_cast_state = _forward_for_run(self.model, cfg, self.device, self.dist, capture_stream)
         self._build_optimization(cfg, capture_stream)
         self.env = environment(self.device)
+        with checking_user_input(ValueError):  # perf.sample_load that is not a choice
+            self.sample_load, self.load_state = machine_load.sampling_wanted(cfg)
         # Only rank 0 writes: one TensorBoard run and one checkpoint per training run.
         self.tb = TensorBoardLog(str(self.run_dir), enabled=self.dist.is_main)
         self.profiler = None
@@ -312,7 +314,7 @@ class Trainer:
         """This run's settings as resolved, for its summary, hparams and scalars."""
         return TrainingRun(self.cfg, self.device, self.env, self.dist, self.backend_label, self.cuda_graph_state,
                            self.stream_state, self.queues_state, self.graphed is not None, self.stream,
-                           self.sync_bn_state, self.weight_cast_state)
+                           self.sync_bn_state, self.weight_cast_state, self.load_state)
 
     def _range(self, name: str):
         """A named profiler range when profiling, else nothing."""
@@ -352,7 +354,10 @@ class Trainer:
         steps = self.steps_per_epoch if max_steps is None else max_steps
         bar = _progress(steps, f"epoch {self.epoch + 1}/{cfg.epochs}", cfg.progress)
         it = _cycle(self.train_loader)
+        sampler = machine_load.LoadSampler(self.device) if self.sample_load else None
         for i in range(steps):
+            if sampler is not None and not sampler.started and meter.timing:
+                sampler.start()  # the timed window opens: what the machine does from here is the run's measure
             meter.data_start()
             with self._range("data"):
                 images, labels = next(it)
@@ -372,7 +377,10 @@ class Trainer:
         self._record_losses(readback.ready(wait=True), result, bar)
         if bar is not None:
             bar.close()
-        return meter.result()
+        throughput = meter.result()  # synchronises: the timed window closes when the GPU has finished
+        if sampler is not None and sampler.started:
+            result.machine_load = sampler.stop()
+        return throughput
 
     def _record_losses(self, losses: list[tuple[int, float]], result: RunResult, bar) -> None:
         """Check, keep and log the losses read back so far; every one of them, the epoch's last included."""
@@ -399,7 +407,7 @@ class Trainer:
             while self.epoch < self.cfg.epochs:
                 result.train = distributed.throughput_over_ranks(self.train_epoch(result), self.device, self.dist)
                 self.epoch += 1
-                self.tb.scalars(self.run_record().epoch_scalars(result.train), self.global_step)
+                self.tb.scalars(self.run_record().epoch_scalars(result.train, result.machine_load), self.global_step)
                 if self.cfg.evaluate:
                     self._evaluate(result)
                 if self.cfg.save_checkpoints:

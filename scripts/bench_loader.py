@@ -3,7 +3,8 @@
 
 Each loader's training iterator runs one untimed warm-up epoch (worker start, nvJPEG allocation, page cache),
 then --epochs timed epochs: throughput = images delivered / wall time, with the device synchronised at both ends.
-No model runs, so this is the most each loader can feed. Writes a markdown table (machine, versions, command).
+No model runs, so this is the most each loader can feed. Writes a markdown table (machine, versions, command),
+with what the machine did over the timed epochs (mobilenet/machine_load.py: host CPUs, threads, SMs, JPEG engines).
 
     python scripts/bench_loader.py --root /data/fake-imagenet --threads 16 --out docs/results/loader_h200.md
 """
@@ -26,6 +27,7 @@ import torch  # noqa: E402
 from mobilenet.bench.dtypes import DTYPES  # noqa: E402
 from mobilenet.config import compose  # noqa: E402
 from mobilenet.data import LoaderSpec, build_loaders  # noqa: E402
+from mobilenet.machine_load import LoadSampler  # noqa: E402
 from mobilenet.reporting import environment, gpu_slug  # noqa: E402
 
 LOADERS = {
@@ -54,16 +56,19 @@ def measure(name: str, args, device: torch.device) -> dict:
             pass
     sync(device)
     images_seen = 0
+    sampler = LoadSampler(device).start()
     start = time.perf_counter()
     for _ in range(args.epochs):
         for images, labels in train:
             images_seen += labels.shape[0]
     sync(device)
     elapsed = time.perf_counter() - start
+    load = sampler.stop()
     result = dict(loader=name, images=images_seen, seconds=elapsed, rate=images_seen / elapsed, build_s=build_s,
                   shape=tuple(images.shape), dtype=str(images.dtype).replace("torch.", ""), device=str(images.device),
-                  channels_last=images.is_contiguous(memory_format=torch.channels_last))
-    print(f"{name}: {result['rate']:.0f} img/s ({images_seen} images in {elapsed:.2f} s, build {build_s:.1f} s)", flush=True)
+                  channels_last=images.is_contiguous(memory_format=torch.channels_last), load=load.line())
+    print(f"{name}: {result['rate']:.0f} img/s ({images_seen} images in {elapsed:.2f} s, build {build_s:.1f} s)\n"
+          f"  machine load: {result['load']}", flush=True)
     del train
     return result
 
@@ -88,7 +93,7 @@ def dataset_summary(root: Path) -> str:
 def write_markdown(path: Path, args, device: torch.device, results: list[dict]) -> None:
     rows = "\n".join(
         f"| {r['loader']} | {r['rate']:,.0f} | {r['images']} | {r['seconds']:.2f} | {r['build_s']:.1f} | "
-        f"{r['dtype']} {'NHWC/channels_last' if r['channels_last'] else 'NCHW'} on {r['device']} |"
+        f"{r['dtype']} {'NHWC/channels_last' if r['channels_last'] else 'NCHW'} on {r['device']} | {r['load']} |"
         for r in results
     )
     env = environment(device)
@@ -105,8 +110,8 @@ DataLoader workers.
 - Data: {dataset_summary(Path(args.root))} (`scripts/make_fake_imagenet.py`)
 - Command: `{command}`
 
-| loader | img/s | images | seconds | build s | output |
-| --- | ---: | ---: | ---: | ---: | --- |
+| loader | img/s | images | seconds | build s | output | machine load (timed epochs) |
+| --- | ---: | ---: | ---: | ---: | --- | --- |
 {rows}
 """
     path.parent.mkdir(parents=True, exist_ok=True)
