@@ -7,14 +7,15 @@ tell these apart, and DALI-fed runs of one command have differed by a quarter fr
 
 - the host's CPU time from /proc/stat: busy, steal and iowait shares of all CPUs (exact over the window: the
   counters' difference from its start to its end);
-- this process's threads from /proc/self/task: CPU cores used per thread name (DALI's and nvImageCodec's threads are
-  named), and the busiest single thread, which shows a loader bound by one thread;
+- this process's threads from /proc/self/task at the window's two ends: CPU cores used per thread name (DALI names
+  its threads), and the busiest single thread, which shows a loader bound by one thread (a thread that ends inside
+  the window is not counted);
 - the GPU through NVML (nvidia-ml-py, when installed): SM and JPEG-engine busy shares, the SM clock and the reasons
   NVML gives for holding the clock down (power, thermal), as medians of the samples.
 
 Worker *processes* (data=folder's DataLoader) are not this process's threads: they show in the host's busy share
 only. `auto` samples the runs whose loader decodes images (data=dali, data=folder) and leaves the others' timing
-untouched; a sample costs well under a millisecond of host time every `INTERVAL_S`.
+untouched; the sampler reads NVML every `INTERVAL_S` (tens of microseconds) and the host's counters twice.
 """
 
 from __future__ import annotations
@@ -276,7 +277,6 @@ class LoadSampler:
         self._t0 = 0.0
         self._cpu0: CpuTimes | None = None
         self._threads0: dict[int, tuple[str, int]] = {}
-        self._threads_last: dict[int, tuple[str, int]] = {}
 
     @property
     def started(self) -> bool:
@@ -287,15 +287,15 @@ class LoadSampler:
             raise RuntimeError("LoadSampler.start() called twice")
         self._t0 = time.perf_counter()
         self._cpu0 = read_cpu_times()
-        self._threads0 = self._threads_last = read_threads()
+        self._threads0 = read_threads()
         self._thread = threading.Thread(target=self._run, name="mobilenet-load", daemon=True)
         self._thread.start()
         return self
 
     def _run(self) -> None:
+        # Only NVML is read in the loop (tens of microseconds); the threads' counters (about a millisecond for 60
+        # threads, with the GIL held) only at the window's two ends.
         while not self._stop.wait(self.interval_s):
-            # A thread's ticks are kept as last seen, so that one ending before stop() still counts.
-            self._threads_last = {**self._threads_last, **read_threads()}
             if self._gpu.unavailable is None:
                 self._gpu_samples.append(self._gpu.sample())
 
@@ -306,7 +306,7 @@ class LoadSampler:
         self._thread.join()
         seconds = time.perf_counter() - self._t0
         cpu1 = read_cpu_times()
-        threads1 = {**self._threads_last, **read_threads()}
+        threads1 = read_threads()
         load = MachineLoad(seconds=seconds, cpus=os.cpu_count() or 1, cpu_busy_pct=None, cpu_steal_pct=None,
                            cpu_iowait_pct=None, process_cores=None, gpu_unavailable=self._gpu.unavailable,
                            host_computes=self.device.type != "cuda")

@@ -17,11 +17,10 @@ FAST = ["model.width_mult=0.25", "device=cpu", "progress=false", "perf.warmup_st
 PR_SET_NAME = 15  # prctl(2): names the calling thread as ps, top and /proc show it
 
 
-def _burn_named(name: bytes, seconds: float) -> None:
+def _burn_named(name: bytes, stop: threading.Event) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name, 0, 0, 0)
-    end = time.perf_counter() + seconds
     x = 0
-    while time.perf_counter() < end:
+    while not stop.is_set():
         x += 1
 
 
@@ -59,12 +58,16 @@ def test_this_machine_and_process_read_back_sane_counters():
 
 
 def test_a_busy_named_thread_is_named_as_the_busiest_with_most_of_a_core():
-    sampler = LoadSampler(torch.device("cpu"), interval_s=0.05).start()
-    worker = threading.Thread(target=_burn_named, args=(b"mbn-burner", 1.0))
+    stop = threading.Event()
+    worker = threading.Thread(target=_burn_named, args=(b"mbn-burner", stop))
     worker.start()
-    worker.join()
-    time.sleep(0.1)
-    load = sampler.stop()
+    try:
+        sampler = LoadSampler(torch.device("cpu"), interval_s=0.05).start()
+        time.sleep(1.0)
+        load = sampler.stop()
+    finally:
+        stop.set()
+        worker.join()
     assert load.busiest_thread is not None and load.busiest_thread[0] == "mbn-burner"
     assert load.busiest_thread[1] > 0.4  # a core of this machine's two, shared with the test runner
     assert load.process_cores >= load.busiest_thread[1]
