@@ -92,4 +92,4 @@ def throughput_over_ranks(tp: Throughput, device: torch.device, info: DistInfo) 
 
     return Throughput(images=int(images), steps=tp.steps, seconds=slowest(tp.seconds),
                       compute_seconds=slowest(tp.compute_seconds), data_wait_seconds=slowest(tp.data_wait_seconds),
-                      step_ms_median=slowest(tp.step_ms_median))
+                      step_ms_median=slowest(tp.step_ms_median), machine_load=tp.machine_load)

@@ -72,6 +72,7 @@ def validate(cfg, device: torch.device) -> None:
         backend = get_backend(cfg.backend.name)
     backend.check(device)  # first: a GPU-only backend on a CPU is the root cause to report
     get_norm(cfg.norm.name).check(device)
+    machine_load.sampling_wanted(cfg)  # a perf.sample_load that is not a choice
     _check_stats_from_depthwise(cfg)
     _check_apply_in_depthwise(cfg)
     if cfg.amp and enum_value(cfg.amp_dtype) == "fp16" and device.type != "cuda":
@@ -184,6 +185,11 @@ def untimed_steps(cfg, graphed: cuda_graph.CapturedStep | None) -> int:
     return max(cfg.perf.warmup_steps, graphed.warmup_steps + 1)
 
 
+def epoch_meter(cfg, device: torch.device, warmup_steps: int) -> StepMeter:
+    """One epoch's meter; where perf.sample_load asks, it samples the machine over the epoch's timed steps."""
+    return StepMeter(device, warmup_steps, machine_load.sampler_for(cfg, device))
+
+
 def check_steps_to_time(cfg, epoch: int, steps_per_epoch: int, graphed: cuda_graph.CapturedStep | None) -> None:
     """Refuse a run whose reported throughput could only be nan: the summary reports the last epoch, and the
     first epoch of a run leaves its first untimed_steps() steps untimed."""
@@ -275,8 +281,6 @@ class Trainer:
         self.forward, self.weight_cast_state = _forward_for_run(self.model, cfg, self.device, self.dist, capture_stream)
         self._build_optimization(cfg, capture_stream)
         self.env = environment(self.device)
-        with checking_user_input(ValueError):  # perf.sample_load that is not a choice
-            self.sample_load, self.load_state = machine_load.sampling_wanted(cfg)
         # Only rank 0 writes: one TensorBoard run and one checkpoint per training run.
         self.tb = TensorBoardLog(str(self.run_dir), enabled=self.dist.is_main)
         self.profiler = None
@@ -314,7 +318,7 @@ class Trainer:
         """This run's settings as resolved, for its summary, hparams and scalars."""
         return TrainingRun(self.cfg, self.device, self.env, self.dist, self.backend_label, self.cuda_graph_state,
                            self.stream_state, self.queues_state, self.graphed is not None, self.stream,
-                           self.sync_bn_state, self.weight_cast_state, self.load_state)
+                           self.sync_bn_state, self.weight_cast_state)
 
     def _range(self, name: str):
         """A named profiler range when profiling, else nothing."""
@@ -348,16 +352,13 @@ class Trainer:
         cfg = self.cfg
         self.model.train()
         self.train_loader.set_epoch(self.epoch)
-        meter = StepMeter(self.device, untimed_steps(cfg, self.graphed) if self.epoch == self._first_epoch else 0)
+        meter = epoch_meter(cfg, self.device, untimed_steps(cfg, self.graphed) if self.epoch == self._first_epoch else 0)
         readback = _LossReadback(self.device)
         # A profiling window may be longer than a small data set's epoch: then the loader is read again.
         steps = self.steps_per_epoch if max_steps is None else max_steps
         bar = _progress(steps, f"epoch {self.epoch + 1}/{cfg.epochs}", cfg.progress)
         it = _cycle(self.train_loader)
-        sampler = machine_load.LoadSampler(self.device) if self.sample_load else None
         for i in range(steps):
-            if sampler is not None and not sampler.started and meter.timing:
-                sampler.start()  # the timed window opens: what the machine does from here is the run's measure
             meter.data_start()
             with self._range("data"):
                 images, labels = next(it)
@@ -377,10 +378,7 @@ class Trainer:
         self._record_losses(readback.ready(wait=True), result, bar)
         if bar is not None:
             bar.close()
-        throughput = meter.result()  # synchronises: the timed window closes when the GPU has finished
-        if sampler is not None and sampler.started:
-            result.machine_load = sampler.stop()
-        return throughput
+        return meter.result()
 
     def _record_losses(self, losses: list[tuple[int, float]], result: RunResult, bar) -> None:
         """Check, keep and log the losses read back so far; every one of them, the epoch's last included."""
@@ -407,7 +405,7 @@ class Trainer:
             while self.epoch < self.cfg.epochs:
                 result.train = distributed.throughput_over_ranks(self.train_epoch(result), self.device, self.dist)
                 self.epoch += 1
-                self.tb.scalars(self.run_record().epoch_scalars(result.train, result.machine_load), self.global_step)
+                self.tb.scalars(self.run_record().epoch_scalars(result.train), self.global_step)
                 if self.cfg.evaluate:
                     self._evaluate(result)
                 if self.cfg.save_checkpoints:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from .config import enum_value
+from .errors import ConfigError
 
 MODES = ("auto", "true", "false")
 # Loaders whose images are decoded in this process or its workers: the runs `auto` samples.
@@ -55,13 +56,18 @@ def sampling_wanted(cfg) -> tuple[bool, str]:
     """(sample or not, the summary's words) for perf.sample_load; a clear error for a value that is not a choice."""
     mode = str(cfg.perf.sample_load).lower()  # Hydra hands `=true` over as a bool
     if mode not in MODES:
-        raise ValueError(f"perf.sample_load={cfg.perf.sample_load!r} is not a choice; choose one of: {', '.join(MODES)}")
+        raise ConfigError(f"perf.sample_load={cfg.perf.sample_load!r} is not a choice; choose one of: {', '.join(MODES)}")
     loader = enum_value(cfg.data.name)
     if mode == "auto":
         on = loader in DECODING_LOADERS
         why = f"data={loader} decodes images" if on else f"data={loader} decodes nothing"
         return on, f"{'sampled' if on else 'not sampled'} (perf.sample_load=auto: {why})"
     return mode == "true", f"{'sampled' if mode == 'true' else 'not sampled'} (perf.sample_load={mode})"
+
+
+def sampler_for(cfg, device: torch.device) -> LoadSampler | None:
+    """A sampler for one epoch's timed window where perf.sample_load asks for one."""
+    return LoadSampler(device) if sampling_wanted(cfg)[0] else None
 
 
 # --------------------------------------------------------------------------------------------------- host

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .machine_load import LoadSampler, MachineLoad
+
 
 @dataclass
 class Throughput:
@@ -24,6 +26,7 @@ class Throughput:
     compute_seconds: float  # sum over timed steps of forward+backward+optimizer time
     data_wait_seconds: float  # sum over timed steps of host time blocked on the loader
     step_ms_median: float  # median wall time between consecutive step ends (host clock)
+    machine_load: MachineLoad | None = None  # this process's readings over the timed steps (perf.sample_load)
 
     @property
     def img_s(self) -> float:
@@ -46,10 +49,14 @@ class StepMeter:
     """Call `data_start()` before fetching a batch, `compute_start()` once it arrived, `step_end(n)` after the
     optimizer step. `result()` synchronises and returns the figures of the steps after warm-up."""
 
-    def __init__(self, device: torch.device, warmup_steps: int):
+    def __init__(self, device: torch.device, warmup_steps: int, load_sampler: LoadSampler | None = None):
+        """`load_sampler` samples the machine over the timed window (opened after the warm-up, closed by result());
+        its readings are then `machine_load`."""
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
         self.device = device
+        self.load_sampler = load_sampler
+        self.machine_load: MachineLoad | None = None
         self.warmup_steps = warmup_steps
         self.cuda = device.type == "cuda"
         self.steps_seen = 0
@@ -73,6 +80,8 @@ class StepMeter:
             # The timed window opens here: drain the warm-up's queued work first.
             if self.cuda:
                 torch.cuda.synchronize(self.device)
+            if self.load_sampler is not None:
+                self.load_sampler.start()
             self._t_start = time.perf_counter()
         self._t_data = time.perf_counter()
 
@@ -109,6 +118,8 @@ class StepMeter:
         if self.cuda:
             torch.cuda.synchronize(self.device)
         end = time.perf_counter()
+        if self.load_sampler is not None and self.load_sampler.started:
+            self.machine_load = self.load_sampler.stop()
         for start, stop in self._events:
             self.compute += start.elapsed_time(stop) / 1000
         self._events.clear()
@@ -121,6 +132,7 @@ class StepMeter:
             compute_seconds=self.compute,
             data_wait_seconds=self.data_wait,
             step_ms_median=1000 * statistics.median(gaps) if gaps else float("nan"),
+            machine_load=self.machine_load,
         )
 
     def live_img_s(self, window: int = 20) -> float | None:

@@ -12,7 +12,7 @@ from . import streams
 from .config import enum_value
 from .data import data_label
 from .distributed import DistInfo
-from .machine_load import MachineLoad
+from .machine_load import sampling_wanted
 from .meter import Throughput
 from .model import apply_in_depthwise_state, apply_in_pointwise_state
 from .norm import DEFAULT_DEPTHWISE_BACKWARD, NEXT_NORM_MODES, depthwise_backward_mode, running_update_label
@@ -106,7 +106,6 @@ class RunResult:
     losses: list[tuple[int, float]] = field(default_factory=list)
     lrs: list[tuple[int, float]] = field(default_factory=list)
     run_dir: str = ""
-    machine_load: MachineLoad | None = None  # the last sampled epoch's (perf.sample_load)
 
 
 @dataclass(frozen=True)
@@ -124,7 +123,6 @@ class TrainingRun:
     stream: torch.cuda.Stream | None
     sync_bn_state: str = "off"  # "on (the converted BatchNorm classes; ...)" under sync_bn=true
     weight_cast_state: str = ""  # how amp=true cast the weights (mobilenet/amp_weights.py plan)
-    load_state: str = ""  # whether the machine's load is sampled, and why (perf.sample_load)
 
     def scaling(self, tp: Throughput) -> tuple[float | None, float | None]:
         """(img/s per rank when data-parallel, efficiency against perf.single_gpu_img_s when given), else None."""
@@ -133,7 +131,7 @@ class TrainingRun:
         efficiency = tp.img_s / (self.dist.world_size * single) if single else None
         return per_rank, efficiency
 
-    def epoch_scalars(self, tp: Throughput, load: MachineLoad | None = None) -> dict[str, float]:
+    def epoch_scalars(self, tp: Throughput) -> dict[str, float]:
         """The TensorBoard scalars logged after each epoch."""
         scalars = {
             "perf/train_img_s": tp.img_s,
@@ -146,8 +144,8 @@ class TrainingRun:
             scalars["perf/train_img_s_per_gpu"] = per_rank
         if efficiency is not None:
             scalars["perf/scaling_efficiency"] = efficiency
-        if load is not None:
-            scalars.update(load.scalars())
+        if tp.machine_load is not None:
+            scalars.update(tp.machine_load.scalars())
         if self.device.type == "cuda":
             scalars["sys/max_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return scalars
@@ -168,10 +166,9 @@ class TrainingRun:
             rows["sync_bn"] = self.sync_bn_state
         if result.train is not None:
             rows.update(self._throughput_rows(result.train))
-        if self.load_state:
-            rows["machine load"] = self.load_state
-        if result.machine_load is not None:
-            rows.update(result.machine_load.rows())
+        rows["machine load"] = sampling_wanted(self.cfg)[1]
+        if result.train is not None and result.train.machine_load is not None:
+            rows.update(result.train.machine_load.rows())
         if self.cfg.evaluate:
             rows.update({"val top-1 %": result.val_top1, "val top-5 %": result.val_top5, "val images": result.val_images,
                          "val img/s": result.val_img_s})

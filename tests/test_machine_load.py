@@ -129,7 +129,7 @@ def test_a_run_on_decoded_images_puts_the_machine_load_in_its_summary_and_tensor
     cfg = compose([*FAST, "epochs=1", "data.steps_per_epoch=8", "evaluate=false", "save_checkpoints=false"])
     trainer = Trainer(cfg, run_dir)
     result = trainer.fit()
-    load = result.machine_load
+    load = result.train.machine_load
     assert load is not None and load.seconds > 0
     assert 0 < load.cpu_busy_pct <= 100 and load.process_cores > 0
     rows = trainer.summary_rows(result)
@@ -145,7 +145,7 @@ def test_a_synthetic_run_is_not_sampled_by_default(run_dir):
                    "epochs=1", "evaluate=false", "save_checkpoints=false"])
     trainer = Trainer(cfg, run_dir)
     result = trainer.fit()
-    assert result.machine_load is None
+    assert result.train.machine_load is None
     rows = trainer.summary_rows(result)
     assert rows["machine load"] == "not sampled (perf.sample_load=auto: data=synthetic decodes nothing)"
     assert "host CPUs busy / steal / iowait" not in rows
