@@ -151,7 +151,7 @@ class GpuProbe:
         try:
             import pynvml
         except ImportError:
-            self.unavailable = "nvidia-ml-py is not installed (`pip install nvidia-ml-py`)"
+            self.unavailable = "nvidia-ml-py is not installed (`pip install nvidia-ml-py`, or the monitor extra)"
             return
         try:
             pynvml.nvmlInit()
