@@ -2,20 +2,21 @@
 
 A loader-fed run that waits for data can be short of host CPU (its own threads, or a virtual machine's CPUs taken by
 its neighbours: steal time), of the GPU's JPEG engines, or of SMs shared with the step. The step's own figures cannot
-tell these apart, and DALI-fed runs of one command have differed by a quarter from one process to the next
-(docs/results/loader_h200.md). So over the timed steps of each epoch a background thread reads:
+tell these apart, and DALI-fed runs of one command have differed by up to a quarter from one process to the next
+(docs/results/loader_h200.md). So over the timed steps of each epoch the sampler records:
 
 - the host's CPU time from /proc/stat: busy, steal and iowait shares of all CPUs (exact over the window: the
   counters' difference from its start to its end);
 - this process's threads from /proc/self/task at the window's two ends: CPU cores used per thread name (DALI names
   its threads), and the busiest single thread, which shows a loader bound by one thread (a thread that ends inside
   the window is not counted);
-- the GPU through NVML (nvidia-ml-py, when installed): SM and JPEG-engine busy shares, the SM clock and the reasons
-  NVML gives for holding the clock down (power, thermal), as medians of the samples.
+- the GPU through NVML (nvidia-ml-py, when installed), read by a background thread every `INTERVAL_S`: SM and
+  JPEG-engine busy shares, the SM clock and the reasons NVML gives for holding the clock down (power, thermal), as
+  medians of the samples.
 
 Worker *processes* (data=folder's DataLoader) are not this process's threads: they show in the host's busy share
 only. `auto` samples the runs whose loader decodes images (data=dali, data=folder) and leaves the others' timing
-untouched; the sampler reads NVML every `INTERVAL_S` (tens of microseconds) and the host's counters twice.
+untouched. A sample of NVML costs tens of microseconds; the host's counters are read twice per window.
 """
 
 from __future__ import annotations
