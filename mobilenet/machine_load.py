@@ -8,8 +8,8 @@ tell these apart, and DALI-fed runs of one command have differed by up to a quar
 - the host's CPU time from /proc/stat: busy, steal and iowait shares of all CPUs (exact over the window: the
   counters' difference from its start to its end);
 - this process's threads from /proc/self/task at the window's two ends: CPU cores used per thread name (DALI names
-  its threads), and the busiest single thread, which shows a loader bound by one thread (a thread that ends inside
-  the window is not counted);
+  its threads) and, where a group may run on fewer CPUs than the process, on how many; and the busiest single
+  thread, which shows a loader bound by one thread (a thread that ends inside the window is not counted);
 - the GPU through NVML (nvidia-ml-py, when installed), read by a background thread every `INTERVAL_S`: SM and
   JPEG-engine busy shares, the SM clock and the reasons NVML gives for holding the clock down (power, thermal), as
   medians of the samples.
@@ -131,6 +131,14 @@ def read_threads(pid: int | None = None) -> dict[int, tuple[str, int]]:
     return out
 
 
+def thread_cpus(tid: int) -> set[int]:
+    """The CPUs a thread may run on; empty where it ended or cannot be asked."""
+    try:
+        return set(os.sched_getaffinity(tid))
+    except OSError:
+        return set()
+
+
 def thread_group(name: str) -> str:
     """Threads of one pool differ only in their numbers ('[DALI][TP0]', '[DALI][TP1]'): group them as '[DALI][TP#]'."""
     return re.sub(r"\d+", "#", name)
@@ -197,7 +205,9 @@ class MachineLoad:
     cpu_steal_pct: float | None
     cpu_iowait_pct: float | None
     process_cores: float | None  # this process's threads together, in cores
-    thread_groups: list[tuple[str, int, float]] = field(default_factory=list)  # (name, threads, cores), busiest first
+    process_cpus: int = 0  # the CPUs this process may run on (a container's or taskset's share of `cpus`)
+    # (name, threads, cores, CPUs they may run on), busiest first; None where they may run on all of process_cpus
+    thread_groups: list[tuple[str, int, float, int | None]] = field(default_factory=list)
     busiest_thread: tuple[str, float] | None = None  # (name, share of one core)
     gpu_samples: int = 0
     sm_pct: float | None = None  # medians of the samples
@@ -229,7 +239,9 @@ class MachineLoad:
             rows["host CPUs busy / steal / iowait"] = (f"{self.cpu_busy_pct:.0f}% / {self.cpu_steal_pct:.1f}% / "
                                                       f"{self.cpu_iowait_pct:.1f}% of {self.cpus} CPUs")
         if self.process_cores is not None:
-            groups = ", ".join(f"{name}{f' x{n}' if n > 1 else ''} {cores:.2f}" for name, n, cores in self.thread_groups)
+            groups = ", ".join(f"{name}{f' x{n}' if n > 1 else ''} {cores:.2f}"
+                               f"{f' on {cpus} of {self.process_cpus} CPUs' if cpus is not None else ''}"
+                               for name, n, cores, cpus in self.thread_groups)
             rows["this process, cores"] = f"{self.process_cores:.2f} ({groups})" if groups else f"{self.process_cores:.2f}"
         if self.busiest_thread is not None:
             rows["busiest thread"] = f"{self.busiest_thread[0]} ({self.busiest_thread[1]:.0%} of a core)"
@@ -334,10 +346,18 @@ class LoadSampler:
             before = self._threads0.get(tid, (name, 0))[1]  # a thread started in the window counts from zero
             per_thread[tid] = (name, max(0, ticks - before) / tick / seconds)
         load.process_cores = sum(c for _, c in per_thread.values())
+        process_cpus = thread_cpus(os.getpid()) or set(range(load.cpus))
+        load.process_cpus = len(process_cpus)
         groups: dict[str, list[float]] = {}
-        for name, cores in per_thread.values():
-            groups.setdefault(thread_group(name), []).append(cores)
-        ranked = sorted(((g, len(c), sum(c)) for g, c in groups.items()), key=lambda x: -x[2])
+        allowed: dict[str, set[int]] = {}
+        for tid, (name, cores) in per_thread.items():
+            group = thread_group(name)
+            groups.setdefault(group, []).append(cores)
+            # Where a library pins its threads (DALI pins its pools to the CPUs NVML names near the GPU), a group
+            # confined to a few CPUs can be short of them while the host has idle ones.
+            allowed.setdefault(group, set()).update(thread_cpus(tid) or process_cpus)
+        ranked = sorted(((g, len(c), sum(c), len(allowed[g]) if len(allowed[g]) < len(process_cpus) else None)
+                         for g, c in groups.items()), key=lambda x: -x[2])
         load.thread_groups = [g for g in ranked if g[2] >= 0.01][:6]
         name, cores = max(per_thread.values(), key=lambda x: x[1])
         load.busiest_thread = (name, cores)

@@ -1,6 +1,7 @@
 """perf.sample_load: the host's CPU time, this process's threads and the GPU's load over a run's timed steps."""
 
 import ctypes
+import os
 import threading
 import time
 
@@ -17,8 +18,10 @@ FAST = ["model.width_mult=0.25", "device=cpu", "progress=false", "perf.warmup_st
 PR_SET_NAME = 15  # prctl(2): names the calling thread as ps, top and /proc show it
 
 
-def _burn_named(name: bytes, stop: threading.Event) -> None:
+def _burn_named(name: bytes, stop: threading.Event, cpus: set[int] | None = None) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name, 0, 0, 0)
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)  # 0: the calling thread
     x = 0
     while not stop.is_set():
         x += 1
@@ -71,11 +74,30 @@ def test_a_busy_named_thread_is_named_as_the_busiest_with_most_of_a_core():
     assert load.busiest_thread is not None and load.busiest_thread[0] == "mbn-burner"
     assert load.busiest_thread[1] > 0.4  # a core of this machine's two, shared with the test runner
     assert load.process_cores >= load.busiest_thread[1]
-    assert any(name == "mbn-burner" for name, _, _ in load.thread_groups)
+    assert any(name == "mbn-burner" and cpus is None for name, _, _, cpus in load.thread_groups)
     assert 0 < load.cpu_busy_pct <= 100
     rows = load.rows()
     assert "mbn-burner" in rows["busiest thread"]
     assert rows["GPU load"] == "not sampled: a CPU run"
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two or more CPUs allowed to this process")
+def test_a_thread_group_pinned_to_one_cpu_says_on_how_many_it_may_run():
+    stop = threading.Event()
+    first = min(os.sched_getaffinity(0))
+    worker = threading.Thread(target=_burn_named, args=(b"mbn-pinned", stop, {first}))
+    worker.start()
+    try:
+        sampler = LoadSampler(torch.device("cpu"), interval_s=0.05).start()
+        time.sleep(0.5)
+        load = sampler.stop()
+    finally:
+        stop.set()
+        worker.join()
+    pinned = [g for g in load.thread_groups if g[0] == "mbn-pinned"]
+    assert pinned and pinned[0][3] == 1
+    assert load.process_cpus == len(os.sched_getaffinity(0))
+    assert f"mbn-pinned {pinned[0][2]:.2f} on 1 of {load.process_cpus} CPUs" in load.rows()["this process, cores"]
 
 
 def test_the_sampler_refuses_to_run_twice_or_stop_unstarted():
