@@ -27,6 +27,20 @@ def _burn_named(name: bytes, stop: threading.Event, cpus: set[int] | None = None
         x += 1
 
 
+def _load_while_burning(name: bytes, seconds: float, cpus: set[int] | None = None):
+    """The sampler's readings over `seconds` while a thread called `name` spins (on `cpus` if given)."""
+    stop = threading.Event()
+    worker = threading.Thread(target=_burn_named, args=(name, stop, cpus))
+    worker.start()
+    try:
+        sampler = LoadSampler(torch.device("cpu"), interval_s=0.05).start()
+        time.sleep(seconds)
+        return sampler.stop()
+    finally:
+        stop.set()
+        worker.join()
+
+
 def test_the_cpu_line_counts_guest_time_once_and_steal_apart():
     # user nice system idle iowait irq softirq steal guest guest_nice: guest is already inside user.
     times = parse_cpu_times("cpu  100 5 20 800 7 1 2 30 40 0\ncpu0 50 2 10 400 3 0 1 15 20 0\n")
@@ -61,16 +75,7 @@ def test_this_machine_and_process_read_back_sane_counters():
 
 
 def test_a_busy_named_thread_is_named_as_the_busiest_with_most_of_a_core():
-    stop = threading.Event()
-    worker = threading.Thread(target=_burn_named, args=(b"mbn-burner", stop))
-    worker.start()
-    try:
-        sampler = LoadSampler(torch.device("cpu"), interval_s=0.05).start()
-        time.sleep(1.0)
-        load = sampler.stop()
-    finally:
-        stop.set()
-        worker.join()
+    load = _load_while_burning(b"mbn-burner", 1.0)
     assert load.busiest_thread is not None and load.busiest_thread[0] == "mbn-burner"
     assert load.busiest_thread[1] > 0.4  # a core of this machine's two, shared with the test runner
     assert load.process_cores >= load.busiest_thread[1]
@@ -83,17 +88,7 @@ def test_a_busy_named_thread_is_named_as_the_busiest_with_most_of_a_core():
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two or more CPUs allowed to this process")
 def test_a_thread_group_pinned_to_one_cpu_says_on_how_many_it_may_run():
-    stop = threading.Event()
-    first = min(os.sched_getaffinity(0))
-    worker = threading.Thread(target=_burn_named, args=(b"mbn-pinned", stop, {first}))
-    worker.start()
-    try:
-        sampler = LoadSampler(torch.device("cpu"), interval_s=0.05).start()
-        time.sleep(0.5)
-        load = sampler.stop()
-    finally:
-        stop.set()
-        worker.join()
+    load = _load_while_burning(b"mbn-pinned", 0.5, {min(os.sched_getaffinity(0))})
     pinned = [g for g in load.thread_groups if g[0] == "mbn-pinned"]
     assert pinned and pinned[0][3] == 1
     assert load.process_cpus == len(os.sched_getaffinity(0))
