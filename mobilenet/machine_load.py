@@ -344,7 +344,8 @@ class LoadSampler:
         per_thread: dict[int, tuple[str, float]] = {}
         for tid, (name, ticks) in threads1.items():
             before = self._threads0.get(tid, (name, 0))[1]  # a thread started in the window counts from zero
-            per_thread[tid] = (name, max(0, ticks - before) / tick / seconds)
+            # At most one core: the counters advance in whole clock ticks, which can overshoot a short window.
+            per_thread[tid] = (name, min(1.0, max(0, ticks - before) / tick / seconds))
         load.process_cores = sum(c for _, c in per_thread.values())
         process_cpus = thread_cpus(os.getpid()) or set(range(load.cpus))
         load.process_cpus = len(process_cpus)
