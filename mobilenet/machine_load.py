@@ -21,6 +21,7 @@ untouched. A sample of NVML costs tens of microseconds; the host's counters are 
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import statistics
@@ -193,6 +194,12 @@ class GpuProbe:
         return [words for name, words in _CLOCK_REASONS.items() if mask & getattr(self._nvml, name, 0)]
 
 
+@functools.cache
+def gpu_probe(device: torch.device) -> GpuProbe:
+    """The process's probe of `device`: NVML is initialised and the device looked up once, not every epoch."""
+    return GpuProbe(device)
+
+
 # ------------------------------------------------------------------------------------------------ summary
 
 
@@ -289,7 +296,7 @@ class LoadSampler:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         self.device = device
         self.interval_s = interval_s
-        self._gpu = GpuProbe(device)
+        self._gpu = gpu_probe(device)
         self._gpu_samples: list[dict[str, Any]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

@@ -50,13 +50,12 @@ class StepMeter:
     optimizer step. `result()` synchronises and returns the figures of the steps after warm-up."""
 
     def __init__(self, device: torch.device, warmup_steps: int, load_sampler: LoadSampler | None = None):
-        """`load_sampler` samples the machine over the timed window (opened after the warm-up, closed by result());
-        its readings are then `machine_load`."""
+        """`load_sampler` samples the machine over the timed window (opened after the warm-up, closed by result(),
+        whose Throughput carries its readings)."""
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
         self.device = device
         self.load_sampler = load_sampler
-        self.machine_load: MachineLoad | None = None
         self.warmup_steps = warmup_steps
         self.cuda = device.type == "cuda"
         self.steps_seen = 0
@@ -118,8 +117,7 @@ class StepMeter:
         if self.cuda:
             torch.cuda.synchronize(self.device)
         end = time.perf_counter()
-        if self.load_sampler is not None and self.load_sampler.started:
-            self.machine_load = self.load_sampler.stop()
+        load = self.load_sampler.stop() if self.load_sampler is not None and self.load_sampler.started else None
         for start, stop in self._events:
             self.compute += start.elapsed_time(stop) / 1000
         self._events.clear()
@@ -132,7 +130,7 @@ class StepMeter:
             compute_seconds=self.compute,
             data_wait_seconds=self.data_wait,
             step_ms_median=1000 * statistics.median(gaps) if gaps else float("nan"),
-            machine_load=self.machine_load,
+            machine_load=load,
         )
 
     def live_img_s(self, window: int = 20) -> float | None:
