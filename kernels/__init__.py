@@ -3,20 +3,26 @@
 The kernels are compiled on first use (JIT, torch.utils.cpp_extension) and cached under
 ~/.cache/mobilenet-fast/kernels/<torch version>-sm<arch>/, so `pip install` needs no nvcc. `load()`
 builds (if needed) and registers the ops `torch.ops.mobilenet_dw.depthwise_fwd/_bwd`; `build()` compiles without
-a GPU (CI) and, as cpp_extension.load does, registers the ops in the calling process too. Python-side
+a GPU (CI) and, as cpp_extension.load does, registers the ops in the calling process too. With
+MOBILENET_KERNELS_PREBUILT=DIR, `load()` builds nothing: it loads DIR's library (scripts/build_kernels.py --export),
+after checking that it was built from these sources for this torch and this GPU. Python-side
 registrations (fake tensors, autograd, autocast) and the public `depthwise_conv2d` live in kernels/ops.py.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import re
 import shutil
 import threading
 from pathlib import Path
 
 import torch
 
-__all__ = ["KernelUnavailable", "load", "build", "build_dir", "kernel_layout", "in_weight_strides", "CSRC"]
+__all__ = ["KernelUnavailable", "load", "build", "build_dir", "export", "check_prebuilt", "sources_digest",
+           "loaded_from", "kernel_layout", "in_weight_strides", "CSRC", "PREBUILT_ENV"]
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ["depthwise_ops.cpp", "depthwise_autograd.cpp", "depthwise_dispatch.cpp", "launch_plan.cpp",
@@ -25,10 +31,15 @@ _SOURCES = ["depthwise_ops.cpp", "depthwise_autograd.cpp", "depthwise_dispatch.c
             "batchnorm_ops.cpp", "batchnorm_relu.cu"]  # the fused BatchNorm+ReLU ops (mobilenet_bn)
 _EXT_NAME = "mobilenet_dw_kernels"
 _DEFAULT_ARCH = "9.0"  # H100/H200: the GPUs this project is tuned for
+_EXTRA_CFLAGS = ["-O3"]
+_EXTRA_CUDA_CFLAGS = ["-O3"]
+BUILD_INFO = "build_info.json"  # written beside the library: what it was built from, read by check_prebuilt()
+PREBUILT_ENV = "MOBILENET_KERNELS_PREBUILT"
 
 _lock = threading.Lock()
 _loaded = False
 _registered_from: Path | None = None  # the build directory whose library this process loaded
+_prebuilt: bool = False  # whether that library came from MOBILENET_KERNELS_PREBUILT rather than a build here
 
 
 class KernelUnavailable(RuntimeError):
@@ -129,8 +140,8 @@ def _compile(verbose: bool) -> None:
         cpp_extension.load(
             name=_EXT_NAME,
             sources=[str(CSRC / s) for s in _SOURCES],
-            extra_cflags=["-O3"],
-            extra_cuda_cflags=["-O3"]
+            extra_cflags=_EXTRA_CFLAGS,
+            extra_cuda_cflags=_EXTRA_CUDA_CFLAGS
             + (["-Xptxas=-v"] if os.environ.get("MOBILENET_KERNELS_PTXAS_VERBOSE") else []),
             extra_include_paths=[str(CSRC)],
             build_directory=str(directory),
@@ -139,6 +150,7 @@ def _compile(verbose: bool) -> None:
             verbose=verbose,
         )
         _registered_from = directory
+        _write_build_info(directory, arch)
     except Exception as e:  # compiler errors, missing headers, ...
         raise KernelUnavailable(f"building the custom depthwise kernels failed in {directory}: {e}") from e
     finally:
@@ -146,6 +158,95 @@ def _compile(verbose: bool) -> None:
             os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
         else:
             os.environ["TORCH_CUDA_ARCH_LIST"] = old_arch
+
+
+def sources_digest(csrc: Path = CSRC) -> str:
+    """sha256 of the extension's sources (every C++/CUDA file in csrc, by name and content) and its compiler
+    flags: two libraries with the same digest compiled the same code."""
+    h = hashlib.sha256(json.dumps([_EXTRA_CFLAGS, _EXTRA_CUDA_CFLAGS]).encode())
+    for f in sorted(p for p in csrc.iterdir() if p.suffix in {".cpp", ".cu", ".h", ".cuh"}):
+        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def _write_build_info(directory: Path, arch: str) -> None:
+    info = {"sources_sha256": sources_digest(), "torch": torch.__version__, "cuda": torch.version.cuda, "arch": arch,
+            "library": _library_in(directory).name}
+    (directory / BUILD_INFO).write_text(json.dumps(info, indent=1) + "\n")
+
+
+def _library_in(directory: Path) -> Path:
+    found = sorted(directory.glob(f"{_EXT_NAME}*.so"))
+    if len(found) != 1:
+        raise KernelUnavailable(f"{directory} should hold one {_EXT_NAME}*.so library, but holds "
+                                f"{', '.join(p.name for p in found) or 'none'}")
+    return found[0]
+
+
+def _arch_covers(arch_list: str, capability: str) -> bool:
+    """Whether a library built for arch_list runs on a GPU of this compute capability ("9.0"): its own machine code,
+    or PTX of an earlier architecture that the driver compiles."""
+    cap = tuple(int(v) for v in capability.split("."))
+    for entry in arch_list.replace(",", ";").replace(" ", ";").split(";"):
+        parsed = re.fullmatch(r"(\d+)\.(\d+)([a-z]?)(\+PTX)?", entry.strip())
+        if parsed is None:
+            continue
+        version = (int(parsed[1]), int(parsed[2]))
+        if version == cap or (parsed[4] and not parsed[3] and version <= cap):
+            return True
+    return False
+
+
+def check_prebuilt(directory: str | Path, capability: str) -> Path:
+    """The library in a prebuilt kernels directory, if it was built from these sources, for this torch and for a GPU
+    of this compute capability ("9.0"); otherwise KernelUnavailable saying what differs."""
+    directory = Path(directory)
+    where = f"{PREBUILT_ENV}={directory}"
+    if not directory.is_dir():
+        raise KernelUnavailable(f"{where} is not a directory; it should be one written by "
+                                "`python scripts/build_kernels.py --export DIR`")
+    info_file = directory / BUILD_INFO
+    if not info_file.is_file():
+        raise KernelUnavailable(f"{where} has no {BUILD_INFO}, so what its library was built from is unknown; "
+                                "export one with `python scripts/build_kernels.py --export DIR`")
+    try:
+        info = json.loads(info_file.read_text())
+        built_from, built_torch, built_arch = info["sources_sha256"], info["torch"], info["arch"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise KernelUnavailable(f"{info_file} cannot be read ({e!r}); export the directory again") from e
+    library = _library_in(directory)
+    here = sources_digest()
+    if built_from != here:
+        raise KernelUnavailable(
+            f"{where}: its library was built from other sources (sha256 {built_from[:12]}) than kernels/csrc here "
+            f"({here[:12]}); running it would run other kernels than this tree's. Rebuild with "
+            "`python scripts/build_kernels.py --export DIR`, or unset the variable to build here")
+    if built_torch != torch.__version__:
+        raise KernelUnavailable(f"{where}: its library was built against torch {built_torch}, this is torch "
+                                f"{torch.__version__}; the C++ ABI is not kept across versions. Rebuild it with this torch")
+    if not _arch_covers(built_arch, capability):
+        raise KernelUnavailable(f"{where}: its library was built for compute capability {built_arch}, this GPU is "
+                                f"{capability}. Rebuild with TORCH_CUDA_ARCH_LIST={capability}")
+    return library
+
+
+def export(directory: str | Path) -> Path:
+    """Copy the built library and its build_info.json into `directory`, for MOBILENET_KERNELS_PREBUILT elsewhere."""
+    source = build_dir()
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for stale in directory.glob(f"{_EXT_NAME}*.so"):
+        stale.unlink()
+    for f in (_library_in(source), source / BUILD_INFO):
+        shutil.copy2(f, directory / f.name)
+    return directory
+
+
+def loaded_from() -> str | None:
+    """Where this process's custom kernels came from, for a run's summary; None if they are not loaded."""
+    if _registered_from is None:
+        return None
+    return f"{'prebuilt' if _prebuilt else 'built'} in {_registered_from}"
 
 
 def _is_built(directory: Path) -> bool:
@@ -172,8 +273,26 @@ def load(verbose: bool = False) -> None:
             f"(torch {torch.__version__}, built with CUDA {torch.version.cuda}); install an NVIDIA driver and a CUDA "
             "build of PyTorch, or use backend=torch"
         )
+    prebuilt = os.environ.get(PREBUILT_ENV)
+    if prebuilt:
+        _load_prebuilt(Path(prebuilt))
+        _loaded = True
+        return
     _check_toolchain()
     with _lock:
         if not _loaded:
             _compile(verbose)
             _loaded = True
+
+
+def _load_prebuilt(directory: Path) -> None:
+    global _registered_from, _prebuilt
+    major, minor = torch.cuda.get_device_capability()
+    library = check_prebuilt(directory, f"{major}.{minor}")
+    with _lock:
+        if _registered_from is not None and _registered_from != directory:
+            raise KernelUnavailable(f"the custom kernels are already loaded in this process from {_registered_from}; "
+                                    f"{PREBUILT_ENV}={directory} cannot be loaded beside them")
+        if _registered_from is None:
+            torch.ops.load_library(str(library))
+            _registered_from, _prebuilt = directory, True

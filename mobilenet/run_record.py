@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+import kernels
+
 from . import streams
 from .config import enum_value
 from .data import data_label
@@ -74,6 +76,8 @@ def config_rows(cfg, device: torch.device, env: dict, backend: str | None = None
         "device": env.get("gpu") if device.type == "cuda" else "cpu",
         "torch / CUDA / cuDNN": f"{env['torch']} / {env['cuda']} / {env['cudnn']}",
         "source tree": env.get("tree", "unknown"),
+        # a prebuilt library (MOBILENET_KERNELS_PREBUILT) is named, so a run never hides which binary it ran
+        **({"custom kernels": kernels.loaded_from()} if kernels.loaded_from() else {}),
     }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import json
 import os
 import random
 import re
@@ -144,6 +145,105 @@ def test_kernel_unavailable_is_a_runtime_error():
     assert issubclass(KernelUnavailable, RuntimeError)
 
 
+# ------------------------------------------------------------------ a prebuilt library (MOBILENET_KERNELS_PREBUILT)
+
+BUILD_KERNELS = ROOT / "scripts" / "build_kernels.py"
+
+
+@pytest.fixture(scope="module")
+def exported(fresh_build, tmp_path_factory) -> Path:
+    """The fresh build exported by scripts/build_kernels.py --export (the build itself is up to date: no compile)."""
+    out = tmp_path_factory.mktemp("prebuilt") / "kernels"
+    proc = subprocess.run([sys.executable, str(BUILD_KERNELS), "--export", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, "MOBILENET_KERNELS_CACHE": str(fresh_build[0])})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert f"MOBILENET_KERNELS_PREBUILT={out}" in proc.stdout
+    return out
+
+
+def _arch_of(directory: Path) -> str:
+    return json.loads((directory / kernels.BUILD_INFO).read_text())["arch"]
+
+
+def test_a_build_records_the_sources_torch_and_arch_it_was_built_for(fresh_build):
+    info = json.loads((fresh_build[1] / kernels.BUILD_INFO).read_text())
+    assert info["sources_sha256"] == kernels.sources_digest()
+    assert info["torch"] == torch.__version__
+    assert (fresh_build[1] / info["library"]).is_file()
+    assert fresh_build[1].name.endswith("sm" + info["arch"].replace(".", ""))
+
+
+def test_an_exported_library_is_accepted_for_its_gpu(exported, fresh_build):
+    assert sorted(p.name for p in exported.iterdir()) == sorted([kernels.BUILD_INFO, "mobilenet_dw_kernels.so"])
+    library = kernels.check_prebuilt(exported, _arch_of(exported))
+    assert library.read_bytes() == next(fresh_build[1].glob("mobilenet_dw_kernels*.so")).read_bytes()
+
+
+def test_the_digest_follows_every_source_byte(tmp_path):
+    copy = shutil.copytree(kernels.CSRC, tmp_path / "csrc")
+    assert kernels.sources_digest(copy) == kernels.sources_digest()
+    header = copy / "device_common.h"
+    header.write_bytes(header.read_bytes() + b" ")
+    assert kernels.sources_digest(copy) != kernels.sources_digest()
+
+
+def _edited_copy(exported: Path, tmp_path: Path, **info) -> Path:
+    copy = shutil.copytree(exported, tmp_path / "edited")
+    info_file = copy / kernels.BUILD_INFO
+    info_file.write_text(json.dumps({**json.loads(info_file.read_text()), **info}))
+    return copy
+
+
+def test_a_library_of_other_sources_is_refused(exported, tmp_path):
+    copy = _edited_copy(exported, tmp_path, sources_sha256="0" * 64)
+    with pytest.raises(KernelUnavailable, match=r"built from other sources \(sha256 000000000000\) than kernels/csrc"):
+        kernels.check_prebuilt(copy, _arch_of(exported))
+
+
+def test_a_library_of_another_torch_is_refused(exported, tmp_path):
+    copy = _edited_copy(exported, tmp_path, torch="2.0.0")
+    with pytest.raises(KernelUnavailable, match=rf"built against torch 2\.0\.0, this is torch {re.escape(torch.__version__)}"):
+        kernels.check_prebuilt(copy, _arch_of(exported))
+
+
+def test_a_library_for_another_gpu_is_refused(exported):
+    with pytest.raises(KernelUnavailable, match=r"compute capability 9\.0, this GPU is 8\.0.*TORCH_CUDA_ARCH_LIST=8\.0"):
+        kernels.check_prebuilt(_edited_copy(exported, exported.parent / "arch", arch="9.0"), "8.0")
+
+
+@pytest.mark.parametrize("arch_list, capability, runs", [
+    ("9.0", "9.0", True), ("8.0;9.0", "9.0", True), ("9.0a", "9.0", True), ("8.6", "9.0", False),
+    ("8.0+PTX", "9.0", True), ("10.0+PTX", "9.0", False), ("9.0a+PTX", "10.0", False), ("9.0", "10.0", False)])
+def test_which_gpus_a_build_runs_on(arch_list, capability, runs):
+    assert kernels._arch_covers(arch_list, capability) is runs
+
+
+def test_a_directory_that_is_not_an_export_is_refused(exported, tmp_path):
+    with pytest.raises(KernelUnavailable, match=r"is not a directory.*--export DIR"):
+        kernels.check_prebuilt(tmp_path / "missing", "9.0")
+    bare = tmp_path / "bare"
+    shutil.copytree(exported, bare, ignore=shutil.ignore_patterns(kernels.BUILD_INFO))
+    with pytest.raises(KernelUnavailable, match=r"has no build_info\.json"):
+        kernels.check_prebuilt(bare, "9.0")
+    two = shutil.copytree(exported, tmp_path / "two")
+    shutil.copy2(two / "mobilenet_dw_kernels.so", two / "mobilenet_dw_kernels_old.so")
+    with pytest.raises(KernelUnavailable, match=r"should hold one mobilenet_dw_kernels\*\.so library, but holds "
+                                                r"mobilenet_dw_kernels\.so, mobilenet_dw_kernels_old\.so"):
+        kernels.check_prebuilt(two, _arch_of(exported))
+
+
+def test_a_run_summary_names_where_the_kernels_came_from(monkeypatch, tmp_path):
+    from mobilenet.config import compose
+    from mobilenet.reporting import environment
+    from mobilenet.run_record import config_rows
+
+    cfg = compose(["data=synthetic"])
+    assert "custom kernels" not in config_rows(cfg, torch.device("cpu"), environment())
+    monkeypatch.setattr(kernels, "_registered_from", tmp_path)
+    monkeypatch.setattr(kernels, "_prebuilt", True)
+    assert config_rows(cfg, torch.device("cpu"), environment())["custom kernels"] == f"prebuilt in {tmp_path}"
+
+
 # ---------------------------------------------------------------------------------------------- GPU tests
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -160,6 +260,33 @@ def dw():
 def _rel(out, ref):
     out, ref = out.double(), ref.double()
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.gpu
+@cuda
+def test_a_prebuilt_library_runs_without_a_build(tmp_path):
+    """MOBILENET_KERNELS_PREBUILT: the ops run from the exported library in a process whose cache is empty and whose
+    CUDA_HOME has no compiler (a build would fail), and the process says where its kernels came from."""
+    kernels.load()
+    prebuilt = kernels.export(tmp_path / "prebuilt")
+    cache = tmp_path / "cache"
+    code = (
+        "import torch, torch.nn.functional as F, kernels\n"
+        "from kernels.ops import depthwise_conv2d\n"
+        "x = torch.randn(4, 32, 17, 17, device='cuda').contiguous(memory_format=torch.channels_last)\n"
+        "w = torch.randn(32, 1, 3, 3, device='cuda')\n"
+        "y = depthwise_conv2d(x, w, None, 1, 1)\n"
+        "ref = F.conv2d(x.double(), w.double(), None, 1, 1, 1, 32)\n"
+        "print(((y.double() - ref).norm() / ref.norm()).item())\n"
+        "print(kernels.loaded_from())\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "MOBILENET_KERNELS_PREBUILT": str(prebuilt),
+                               "MOBILENET_KERNELS_CACHE": str(cache), "CUDA_HOME": str(tmp_path / "no-toolkit")})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rel, origin = proc.stdout.strip().splitlines()[-2:]
+    assert float(rel) < TOL[torch.float32]
+    assert origin == f"prebuilt in {prebuilt}"
+    assert not cache.exists() or not any(cache.iterdir())
 
 
 def _profiled(fn):
