@@ -231,8 +231,9 @@ def check_prebuilt(directory: str | Path, capability: str) -> Path:
 
 
 def export(directory: str | Path) -> Path:
-    """Copy the built library and its build_info.json into `directory`, for MOBILENET_KERNELS_PREBUILT elsewhere."""
-    source = build_dir()
+    """Copy the library and its build_info.json into `directory`, for MOBILENET_KERNELS_PREBUILT elsewhere: the one
+    this process loaded, else the build for this machine's architecture."""
+    source = _registered_from or build_dir()
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     for stale in directory.glob(f"{_EXT_NAME}*.so"):
