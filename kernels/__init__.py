@@ -170,17 +170,28 @@ def sources_digest(csrc: Path = CSRC) -> str:
 
 
 def _write_build_info(directory: Path, arch: str) -> None:
+    # the newest library is the one just built: a rebuild inside one process gets a versioned name (_v1.so, ...)
+    library = max(directory.glob(f"{_EXT_NAME}*.so"), key=lambda p: p.stat().st_mtime)
     info = {"sources_sha256": sources_digest(), "torch": torch.__version__, "cuda": torch.version.cuda, "arch": arch,
-            "library": _library_in(directory).name}
+            "library": library.name}
     (directory / BUILD_INFO).write_text(json.dumps(info, indent=1) + "\n")
 
 
-def _library_in(directory: Path) -> Path:
-    found = sorted(directory.glob(f"{_EXT_NAME}*.so"))
-    if len(found) != 1:
-        raise KernelUnavailable(f"{directory} should hold one {_EXT_NAME}*.so library, but holds "
-                                f"{', '.join(p.name for p in found) or 'none'}")
-    return found[0]
+def _read_build_info(directory: Path) -> dict:
+    info_file = directory / BUILD_INFO
+    if not info_file.is_file():
+        raise KernelUnavailable(f"{directory} has no {BUILD_INFO}, so what its library was built from is unknown; "
+                                "export one with `python scripts/build_kernels.py --export DIR`")
+    try:
+        info = json.loads(info_file.read_text())
+        for key in ("sources_sha256", "torch", "arch", "library"):
+            info[key]  # noqa: B018  (each must be there)
+    except (ValueError, KeyError, TypeError) as e:
+        raise KernelUnavailable(f"{info_file} cannot be read ({e!r}); export the directory again") from e
+    if not (directory / info["library"]).is_file():
+        raise KernelUnavailable(f"{directory} lacks {info['library']}, the library its {BUILD_INFO} describes; "
+                                "export the directory again")
+    return info
 
 
 def _arch_covers(arch_list: str, capability: str) -> bool:
@@ -205,16 +216,11 @@ def check_prebuilt(directory: str | Path, capability: str) -> Path:
     if not directory.is_dir():
         raise KernelUnavailable(f"{where} is not a directory; it should be one written by "
                                 "`python scripts/build_kernels.py --export DIR`")
-    info_file = directory / BUILD_INFO
-    if not info_file.is_file():
-        raise KernelUnavailable(f"{where} has no {BUILD_INFO}, so what its library was built from is unknown; "
-                                "export one with `python scripts/build_kernels.py --export DIR`")
     try:
-        info = json.loads(info_file.read_text())
-        built_from, built_torch, built_arch = info["sources_sha256"], info["torch"], info["arch"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise KernelUnavailable(f"{info_file} cannot be read ({e!r}); export the directory again") from e
-    library = _library_in(directory)
+        info = _read_build_info(directory)
+    except KernelUnavailable as e:
+        raise KernelUnavailable(f"{PREBUILT_ENV}: {e}") from None
+    built_from, built_torch, built_arch = info["sources_sha256"], info["torch"], info["arch"]
     here = sources_digest()
     if built_from != here:
         raise KernelUnavailable(
@@ -227,19 +233,20 @@ def check_prebuilt(directory: str | Path, capability: str) -> Path:
     if not _arch_covers(built_arch, capability):
         raise KernelUnavailable(f"{where}: its library was built for compute capability {built_arch}, this GPU is "
                                 f"{capability}. Rebuild with TORCH_CUDA_ARCH_LIST={capability}")
-    return library
+    return directory / info["library"]
 
 
 def export(directory: str | Path) -> Path:
     """Copy the library and its build_info.json into `directory`, for MOBILENET_KERNELS_PREBUILT elsewhere: the one
     this process loaded, else the build for this machine's architecture."""
     source = _registered_from or build_dir()
+    info = _read_build_info(source)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     for stale in directory.glob(f"{_EXT_NAME}*.so"):
         stale.unlink()
-    for f in (_library_in(source), source / BUILD_INFO):
-        shutil.copy2(f, directory / f.name)
+    for name in (info["library"], BUILD_INFO):
+        shutil.copy2(source / name, directory / name)
     return directory
 
 
@@ -276,7 +283,7 @@ def load(verbose: bool = False) -> None:
         )
     prebuilt = os.environ.get(PREBUILT_ENV)
     if prebuilt:
-        _load_prebuilt(Path(prebuilt))
+        _load_prebuilt(Path(prebuilt).absolute())
         _loaded = True
         return
     _check_toolchain()

@@ -225,11 +225,14 @@ def test_a_directory_that_is_not_an_export_is_refused(exported, tmp_path):
     shutil.copytree(exported, bare, ignore=shutil.ignore_patterns(kernels.BUILD_INFO))
     with pytest.raises(KernelUnavailable, match=r"has no build_info\.json"):
         kernels.check_prebuilt(bare, "9.0")
-    two = shutil.copytree(exported, tmp_path / "two")
-    shutil.copy2(two / "mobilenet_dw_kernels.so", two / "mobilenet_dw_kernels_old.so")
-    with pytest.raises(KernelUnavailable, match=r"should hold one mobilenet_dw_kernels\*\.so library, but holds "
-                                                r"mobilenet_dw_kernels\.so, mobilenet_dw_kernels_old\.so"):
-        kernels.check_prebuilt(two, _arch_of(exported))
+    renamed = shutil.copytree(exported, tmp_path / "renamed")
+    (renamed / "mobilenet_dw_kernels.so").rename(renamed / "mobilenet_dw_kernels_v1.so")
+    with pytest.raises(KernelUnavailable, match=r"lacks mobilenet_dw_kernels\.so, the library its build_info\.json"):
+        kernels.check_prebuilt(renamed, _arch_of(exported))
+    unreadable = shutil.copytree(exported, tmp_path / "unreadable")
+    (unreadable / kernels.BUILD_INFO).write_text('{"torch": "2.11.0"}')
+    with pytest.raises(KernelUnavailable, match=r"build_info\.json cannot be read \(KeyError\('sources_sha256'\)\)"):
+        kernels.check_prebuilt(unreadable, _arch_of(exported))
 
 
 def test_a_run_summary_names_where_the_kernels_came_from(monkeypatch, tmp_path):
