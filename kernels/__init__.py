@@ -109,11 +109,24 @@ def _arch_list() -> str:
     return os.environ.get("TORCH_CUDA_ARCH_LIST") or _DEFAULT_ARCH
 
 
+def _arch_entries(arch_list: str) -> list[str]:
+    """The entries of a TORCH_CUDA_ARCH_LIST-style list ("8.0;9.0+PTX", commas or spaces also separate)."""
+    return [a for a in arch_list.replace(",", ";").replace(" ", ";").split(";") if a]
+
+
 def build_dir(arch_list: str | None = None) -> Path:
     arch = arch_list or _arch_list()
-    tag = "_".join("sm" + a.replace(".", "").replace("+PTX", "ptx") for a in arch.replace(",", ";").replace(" ", ";").split(";") if a)
+    tag = "_".join("sm" + a.replace(".", "").replace("+PTX", "ptx") for a in _arch_entries(arch))
     root = Path(os.environ.get("MOBILENET_KERNELS_CACHE", Path.home() / ".cache" / "mobilenet-fast" / "kernels"))
     return root / f"{torch.__version__}-{tag}"
+
+
+def _refuse_second_library(what: str, hint: str = "") -> None:
+    # A second library of the mobilenet_dw namespace is refused by a C++ exception thrown while it is loaded,
+    # which on some builds ends the process instead of raising.
+    if _registered_from is not None:
+        raise KernelUnavailable(f"the custom kernels are already loaded in this process from {_registered_from}; "
+                                f"{what} cannot be loaded beside them{'. ' + hint if hint else ''}")
 
 
 def _compile(verbose: bool) -> None:
@@ -124,13 +137,8 @@ def _compile(verbose: bool) -> None:
     directory = build_dir(arch)
     if _registered_from == directory:
         return  # loaded already: cpp_extension.load would only check the build and open the same library again
-    if _registered_from is not None:
-        # A second library of the mobilenet_dw namespace is refused by a C++ exception thrown while it is loaded,
-        # which on some builds ends the process instead of raising.
-        raise KernelUnavailable(
-            f"the custom kernels are already loaded in this process from {_registered_from}; a build into "
-            f"{directory} (MOBILENET_KERNELS_CACHE or the GPU changed) cannot be loaded beside them. "
-            "Build into another directory from a new process.")
+    _refuse_second_library(f"a build into {directory} (MOBILENET_KERNELS_CACHE or the GPU changed)",
+                           "Build into another directory from a new process.")
     directory.mkdir(parents=True, exist_ok=True)
     old_arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
     os.environ["TORCH_CUDA_ARCH_LIST"] = arch  # read by cpp_extension to pick -gencode flags
@@ -198,8 +206,8 @@ def _arch_covers(arch_list: str, capability: str) -> bool:
     """Whether a library built for arch_list runs on a GPU of this compute capability ("9.0"): its own machine code,
     or PTX of an earlier architecture that the driver compiles."""
     cap = tuple(int(v) for v in capability.split("."))
-    for entry in arch_list.replace(",", ";").replace(" ", ";").split(";"):
-        parsed = re.fullmatch(r"(\d+)\.(\d+)([a-z]?)(\+PTX)?", entry.strip())
+    for entry in _arch_entries(arch_list):
+        parsed = re.fullmatch(r"(\d+)\.(\d+)([a-z]?)(\+PTX)?", entry)
         if parsed is None:
             continue
         version = (int(parsed[1]), int(parsed[2]))
@@ -298,9 +306,8 @@ def _load_prebuilt(directory: Path) -> None:
     major, minor = torch.cuda.get_device_capability()
     library = check_prebuilt(directory, f"{major}.{minor}")
     with _lock:
-        if _registered_from is not None and _registered_from != directory:
-            raise KernelUnavailable(f"the custom kernels are already loaded in this process from {_registered_from}; "
-                                    f"{PREBUILT_ENV}={directory} cannot be loaded beside them")
-        if _registered_from is None:
-            torch.ops.load_library(str(library))
-            _registered_from, _prebuilt = directory, True
+        if _registered_from == directory:
+            return
+        _refuse_second_library(f"{PREBUILT_ENV}={directory}")
+        torch.ops.load_library(str(library))
+        _registered_from, _prebuilt = directory, True

@@ -77,7 +77,7 @@ def config_rows(cfg, device: torch.device, env: dict, backend: str | None = None
         "torch / CUDA / cuDNN": f"{env['torch']} / {env['cuda']} / {env['cudnn']}",
         "source tree": env.get("tree", "unknown"),
         # a prebuilt library (MOBILENET_KERNELS_PREBUILT) is named, so a run never hides which binary it ran
-        **({"custom kernels": kernels.loaded_from()} if kernels.loaded_from() else {}),
+        **({"custom kernels": origin} if (origin := kernels.loaded_from()) else {}),
     }
 
 
