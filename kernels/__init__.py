@@ -182,7 +182,14 @@ def _write_build_info(directory: Path, arch: str) -> None:
     library = max(directory.glob(f"{_EXT_NAME}*.so"), key=lambda p: p.stat().st_mtime)
     info = {"sources_sha256": sources_digest(), "torch": torch.__version__, "cuda": torch.version.cuda, "arch": arch,
             "library": library.name}
-    (directory / BUILD_INFO).write_text(json.dumps(info, indent=1) + "\n")
+    text = json.dumps(info, indent=1) + "\n"
+    target = directory / BUILD_INFO
+    if target.is_file() and target.read_text() == text:
+        return  # every load of a cached build passes here; DDP ranks load at once and another may be reading it
+    # written whole under another name, then renamed: a reader never sees half a file
+    partial = directory / f"{BUILD_INFO}.{os.getpid()}"
+    partial.write_text(text)
+    os.replace(partial, target)
 
 
 def _read_build_info(directory: Path) -> dict:

@@ -173,6 +173,17 @@ def test_a_build_records_the_sources_torch_and_arch_it_was_built_for(fresh_build
     assert fresh_build[1].name.endswith("sm" + info["arch"].replace(".", ""))
 
 
+def test_loading_an_up_to_date_build_leaves_its_build_info_alone(fresh_build):
+    # every load of a cached build passes the writer: DDP ranks load at once, and one may be reading the file
+    info_file = fresh_build[1] / kernels.BUILD_INFO
+    before = info_file.stat().st_mtime_ns
+    proc = subprocess.run([sys.executable, str(BUILD_KERNELS)], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "MOBILENET_KERNELS_CACHE": str(fresh_build[0])})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert info_file.stat().st_mtime_ns == before
+    assert sorted(p.name for p in fresh_build[1].glob(kernels.BUILD_INFO + "*")) == [kernels.BUILD_INFO]
+
+
 def test_an_exported_library_is_accepted_for_its_gpu(exported, fresh_build):
     assert sorted(p.name for p in exported.iterdir()) == sorted([kernels.BUILD_INFO, "mobilenet_dw_kernels.so"])
     library = kernels.check_prebuilt(exported, _arch_of(exported))

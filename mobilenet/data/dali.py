@@ -40,7 +40,7 @@ import torch
 from ..config import enum_value
 from ..errors import ConfigError
 from . import LoaderSpec, register_loader
-from .folder import CorruptImageError, check_batch_fits, scan_image_folder, val_resize_size
+from .folder import CorruptImageError, available_cpus, check_batch_fits, scan_image_folder, val_resize_size
 
 log = logging.getLogger(__name__)
 
@@ -308,7 +308,7 @@ class DaliLoader:
             return next(self._iterator)[0]
         except RuntimeError as e:
             # DALI's message does not name the file: look for it now (cheap check), then say what we know.
-            bad = find_corrupt(self._files, os.cpu_count() or 1)
+            bad = find_corrupt(self._files, min(32, available_cpus()))
             if bad:
                 path, reason = bad[0]
                 raise CorruptImageError(f"cannot decode image {path!r}: {reason} (DALI stopped: {e}). "
@@ -389,7 +389,7 @@ def build(cfg, spec: LoaderSpec):
     _, train_samples, val_samples, classes = scan_image_folder(cfg)
     skipped = {"train": 0, "val": 0}
     if dali_cfg.check_files:
-        check_threads = max(dali_cfg.threads, min(32, os.cpu_count() or 1))
+        check_threads = max(dali_cfg.threads, min(32, available_cpus()))
         train_samples, skipped["train"] = drop_corrupt(train_samples, cfg.skip_corrupt, check_threads, "train")
         val_samples, skipped["val"] = drop_corrupt(val_samples, cfg.skip_corrupt, check_threads, "val")
     elif cfg.skip_corrupt:
