@@ -8,6 +8,7 @@ the path, the kernel behind each kind of layer, and whether the forward was repl
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ from .data import LoaderSpec, build_loaders
 from .data.folder import image_transforms
 from .engine import (CheckpointError, autocast_dtype, build_for_run, config_rows, evaluate, load_checkpoint, resolve_device,
                      run_dtype, validate)
-from .errors import ConfigError, DataNotFound
+from .errors import ConfigError, DataNotFound, MissingDependency
 from .inference_model import build_inference_model, onnx_export_form, resolve_epilogue
 from .meter import StepMeter, Throughput
 from .reporting import environment, print_summary
@@ -254,6 +255,10 @@ def export_onnx(cfg, checkpoint: str | None, out: str) -> Path:
     dest = Path(out)
     if dest.suffix != ".onnx":
         raise ConfigError(f"--export {out}: the file name must end in .onnx")
+    missing = [name for name in ("onnx", "onnxscript") if importlib.util.find_spec(name) is None]
+    if missing:  # torch.onnx's exporter imports them only once the export is under way: say so before any work
+        raise MissingDependency(f"--export needs {' and '.join(missing)} (torch's ONNX exporter), not installed in this "
+                                "Python environment: pip install -e '.[export]'")
     setup = _setup(cfg, checkpoint)
     model = onnx_export_form(setup.path.model)
     x = _input_batch(cfg, setup.device, batch_size=2)

@@ -198,7 +198,7 @@ class TrainingRun:
         """The TensorBoard hparams: what scripts/compare.py groups and labels runs by."""
         cfg = self.cfg
         return {
-            "backend": self.backend_label, "amp": cfg.amp, "amp_dtype": enum_value(cfg.amp_dtype), "channels_last": cfg.channels_last,
+            "backend": self.backend_label, "norm": cfg.norm.name, "amp": cfg.amp, "amp_dtype": enum_value(cfg.amp_dtype), "channels_last": cfg.channels_last,
             "data": cfg.data.name, "batch_size": cfg.data.batch_size, "resolution": cfg.data.resolution, "compile": cfg.compile,
             "cuda_graph": self.captured, **streams.hparams(self.stream, self.device),
             "max_connections": streams.connections_in_force() if self.device.type == "cuda" else 0,

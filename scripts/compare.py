@@ -4,14 +4,18 @@
 
 Every directory under RUNS_DIR holding TensorBoard event files is a run: scripts/benchmark.py writes one per
 combination, and train.py one per run (a `train.py -m` grid is a runs directory too). From each run it reads the
-hparams that the run logged (hparams plugin data: backend, amp, amp_dtype, channels_last, compile, cuda_graph, data,
-batch_size, resolution, gpu, torch, cudnn; runs without the cuda_graph hparam show it blank) and the last value of
+hparams that the run logged (hparams plugin data: backend, norm, amp, amp_dtype, channels_last, compile, cuda_graph,
+data, batch_size, resolution, gpu, torch, cudnn; runs without the cuda_graph hparam show it blank, runs without norm
+take it from their overrides, else norm=torch) and the last value of
 the scalar perf/train_img_s, plus perf/infer_img_s, perf/compute_img_s, perf/step_ms and sys/max_mem_gb where present.
 train.py measures no inference throughput (scripts/benchmark.py does): its runs leave the inference columns blank,
 and the report says so. Combinations that scripts/benchmark.py skipped or that failed (their
 benchmark.json says so) are listed with their reason. Runs of one combination (scripts/benchmark.py --repeats N, or
 the same combination measured again) become one row: the median of each scalar, with the number of runs and the
-min-max of training and inference img/s; ratios and speed-ups are taken between those medians.
+min-max of training and inference img/s; ratios and speed-ups are taken between those medians. Runs that differ in
+a Hydra override the table has no column for (the run's .hydra/overrides.yaml or benchmark.json: `optim=sgd`
+against `optim=rmsprop`, say) are different combinations, named in a settings column; runs that differ only in
+seed or in where they were written are repeats.
 
 Writes DIR/NAME.md (also printed), DIR/NAME.csv and DIR/NAME.png (DIR defaults to the first RUNS_DIR). Exit status:
 0; 1 when batch size or resolution differ between runs (img/s would not be comparable) unless --allow-mixed;

@@ -44,13 +44,20 @@ def read_scalars(run_dir: Path) -> dict[str, float]:
     return {tag: v for tag, (_, v) in last.items()}
 
 
-def fake_run(run_dir: Path, batch_size: int, scalars: dict[str, float], backend: str = "torch") -> None:
+def fake_run(run_dir: Path, batch_size: int, scalars: dict[str, float], backend: str = "torch",
+             norm: str | None = None, overrides: list[str] | None = None) -> None:
+    """A run's event files as train.py writes them (hparams without norm, as runs before it was logged), and its
+    .hydra/overrides.yaml where overrides are given."""
     from torch.utils.tensorboard import SummaryWriter
 
     writer = SummaryWriter(log_dir=str(run_dir))
     for tag, value in scalars.items():
         writer.add_scalar(tag, value, 5)
     writer.add_hparams({"backend": backend, "amp": False, "amp_dtype": "fp16", "channels_last": False, "compile": True,
-                        "data": "synthetic", "batch_size": batch_size, "resolution": 32, "gpu": "none"},
+                        "data": "synthetic", "batch_size": batch_size, "resolution": 32, "gpu": "none",
+                        **({"norm": norm} if norm else {})},
                        {"hparam/train_img_s": scalars.get("perf/train_img_s", 0.0)}, run_name=".")
     writer.close()
+    if overrides is not None:
+        (run_dir / ".hydra").mkdir()
+        (run_dir / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))

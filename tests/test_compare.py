@@ -112,3 +112,52 @@ def test_custom_vs_cudnn_says_how_many_pairs_custom_wins_and_names_those_it_trai
     proc = run_tool(COMPARE, str(runs), check=True)
     assert ("custom >= cudnn: training in 1 of 1 pairs; inference in 0 of 1 pairs. Custom behind: inference fp32 "
             "NCHW, compile=True, CUDA graph unknown, data=synthetic (0.990x).") in proc.stdout
+
+
+def _table_rows(stdout: str) -> list[list[str]]:
+    return [[c.strip() for c in line.split("|")[1:-1]] for line in stdout.split("## custom vs cudnn")[0].splitlines()
+            if line.startswith("| cudnn |") or line.startswith("| custom |")]
+
+
+def test_runs_that_differ_beyond_the_columns_stay_apart_and_seeds_are_repeats(tmp_path):
+    # Hydra's overrides say what else differs: optim is a setting (its own rows), seed and the run directory are not
+    # (those runs are repeats of one combination, combined into their median).
+    runs = tmp_path / "runs"
+    scalars = {"perf/train_img_s": 1000.0, "perf/infer_img_s": 3000.0}
+    for i, (optim, seed, img_s) in enumerate([("sgd", 1, 1000.0), ("sgd", 2, 1100.0), ("rmsprop", 1, 900.0)]):
+        fake_run(runs / f"custom{i}", 8, {**scalars, "perf/train_img_s": img_s}, backend="custom",
+                 overrides=[f"optim={optim}", f"seed={seed}", f"hydra.run.dir=/tmp/r{i}", "backend=custom", "epochs=2"])
+    for optim in ("sgd", "rmsprop"):
+        fake_run(runs / f"cudnn-{optim}", 8, scalars, backend="cudnn", overrides=[f"optim={optim}", "backend=cudnn",
+                                                                                   "epochs=2"])
+    proc = run_tool(COMPARE, str(runs), check=True)
+    rows = {(r[0], r[7]): r for r in _table_rows(proc.stdout)}
+    assert sorted(rows) == [("cudnn", "optim=rmsprop"), ("cudnn", "optim=sgd"), ("custom", "optim=rmsprop"),
+                            ("custom", "optim=sgd")], proc.stdout
+    assert rows[("custom", "optim=sgd")][8] == "1,050" and rows[("custom", "optim=sgd")][15:17] == ["2", "1,000-1,100"]
+    assert rows[("custom", "optim=rmsprop")][8] == "900"
+    assert "1 combination(s) measured more than once (2 runs)" in proc.stdout
+    pairs = [line for line in proc.stdout.split("## custom vs cudnn")[1].splitlines() if line.startswith("| torch |")]
+    assert [p.split("|")[7].strip() for p in pairs] == ["optim=rmsprop", "optim=sgd"]  # each optim its own pair
+    assert "custom >= cudnn: training in 1 of 2 pairs" in proc.stdout and "optim=rmsprop (0.900x)" in proc.stdout
+
+
+def test_norm_comes_from_the_hparams_else_the_overrides_and_each_norm_is_its_own_row(tmp_path):
+    runs = tmp_path / "runs"
+    fake_run(runs / "logged-custom", 8, {"perf/train_img_s": 2000.0}, backend="custom", norm="custom")
+    fake_run(runs / "logged-torch", 8, {"perf/train_img_s": 1500.0}, backend="custom", norm="torch")
+    fake_run(runs / "older", 8, {"perf/train_img_s": 1000.0}, backend="cudnn", overrides=["norm=custom", "backend=cudnn"])
+    proc = run_tool(COMPARE, str(runs), check=True)
+    assert [(r[0], r[1], r[7]) for r in _table_rows(proc.stdout)] == [
+        ("custom", "custom", "2,000"), ("custom", "torch", "1,500"), ("cudnn", "custom", "1,000")], proc.stdout
+    assert "measured more than once" not in proc.stdout and "| settings |" not in proc.stdout
+    pairs = [[c.strip() for c in line.split("|")[1:-1]] for line in proc.stdout.split("## custom vs cudnn")[1].splitlines()
+             if line.startswith("| custom |")]
+    assert [p[:1] + p[6:9] for p in pairs] == [["custom", "1,000", "2,000", "2.00x"]]  # norm=custom's pair alone
+
+
+def test_an_unreadable_overrides_file_is_named(tmp_path):
+    fake_run(tmp_path / "runs" / "bad", 8, {"perf/train_img_s": 100.0}, overrides=[])
+    (tmp_path / "runs" / "bad" / ".hydra" / "overrides.yaml").write_text("{not: [a list")
+    proc = run_tool(COMPARE, str(tmp_path / "runs"))
+    assert proc.returncode == 2 and "overrides.yaml: cannot be read as Hydra's list of overrides" in proc.stderr

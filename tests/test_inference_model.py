@@ -187,6 +187,16 @@ def test_export_that_cannot_be_done_names_what_is_unsupported(tmp_path):
         inference.export_onnx(compose(CPU_SMALL), None, str(tmp_path / "m.pt"))
 
 
+def test_export_without_the_onnx_packages_says_which_extra_to_install(tmp_path, monkeypatch):
+    from mobilenet import inference
+    from mobilenet.errors import MissingDependency
+
+    monkeypatch.setitem(sys.modules, "onnxscript", None)  # how Python marks a package as absent
+    with pytest.raises(MissingDependency, match=r"--export needs onnxscript .*pip install -e '\.\[export\]'"):
+        inference.export_onnx(compose(CPU_SMALL), None, str(tmp_path / "m.onnx"))
+    assert not (tmp_path / "m.onnx").exists()
+
+
 def test_checkpoint_top1_is_the_same_folded_and_unfolded_on_digits(tmp_path):
     from mobilenet import inference
     from mobilenet.engine import Trainer

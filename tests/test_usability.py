@@ -181,20 +181,26 @@ def test_bf16_on_a_cpu_warns_once(tmp_path, caplog):
 
 
 def test_compare_reads_a_train_py_grid(tmp_path):
+    # A grid over a table column (channels_last) and over a setting the table has no column for (optim): four rows,
+    # none of them taken for a repeat of another.
     grid = subprocess.run([sys.executable, "train.py", "-m", *TINY_SYNTHETIC, "data.steps_per_epoch=3",
-                           "channels_last=false,true", f"log_root={tmp_path}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+                           "channels_last=false,true", "optim=sgd,rmsprop", f"log_root={tmp_path}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert grid.returncode == 0, grid.stderr[-3000:]
     (sweep,) = tmp_path.glob("multirun-*")
     proc = subprocess.run([sys.executable, "scripts/compare.py", str(sweep)], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "2 run(s) have no perf/infer_img_s" in proc.stdout and "train.py runs measure" in proc.stdout
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("| torch | torch | fp32 |")]
-    assert len(rows) == 2
-    for row in rows:
-        cells = [c.strip() for c in row.split("|")[1:-1]]
-        assert float(cells[7].replace(",", "")) > 0 and cells[9] == "" and cells[10] == ""  # train img/s; infer blank
+    assert "4 run(s) have no perf/infer_img_s" in proc.stdout and "train.py runs measure" in proc.stdout
+    assert "measured more than once" not in proc.stdout
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in proc.stdout.splitlines()
+            if line.startswith("| torch | torch | fp32 |")]  # norm as the runs logged it
+    assert sorted((r[3], r[7]) for r in rows) == [("NCHW", "optim=rmsprop"), ("NCHW", "optim=sgd"),
+                                                  ("channels_last", "optim=rmsprop"), ("channels_last", "optim=sgd")]
+    for cells in rows:
+        assert float(cells[8].replace(",", "")) > 0 and cells[10] == "" and cells[11] == ""  # train img/s; infer blank
+        if cells[3] == "NCHW":
+            assert cells[9] == "1.00x"  # each optim's own fp32 NCHW baseline
 
 
 def test_compare_loss_curves_varies_any_setting(tmp_path):

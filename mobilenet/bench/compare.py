@@ -28,6 +28,13 @@ PRECISION_ORDER = ("fp32", "fp16", "bf16")
 LAYOUT_ORDER = ("NCHW", "channels_last")
 BASELINE = {"backend": "torch", "norm": "torch", "precision": "fp32", "layout": "NCHW", "compile": False, "env": ""}
 STATUS_FILE = "benchmark.json"  # scripts/benchmark.py's record of a combination
+HYDRA_OVERRIDES = Path(".hydra") / "overrides.yaml"  # a train.py run's command-line overrides
+# Overrides the table has a column for; any other override that not every compared run shares makes a run another
+# combination (its "settings"): a `train.py -m optim=sgd,rmsprop` grid is two rows, not one run measured twice.
+AXIS_OVERRIDES = ("backend", "norm", "amp", "amp_dtype", "channels_last", "compile", "cuda_graph", "data")
+# Overrides that say where a run was kept or which random draw it made, not what was measured: runs that differ only
+# in these are repeats of one combination.
+NOT_SETTINGS = ("hydra", "log_root", "resume", "progress", "save_checkpoints", "seed", "data.dali.seed")
 
 
 def with_env(text: str, env: str) -> str:
@@ -50,8 +57,10 @@ class Row:
     compile: bool | None = None
     cuda_graph: bool | None = None  # None: the run predates the option (it was eager)
     data: str = ""
-    norm: str = "torch"  # runs that predate the option used nn.BatchNorm2d
+    norm: str = ""  # "" until load_rows knows it (hparams, record or overrides)
     env: str = ""  # scripts/benchmark.py --env: the variables set in the run's process
+    overrides: list[str] = field(default_factory=list)  # the run's Hydra overrides, where recorded
+    settings: str = ""  # the overrides that set this run apart from the others compared (see AXIS_OVERRIDES)
     batch_size: int | None = None
     resolution: int | None = None
     gpu: str = ""
@@ -65,17 +74,22 @@ class Row:
 
     @property
     def key(self) -> tuple:
-        return (self.backend, self.norm, self.precision, self.layout, self.compile, self.cuda_graph, self.data, self.env)
+        return (self.backend, *self.pair)
 
     @property
     def pair(self) -> tuple:
         """What a backend is compared under: everything but the backend."""
-        return (self.norm, self.precision, self.layout, self.compile, self.cuda_graph, self.data, self.env)
+        return (self.norm, self.precision, self.layout, self.compile, self.cuda_graph, self.data, self.env, self.settings)
 
     @property
     def label(self) -> str:
         """The backend, with the environment variant it ran under."""
         return with_env(self.backend, self.env)
+
+    @property
+    def series(self) -> str:
+        """The backend as a chart's bars name it: with its variant and its settings."""
+        return self.label + (f" ({self.settings})" if self.settings else "")
 
 
 # ----------------------------------------------------------------------------------------------- reading the runs
@@ -100,7 +114,7 @@ def _settings(hp: dict) -> dict:
         "layout": "channels_last" if _bool(hp.get("channels_last", False)) else "NCHW",
         "compile": _bool(hp.get("compile", False)),
         "data": str(hp.get("data", "")),
-        "norm": str(hp.get("norm", "torch")),
+        "norm": str(hp.get("norm") or ""),
         "env": str(hp.get("env") or ""),
     }
     if hp.get("cuda_graph") is not None:
@@ -126,8 +140,50 @@ def load_rows(roots: list[Path]) -> list[Row]:
                                "it; is it a runs directory written by scripts/benchmark.py or train.py?")
         for run_dir in sorted(set(runs) | set(records)):
             name = str(run_dir.relative_to(root.resolve())) if run_dir != root.resolve() else root.name
-            rows.append(_row(name, runs.get(run_dir), records.get(run_dir)))
+            record = records.get(run_dir)
+            row = _row(name, runs.get(run_dir), record)
+            row.overrides = _overrides(run_dir, record)
+            if not row.norm:  # not in its hparams: its overrides say, else it predates the option (nn.BatchNorm2d)
+                row.norm = _override_value(row.overrides, "norm") or "torch"
+            rows.append(row)
+    mark_settings(rows)
     return rows
+
+
+def _overrides(run_dir: Path, record: dict | None) -> list[str]:
+    """The run's Hydra overrides: scripts/benchmark.py's record of them, else the ones Hydra kept for a train.py run."""
+    if record and record.get("overrides") is not None:
+        return [str(o) for o in record["overrides"]]
+    path = run_dir / HYDRA_OVERRIDES
+    if not path.is_file():
+        return []
+    from omegaconf import OmegaConf
+
+    try:
+        return [str(o) for o in OmegaConf.to_container(OmegaConf.load(path))]
+    except Exception as e:  # not YAML, or not a list: which runs are repeats would be a guess
+        raise CompareError(f"{path}: cannot be read as Hydra's list of overrides ({e})") from e
+
+
+def _override_key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def _override_value(overrides: list[str], key: str) -> str | None:
+    return next((o.split("=", 1)[1] for o in overrides if "=" in o and _override_key(o) == key), None)
+
+
+def _is_setting(override: str) -> bool:
+    key = _override_key(override)
+    return key not in AXIS_OVERRIDES and not any(key == k or key.startswith(k + ".") for k in NOT_SETTINGS)
+
+
+def mark_settings(rows: list[Row]) -> None:
+    """Each row's settings: its overrides that are not the table's columns, not a run's place or seed, and not shared
+    by every run compared."""
+    shared = set.intersection(*(set(r.overrides) for r in rows)) if rows else set()
+    for r in rows:
+        r.settings = " ".join(sorted(o for o in r.overrides if o not in shared and _is_setting(o)))
 
 
 def _row(name: str, tensorboard: tuple | None, record: dict | None) -> Row:
@@ -168,7 +224,7 @@ def _index(seq: tuple, value) -> int:
 
 def _order(row: Row) -> tuple:
     return (row.data, row.compile is True, row.cuda_graph is True, _index(PRECISION_ORDER, row.precision), _index(LAYOUT_ORDER, row.layout),
-            _index(BACKEND_ORDER, row.backend), row.backend, row.norm != "torch", row.norm, row.env)
+            row.settings, _index(BACKEND_ORDER, row.backend), row.backend, row.norm != "torch", row.norm, row.env)
 
 
 def _facts(ok: list[Row]) -> dict[str, list[str]]:
@@ -194,19 +250,20 @@ def inference_note(rows: list[Row]) -> list[str]:
 
 
 def add_speedups(rows: list[Row]) -> list[str]:
-    """Speed-up over the fp32 NCHW torch run (no compile) on the same data and with the same CUDA-graph setting;
-    notes for the groups that lack that baseline."""
+    """Speed-up over the fp32 NCHW torch run (no compile) on the same data, with the same CUDA-graph setting and the
+    same settings; notes for the groups that lack that baseline."""
     notes = []
     ok = [r for r in rows if r.status == "ok"]
-    for data, graph in sorted({(r.data, r.cuda_graph) for r in ok}, key=str):
-        base = next((r for r in ok if (r.data, r.cuda_graph) == (data, graph)
+    for group in sorted({(r.data, r.cuda_graph, r.settings) for r in ok}, key=str):
+        data, graph, settings = group
+        base = next((r for r in ok if (r.data, r.cuda_graph, r.settings) == group
                      and all(getattr(r, k) == v for k, v in BASELINE.items())), None)
         if base is None:
             notes.append(f"no baseline (backend torch, norm torch, fp32, NCHW, no compile, CUDA graph {_graph(graph) or 'unknown'}) "
-                         f"for data={data}: those speed-ups are left blank")
+                         f"for data={data}{f', settings {settings}' if settings else ''}: those speed-ups are left blank")
             continue
         for r in ok:
-            if (r.data, r.cuda_graph) == (data, graph):
+            if (r.data, r.cuda_graph, r.settings) == group:
                 r.train_speedup = _ratio(r, base, "train_img_s")
                 r.infer_speedup = _ratio(r, base, "infer_img_s")
     return notes
@@ -275,8 +332,8 @@ def pairs_summary(pairs: list[dict]) -> str:
             if p[metric] < 1.0:
                 r = p["row"]
                 behind.append(f"{label} {r.precision} {r.layout}, compile={r.compile}, CUDA graph "
-                              f"{_graph(r.cuda_graph) or 'unknown'}, data={r.data}"
-                              + (f", env {r.env}" if r.env else "") + f" ({p[metric]:.3f}x)")
+                              f"{_graph(r.cuda_graph) or 'unknown'}, data={r.data}" + (f", env {r.env}" if r.env else "")
+                              + (f", {r.settings}" if r.settings else "") + f" ({p[metric]:.3f}x)")
     return "custom >= cudnn: " + "; ".join(parts) + ("." if not behind else ". Custom behind: " + "; ".join(behind) + ".")
 
 
@@ -300,32 +357,41 @@ def _span(r: Row, metric: str) -> str:
     return "" if low is None else f"{_num(low)}-{_num(high)}"
 
 
+def _combination(r: Row, settings: bool) -> str:
+    """A row's leading cells: what was run."""
+    cells = [r.label, r.norm, r.precision, r.layout, str(r.compile), _graph(r.cuda_graph), r.data]
+    return "| " + " | ".join(cells + ([r.settings] if settings else [])) + " |"
+
+
 def markdown(rows: list[Row], notes: list[str]) -> str:
     ok = sorted((r for r in rows if r.status == "ok"), key=lambda r: -r.metrics["train_img_s"])
     other = sorted((r for r in rows if r.status != "ok"), key=_order)
+    settings = any(r.settings for r in rows)  # a column only where runs differ in more than the table's columns
+    head = "| backend | norm | precision | layout | compile | CUDA graph | data |" + (" settings |" if settings else "")
+    rule = "|---|---|---|---|---|---|---|" + ("---|" if settings else "")
     lines = ["# MobileNetV1 throughput matrix", ""]
     if ok:
         facts = _facts(ok)
         lines.append("batch " + "/".join(facts["batch_size"]) + ", resolution " + "/".join(facts["resolution"])
                      + ", GPU " + "/".join(facts["gpu"]) + ", torch " + "/".join(facts["torch"])
                      + ", cuDNN " + "/".join(facts["cudnn"]) + ". Sorted by training img/s; speed-ups are over "
-                     "backend torch, norm torch, fp32, NCHW, no compile on the same data and CUDA-graph setting. CUDA graph: the "
+                     "backend torch, norm torch, fp32, NCHW, no compile on the same data and CUDA-graph setting"
+                     + (" and with the same settings (the overrides in which the compared runs differ beyond the "
+                        "table's columns)" if settings else "") + ". CUDA graph: the "
                      "training step captured (cuda_graph). Inference: the project's model on infer.py's path for the row's "
-                     "settings (BatchNorm folded, fused epilogues), the timm peer eager in eval mode.")
+                     "combination (BatchNorm folded, fused epilogues), the timm peer eager in eval mode.")
         lines.append("")
     lines += [n for n in notes]
     if notes:
         lines.append("")
     if ok:
         repeated = any(r.runs > 1 for r in ok)
-        lines += ["| backend | norm | precision | layout | compile | CUDA graph | data | train img/s | train speed-up "
-                  "| infer img/s | infer speed-up | compute img/s | step ms | max mem GB |"
-                  + (" runs | train min-max | infer min-max |" if repeated else ""),
-                  "|---|---|---|---|---|---|---|--:|--:|--:|--:|--:|--:|--:|" + ("--:|--:|--:|" if repeated else "")]
+        lines += [head + " train img/s | train speed-up | infer img/s | infer speed-up | compute img/s | step ms "
+                  "| max mem GB |" + (" runs | train min-max | infer min-max |" if repeated else ""),
+                  rule + "--:|--:|--:|--:|--:|--:|--:|" + ("--:|--:|--:|" if repeated else "")]
         for r in ok:
             m = r.metrics
-            line = (f"| {r.label} | {r.norm} | {r.precision} | {r.layout} | {r.compile} | {_graph(r.cuda_graph)} "
-                    f"| {r.data} | {_num(m['train_img_s'])} "
+            line = (f"{_combination(r, settings)} {_num(m['train_img_s'])} "
                     f"| {_speed(r.train_speedup)} | {_num(m.get('infer_img_s'))} | {_speed(r.infer_speedup)} "
                     f"| {_num(m.get('compute_img_s'))} | {_num(m.get('step_ms'), 1)} | {_num(m.get('max_mem_gb'), 2)} |")
             if repeated:
@@ -335,31 +401,30 @@ def markdown(rows: list[Row], notes: list[str]) -> str:
     pairs = custom_vs_cudnn(rows)
     if pairs:
         lines += ["## custom vs cudnn", "",
-                  "| norm | precision | layout | compile | CUDA graph | data | cudnn train img/s | custom train img/s "
-                  "| custom / cudnn | cudnn infer img/s | custom infer img/s | custom / cudnn |",
-                  "|---|---|---|---|---|---|--:|--:|--:|--:|--:|--:|"]
+                  "| norm | precision | layout | compile | CUDA graph | data |" + (" settings |" if settings else "")
+                  + " cudnn train img/s | custom train img/s | custom / cudnn | cudnn infer img/s | custom infer img/s "
+                  "| custom / cudnn |",
+                  "|---|---|---|---|---|---|" + ("---|" if settings else "") + "--:|--:|--:|--:|--:|--:|"]
         for p in pairs:
             r, c = p["row"], p["custom"]
-            lines.append(f"| {with_env(r.norm, r.env)} | {r.precision} | {r.layout} | {r.compile} | {_graph(r.cuda_graph)} | {r.data} "
-                         f"| {_num(r.metrics['train_img_s'])} "
+            lines.append(f"| {with_env(r.norm, r.env)} | {r.precision} | {r.layout} | {r.compile} | {_graph(r.cuda_graph)} "
+                         f"| {r.data} |" + (f" {r.settings} |" if settings else "")
+                         + f" {_num(r.metrics['train_img_s'])} "
                          f"| {_num(c.metrics['train_img_s'])} | {_speed(p['train'])} | {_num(r.metrics.get('infer_img_s'))} "
                          f"| {_num(c.metrics.get('infer_img_s'))} | {_speed(p['infer'])} |")
         lines += ["", pairs_summary(pairs)]
         lines.append("")
     if other:
-        lines += ["## Not measured", "", "| backend | norm | precision | layout | compile | CUDA graph | data | status "
-                  "| reason |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += ["## Not measured", "", head + " status | reason |", rule + "---|---|"]
         for r in other:
-            lines.append(f"| {r.label} | {r.norm} | {r.precision} | {r.layout} | {r.compile} | {_graph(r.cuda_graph)} "
-                         f"| {r.data} "
-                         f"| {r.status} "
-                         f"| {r.reason.replace('|', '/')} |")
+            lines.append(f"{_combination(r, settings)} {r.status} | {r.reason.replace('|', '/')} |")
         lines.append("")
     return "\n".join(lines)
 
 
 SPREAD_COLUMNS = [f"{m}_{end}" for m in SPREAD_METRICS for end in ("min", "max")]
-CSV_COLUMNS = ["run", "status", "reason", "backend", "env", "norm", "precision", "layout", "compile", "cuda_graph", "data", "batch_size", "resolution",
+CSV_COLUMNS = ["run", "status", "reason", "backend", "env", "norm", "precision", "layout", "compile", "cuda_graph", "data",
+               "settings", "batch_size", "resolution",
                "gpu", "torch", "cudnn", *REQUIRED_SCALARS, *OPTIONAL_SCALARS, "train_speedup", "infer_speedup", "runs",
                *SPREAD_COLUMNS]
 
@@ -383,7 +448,7 @@ def write_plot(rows: list[Row], path: Path) -> None:
     plt = pyplot()
     ok = [r for r in rows if r.status == "ok"]
     facets = sorted({(r.data, r.compile, r.cuda_graph) for r in ok}, key=str)
-    backends = sorted({(r.backend, r.label) for r in ok}, key=lambda b: (_index(BACKEND_ORDER, b[0]), b[1]))
+    backends = sorted({(r.backend, r.series) for r in ok}, key=lambda b: (_index(BACKEND_ORDER, b[0]), b[1]))
     metrics = [("train_img_s", "training img/s"), ("infer_img_s", "inference img/s")]
     fig, axes = plt.subplots(len(facets), len(metrics), figsize=(7 * len(metrics), 3.6 * len(facets)), squeeze=False)
     width = 0.8 / max(1, len(backends))
@@ -396,7 +461,7 @@ def write_plot(rows: list[Row], path: Path) -> None:
             for b, (_, backend) in enumerate(backends):
                 xs, ys, err = [], [], [[], []]
                 for g, group in enumerate(groups):
-                    r = next((r for r in rows_here if r.label == backend and (r.precision, r.layout) == group), None)
+                    r = next((r for r in rows_here if r.series == backend and (r.precision, r.layout) == group), None)
                     if r is not None and metric in r.metrics:
                         xs.append(g + (b - (len(backends) - 1) / 2) * width)
                         ys.append(r.metrics[metric])
