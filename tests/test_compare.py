@@ -161,3 +161,16 @@ def test_an_unreadable_overrides_file_is_named(tmp_path):
     (tmp_path / "runs" / "bad" / ".hydra" / "overrides.yaml").write_text("{not: [a list")
     proc = run_tool(COMPARE, str(tmp_path / "runs"))
     assert proc.returncode == 2 and "overrides.yaml: cannot be read as Hydra's list of overrides" in proc.stderr
+
+
+def test_a_run_without_overrides_is_known_apart_from_one_without_recorded_overrides(tmp_path):
+    # `python train.py` (Hydra keeps an empty list) against `python train.py optim=rmsprop`: two combinations. A run
+    # whose overrides were not kept at all (copied without .hydra/) adds no settings to the others.
+    runs = tmp_path / "runs"
+    fake_run(runs / "plain", 8, {"perf/train_img_s": 100.0}, overrides=[])
+    fake_run(runs / "rmsprop", 8, {"perf/train_img_s": 90.0}, overrides=["optim=rmsprop"])
+    fake_run(runs / "copied", 8, {"perf/train_img_s": 60.0})
+    proc = run_tool(COMPARE, str(runs), check=True)
+    rows = sorted((c[7], c[8]) for c in (
+        [c.strip() for c in line.split("|")[1:-1]] for line in proc.stdout.splitlines() if line.startswith("| torch |")))
+    assert rows == [("", "80"), ("optim=rmsprop", "90")], proc.stdout  # plain and copied: one combination, median 80

@@ -59,7 +59,7 @@ class Row:
     data: str = ""
     norm: str = ""  # "" until load_rows knows it (hparams, record or overrides)
     env: str = ""  # scripts/benchmark.py --env: the variables set in the run's process
-    overrides: list[str] = field(default_factory=list)  # the run's Hydra overrides, where recorded
+    overrides: list[str] | None = None  # the run's Hydra overrides; None where neither Hydra nor benchmark.py kept them
     settings: str = ""  # the overrides that set this run apart from the others compared (see AXIS_OVERRIDES)
     batch_size: int | None = None
     resolution: int | None = None
@@ -150,13 +150,13 @@ def load_rows(roots: list[Path]) -> list[Row]:
     return rows
 
 
-def _overrides(run_dir: Path, record: dict | None) -> list[str]:
+def _overrides(run_dir: Path, record: dict | None) -> list[str] | None:
     """The run's Hydra overrides: scripts/benchmark.py's record of them, else the ones Hydra kept for a train.py run."""
     if record and record.get("overrides") is not None:
         return [str(o) for o in record["overrides"]]
     path = run_dir / HYDRA_OVERRIDES
     if not path.is_file():
-        return []
+        return None
     from omegaconf import OmegaConf
 
     try:
@@ -169,8 +169,8 @@ def _override_key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
-def _override_value(overrides: list[str], key: str) -> str | None:
-    return next((o.split("=", 1)[1] for o in overrides if "=" in o and _override_key(o) == key), None)
+def _override_value(overrides: list[str] | None, key: str) -> str | None:
+    return next((o.split("=", 1)[1] for o in overrides or [] if "=" in o and _override_key(o) == key), None)
 
 
 def _is_setting(override: str) -> bool:
@@ -180,10 +180,11 @@ def _is_setting(override: str) -> bool:
 
 def mark_settings(rows: list[Row]) -> None:
     """Each row's settings: its overrides that are not the table's columns, not a run's place or seed, and not shared
-    by every run compared."""
-    shared = set.intersection(*(set(r.overrides) for r in rows)) if rows else set()
+    by every run compared whose overrides are known (a run without them has none: it is compared as before)."""
+    known = [set(r.overrides) for r in rows if r.overrides is not None]
+    shared = set.intersection(*known) if known else set()
     for r in rows:
-        r.settings = " ".join(sorted(o for o in r.overrides if o not in shared and _is_setting(o)))
+        r.settings = " ".join(sorted(o for o in r.overrides or [] if o not in shared and _is_setting(o)))
 
 
 def _row(name: str, tensorboard: tuple | None, record: dict | None) -> Row:
