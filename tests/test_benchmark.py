@@ -109,6 +109,14 @@ def test_captured_combinations_that_cannot_run_here_are_skipped_with_the_reason(
         assert f"| torch | torch | fp32 | NCHW | {compiled} | on | synthetic | skipped |" in listing, listing
 
 
+def _printed_table(stdout: str) -> list[list[str]]:
+    """benchmark.py's closing table as printed (rich's box characters): the header, then one list of cells a row
+    (a row's first line: the cells of a long reason wrap onto lines of their own)."""
+    lines = [line for line in stdout.splitlines() if line.startswith(("┃", "│"))]
+    cells = [[c.strip() for c in line.strip("┃│").split("┃" if line.startswith("┃") else "│")] for line in lines]
+    return [cells[0]] + [row for row in cells[1:] if row[0]]
+
+
 def test_norm_is_an_opt_in_axis_and_custom_norm_is_skipped_on_a_cpu_with_the_reason(tmp_path):
     assert {c.norm for c in benchmark.plan(benchmark.parse_args([]))} == {"torch"}
     norms = benchmark.plan(benchmark.parse_args(["--backends", "custom", "--amp", "fp16", "--channels-last", "true",
@@ -128,6 +136,8 @@ def test_norm_is_an_opt_in_axis_and_custom_norm_is_skipped_on_a_cpu_with_the_rea
 
     listing = compare.markdown(compare.load_rows([tmp_path / "m"]), [])
     assert "| torch | custom | fp32 | NCHW | False | off | synthetic | skipped |" in listing, listing
+    header, *rows = _printed_table(proc.stdout)
+    assert [dict(zip(header, r))["norm"] for r in rows] == ["custom"]  # benchmark.py's own table names the norm too
 
 
 def test_time_budget_leaves_combinations_for_the_next_invocation(tmp_path):
@@ -181,6 +191,9 @@ def test_repeats_run_in_rounds_and_compare_reports_their_median_and_spread(tmp_p
     names = [combo_dir(out, "torch", "off", cl).name for cl in (False, True)]
     order = [line.split("] ")[1].split(":")[0] for line in proc.stdout.splitlines() if line.startswith("[")]
     assert order == names + [f"{n},repeat=2" for n in names]  # rounds: every combination once, then again
+    header, *printed = _printed_table(proc.stdout)
+    assert [(r["channels_last"], r["round"]) for r in (dict(zip(header, row)) for row in printed)] == [
+        ("False", "1"), ("True", "1"), ("False", "2"), ("True", "2")]
     report = tmp_path / "report"
     shown = run_tool(COMPARE, str(out), "--out", str(report), "--name", "m", check=True)
     assert "2 combination(s) measured more than once (4 runs)" in shown.stdout

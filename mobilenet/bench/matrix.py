@@ -405,7 +405,7 @@ def run_matrix(args: argparse.Namespace) -> int:
         record = matrix.record(combo, run_dir, first_round=k == 1, round_=k, runs_left=runs_left[i - 1])
         if record is None:
             continue
-        records.append(record)
+        records.append({**record, "round": k})
         print(f"[{i}/{len(rounds)}] {run_dir.name}: {_one_line(record)}", flush=True)
     print_table(records, out)
     if any(r["status"] == "not started" for r in records):
@@ -428,13 +428,15 @@ def print_table(records: list[dict], out: Path) -> None:
     from .compare import with_env
 
     table = Table(title=f"throughput matrix: {out}")
-    for col in ("backend", "amp", "channels_last", "compile", "cuda_graph", "data", "status", "train img/s", "infer img/s",
-                "reason"):
+    rounds = any(r.get("round", 1) > 1 for r in records)  # --repeats: which round each row is
+    for col in ("backend", "norm", "amp", "channels_last", "compile", "cuda_graph", "data", *(["round"] if rounds else []),
+                "status", "train img/s", "infer img/s", "reason"):
         table.add_column(col, justify="right" if "img/s" in col else "left", overflow="fold")
     for r in records:
         ok = r["status"] == "ok"
-        table.add_row(with_env(r["backend"], r.get("env", "")), r["amp"], str(r["channels_last"]), str(r["compile"]), str(r.get("cuda_graph", False)),
-                      r["data"], r["status"],
+        table.add_row(with_env(r["backend"], r.get("env", "")), r.get("norm", "torch"), r["amp"], str(r["channels_last"]),
+                      str(r["compile"]), str(r.get("cuda_graph", False)), r["data"],
+                      *([str(r.get("round", 1))] if rounds else []), r["status"],
                       f"{r['train_img_s']:,.0f}" if ok else "", f"{r['infer_img_s']:,.0f}" if ok else "", r.get("reason", ""))
     Console(width=max(160, Console().width)).print(table)
     print(f"compare: python scripts/compare.py {out}")
