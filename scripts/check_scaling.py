@@ -37,22 +37,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mobilenet.config import override_key  # noqa: E402
-from mobilenet.reporting import environment, gpu_slug, machine_line, publish, read_tensorboard  # noqa: E402
-from mobilenet.subprocesses import exit_on_sigterm, run_logged  # noqa: E402
+from mobilenet.bench.train_runs import FIXED, TrainRunError, merge_overrides, num as _num, run_train  # noqa: E402
+from mobilenet.reporting import environment, gpu_slug, machine_line, publish  # noqa: E402
+from mobilenet.subprocesses import exit_on_sigterm  # noqa: E402
 
 GPU_DEFAULT = ["data=synthetic", "backend=torch", "amp=true", "amp_dtype=fp16", "channels_last=true"]
 CPU_DEFAULT = ["data=synthetic", "backend=torch", "amp=false", "channels_last=true", "data.resolution=64",
                "data.batch_size=16", "model.width_mult=0.25"]
-# What keeps a run short and its timing clean: one epoch of synthetic steps, nothing but training.
-FIXED = ["epochs=1", "evaluate=false", "save_checkpoints=false", "progress=false"]
 # NVLink multicast (NVLS) off: mandatory on the target machines; set in the children unless the caller set them.
 CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-TAIL_LINES = 60
-
-
-class ScalingError(RuntimeError):
-    """A run failed or could not be read; the message says which and why."""
 
 
 @dataclass
@@ -67,64 +60,14 @@ class Measurement:
     seconds: float
 
 
-def merge_overrides(defaults: list[str], extra: list[str]) -> list[str]:
-    """defaults then extra, where an extra override replaces a default of the same key (no duplicates in commands)."""
-    keys = {override_key(o) for o in extra}
-    return [o for o in defaults if override_key(o) not in keys] + list(extra)
-
-
-def _tail(path: Path, lines: int = TAIL_LINES) -> str:
-    text = path.read_text(errors="replace") if path.is_file() else ""
-    return "\n".join(text.splitlines()[-lines:])
-
-
-def run_child(cmd: list[str], env: dict[str, str], log_path: Path, timeout: float) -> None:
-    """Run one train.py invocation with its output in log_path; raises ScalingError (with the log's tail) on failure."""
-    rc = run_logged(cmd, log_path, timeout, env)  # a timeout or Ctrl-C here also ends torchrun's worker processes
-    if rc != 0:
-        why = f"timed out after {timeout:.0f} s (--timeout)" if rc is None else f"exited with status {rc}"
-        raise ScalingError(f"this run {why}:\n  {shlex.join(cmd)}\nlast {TAIL_LINES} lines of its output "
-                           f"({log_path}):\n{_tail(log_path)}")
-
-
-def read_run(log_root: Path, processes: int, log_path: Path) -> tuple[Path, dict]:
-    """The one run under log_root that wrote TensorBoard scalars: (its dir, {tag: last value})."""
-    runs = {d: v for d, v in read_tensorboard(log_root).items() if v[1]}
-    if len(runs) != 1:
-        raise ScalingError(f"{log_root}: expected the event file of one run, found {len(runs)} "
-                           f"({', '.join(map(str, runs)) or 'none'}); its output ({log_path}) ends:\n{_tail(log_path)}")
-    (run_dir, (hparams, scalars)), = runs.items()
-    if "perf/train_img_s" not in scalars or not scalars["perf/train_img_s"] > 0:
-        raise ScalingError(f"{run_dir}: perf/train_img_s is {scalars.get('perf/train_img_s', 'missing')} "
-                           f"(no timed steps? --steps must leave steps after --warmup)")
-    if hparams is not None and int(float(hparams.get("world_size", processes))) != processes:
-        raise ScalingError(f"{run_dir}: logged world_size {hparams.get('world_size')}, expected {processes}")
-    return run_dir, scalars
-
-
 def measure(processes: int, overrides: list[str], log_root: Path, env: dict[str, str], timeout: float,
             single_img_s: float | None = None) -> Measurement:
-    if processes == 1:
-        cmd = [sys.executable, "train.py", *overrides, f"log_root={log_root}"]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
-               "train.py", *overrides, f"log_root={log_root}"]
-        if single_img_s is not None:
-            cmd.append(f"perf.single_gpu_img_s={single_img_s:.2f}")
-    log_root.mkdir(parents=True)
-    log_path = log_root / "output.log"
-    started = time.perf_counter()
-    run_child(cmd, env, log_path, timeout)
-    seconds = time.perf_counter() - started
-    run_dir, s = read_run(log_root, processes, log_path)
-    img_s = s["perf/train_img_s"]
-    shown = shlex.join(["python", *cmd[1:]])  # the interpreter by its usual name; everything else as it ran
-    return Measurement(processes, img_s, s.get("perf/train_img_s_per_gpu", img_s / processes), s.get("perf/step_ms", float("nan")),
-                       s.get("perf/scaling_efficiency"), shown, run_dir, seconds)
-
-
-def _num(v: float) -> str:
-    return f"{v:,.1f}" if abs(v) < 100 else f"{v:,.0f}"
+    extra = [f"perf.single_gpu_img_s={single_img_s:.2f}"] if processes > 1 and single_img_s is not None else []
+    run = run_train(overrides, log_root, env, timeout, processes, extra)
+    s = run.scalars
+    return Measurement(processes, run.img_s, s.get("perf/train_img_s_per_gpu", run.img_s / processes),
+                       s.get("perf/step_ms", float("nan")), s.get("perf/scaling_efficiency"), run.command, run.run_dir,
+                       run.seconds)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -169,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     defaults = GPU_DEFAULT if args.device == "cuda" else CPU_DEFAULT
     overrides = merge_overrides([*defaults, f"device={args.device}", f"data.steps_per_epoch={args.steps + args.warmup}",
-                                 f"perf.warmup_steps={args.warmup}", *FIXED], args.overrides)
+                                 f"perf.warmup_steps={args.warmup}", "epochs=1", *FIXED], args.overrides)
     try:  # a misspelled key or a bad value fails here, in a second, instead of in the first run
         from mobilenet.config import compose
 
@@ -203,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             multis.append(many)
             print(f"round {r}/{args.rounds}: {n} processes {_num(many.img_s):>10} img/s, {_num(many.per_gpu_img_s)} per {unit}, "
                   f"efficiency {many.img_s / (n * one.img_s):.3f} ({many.seconds:.0f} s)", flush=True)
-    except ScalingError as e:
+    except TrainRunError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
