@@ -29,6 +29,7 @@ import shlex
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,9 +59,20 @@ def loader_split(cfg) -> tuple[int, int]:
     return steps, len(classes)
 
 
-def plan(args: argparse.Namespace) -> tuple[list[str], list[str], object]:
-    """(the loader run's overrides, the synthetic run's, the loader run's composed config); SystemExit(2) with the
-    reason where the overrides do not describe a loader run that can be compared."""
+class SetupError(ValueError):
+    """The overrides describe no loader run that can be compared; the message says why."""
+
+
+@dataclass
+class Plan:
+    loader: list[str]  # the loader run's overrides
+    synthetic: list[str]  # the synthetic run's
+    cfg: object  # the loader run's composed config
+    steps: int  # steps per epoch of both
+
+
+def plan(args: argparse.Namespace) -> Plan:
+    """The two runs to compare; SetupError where the overrides do not describe a loader run that can be compared."""
     from mobilenet.config import compose
 
     device = [f"device={args.device}"] + (CPU_DEFAULT if args.device == "cpu" else [])
@@ -73,19 +85,17 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[str], object]:
                              "data.root=DIR)")
         steps, classes = loader_split(cfg)
     except Exception as e:
-        print(f"error: the overrides do not describe a loader run: {type(e).__name__}: {e}\n  {' '.join(base)}",
-              file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SetupError(f"the overrides do not describe a loader run: {type(e).__name__}: {e}\n  {' '.join(base)}") \
+            from None
     if steps <= args.warmup and args.epochs == 1:
-        print(f"error: the loader's epoch has {steps} steps, no more than --warmup {args.warmup}: nothing would be "
-              "timed; lower --warmup or raise --epochs", file=sys.stderr)
-        raise SystemExit(2)
+        raise SetupError(f"the loader's epoch has {steps} steps, no more than --warmup {args.warmup}: nothing would be "
+                         "timed; lower --warmup or raise --epochs")
     loader = [o for o in base if override_key(o) != "data.steps_per_epoch"] + [f"data.steps_per_epoch={steps}"]
     # data=synthetic in place of the loader, with the loader's classes and steps; the loader's own keys dropped.
     synthetic = [o for o in loader if override_key(o) != "data" and not override_key(o).startswith(
         ("data.root", "data.dali.", "data.workers", "data.num_classes", "data.skip_corrupt", "data.check_files"))]
     synthetic = merge_overrides(["data=synthetic"], synthetic) + [f"data.num_classes={classes}"]
-    return loader, synthetic, cfg
+    return Plan(loader, synthetic, cfg, steps)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -122,15 +132,16 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no CUDA GPU visible; --device cpu runs the same comparison on the CPU", file=sys.stderr)
         return 2
     try:
-        loader, synthetic, cfg = plan(args)
-    except SystemExit as e:
-        return int(e.code)
+        runs = plan(args)
+    except SetupError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    cfg, steps = runs.cfg, runs.steps
     work = (args.work_dir or ROOT / "runs" / "check_loader" / time.strftime("%Y%m%d-%H%M%S")).resolve()
     if work.exists():
         print(f"error: {work} already exists; pick another --work-dir", file=sys.stderr)
         return 2
     name = cfg.data.name
-    steps = next(o for o in loader if override_key(o) == "data.steps_per_epoch").split("=", 1)[1]
     print(f"data={name} against data=synthetic: {args.rounds} round(s), {args.epochs} epoch(s) of {steps} steps "
           f"(batch {cfg.data.batch_size}, {cfg.data.resolution}px), {args.warmup} warm-up steps; runs under {work}",
           flush=True)
@@ -140,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for r in range(1, args.rounds + 1):
             # alternate which goes first, so that drift over the rounds falls on both alike
-            order = [("loader", loader), ("synthetic", synthetic)]
+            order = [("loader", runs.loader), ("synthetic", runs.synthetic)]
             for kind, overrides in (order if r % 2 else order[::-1]):
                 run = run_train(overrides, work / f"round{r}-{kind}", env, args.timeout)
                 (fed if kind == "loader" else made).append(run)
