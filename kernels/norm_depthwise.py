@@ -29,15 +29,28 @@ gradient apply it to every word of y they load. Importing this module builds/loa
       BatchNorm + ReLU after the convolution (out_x its input, the convolution's output; out_consts [6, C] from
       bn_relu_bwd_consts): the walk computes each grad_out word from the two as it loads them, the bits
       bn_relu_bwd's input gradient would have stored, and that input gradient is never written.
+  mobilenet_dw::depthwise_bwd_normed_sums(grad_out, y, w, mean, invstd, norm_weight, norm_bias, stride, padding)
+      -> (grad_w, sums)
+      depthwise_bwd_normed with grad_sums (stride 1 or 2, padding 1) without its input gradient: the walks compute
+      it for the sums and store nothing else (at stride 1 the input-row walk, also where the rings would run).
+  mobilenet_dw::depthwise_dgrad_normed(grad_out, w, y, consts, stride, padding) -> grad_y
+      the gradient of y itself in one pass from grad_out: the convolution's input gradient (the tiled kernel's,
+      rounded to y's dtype as depthwise_bwd stores it) with the BatchNorm + ReLU's input-gradient arithmetic applied
+      to each value (consts from bn_relu_bwd_consts_from_sums). Whole vectors of channels (8 16-bit or 4 fp32).
   mobilenet_bn::bn_relu_bwd_from_sums(grad_y, x, weight, bias, mean, invstd, sums) -> (grad_x, grad_weight, grad_bias)
       bn_relu_bwd with those sums instead of its reduce pass over grad_y and x.
   mobilenet_bn::bn_relu_bwd_consts(grad_y, x, weight, bias, mean, invstd) -> (consts, grad_weight, grad_bias)
       bn_relu_bwd without its input-gradient pass: that pass's per-channel constants [6, C] fp32 instead.
+  mobilenet_bn::bn_relu_bwd_consts_from_sums(x, weight, bias, mean, invstd, sums) -> (consts, grad_weight, grad_bias)
+      the same from the sums: the finalize alone.
 
 The backward of the pair: depthwise_bwd_normed (or, for A/B runs, depthwise_bwd's input gradient, which does not read
 the input, and depthwise_wgrad_normed), then bn_relu_bwd, which takes y and recomputes the ReLU's mask from it, or
-bn_relu_bwd_from_sums where the walk gave the sums. Only these NHWC 3x3 walks apply a BatchNorm to their input: other
-cases are refused (normed_unsupported says why), never run another way.
+bn_relu_bwd_from_sums where the walk gave the sums. With grad_in_dgrad (MBN_NORM_INPUT_GRAD=dgrad) the walk gives
+only the sums and the weight gradient, and depthwise_dgrad_normed computes the BatchNorm's input gradient from
+grad_out: the convolution's input gradient is never written or read back, for one more read of grad_out. Only these
+NHWC 3x3 walks apply a BatchNorm to their input: other cases are refused (normed_unsupported and
+dgrad_normed_unsupported say why), never run another way.
 
 batch_norm_relu_depthwise_conv2d_batch_norm_relu adds the BatchNorm + ReLU after the convolution to the pair, so that
 its backward runs bn_relu_bwd_consts (the reduce pass) and the walk applies its input gradient: one pass over three
@@ -55,8 +68,8 @@ from .norm_ops import _check_running_update, _check_supported, _check_unbiased_c
 
 load()
 
-__all__ = ["normed_unsupported", "next_norm_unsupported", "batch_norm_relu_depthwise_conv2d",
-           "batch_norm_relu_depthwise_conv2d_batch_norm_relu"]
+__all__ = ["normed_unsupported", "next_norm_unsupported", "dgrad_normed_unsupported",
+           "batch_norm_relu_depthwise_conv2d", "batch_norm_relu_depthwise_conv2d_batch_norm_relu"]
 
 _stats = torch.ops.mobilenet_bn.bn_stats.default
 _stats_update = torch.ops.mobilenet_bn.bn_stats_update.default
@@ -67,6 +80,9 @@ _dw_bwd = torch.ops.mobilenet_dw.depthwise_bwd.default
 _bwd_normed = torch.ops.mobilenet_dw.depthwise_bwd_normed.default
 _bn_bwd_from_sums = torch.ops.mobilenet_bn.bn_relu_bwd_from_sums.default
 _bn_bwd_consts = torch.ops.mobilenet_bn.bn_relu_bwd_consts.default
+_bwd_normed_sums = torch.ops.mobilenet_dw.depthwise_bwd_normed_sums.default
+_dgrad_normed = torch.ops.mobilenet_dw.depthwise_dgrad_normed.default
+_bn_bwd_consts_from_sums = torch.ops.mobilenet_bn.bn_relu_bwd_consts_from_sums.default
 _bn_fwd = torch.ops.mobilenet_bn.bn_relu_fwd.default
 _bn_fwd_update = torch.ops.mobilenet_bn.bn_relu_fwd_update.default
 
@@ -108,6 +124,25 @@ def _bwd_normed_fake(grad_out, y, w, mean, invstd, norm_weight, norm_bias, strid
             w.new_empty(w.shape), sums)
 
 
+@torch.library.register_fake("mobilenet_dw::depthwise_bwd_normed_sums")
+def _bwd_normed_sums_fake(grad_out, y, w, mean, invstd, norm_weight, norm_bias, stride, padding):
+    n, c, h, width = y.shape
+    rows = torch.ops.mobilenet_dw.bwd_normed_sums_rows(n, c, h, width, stride[0], y.dtype)
+    return w.new_empty(w.shape), y.new_empty((rows, 2, c), dtype=torch.float32)
+
+
+@torch.library.register_fake("mobilenet_dw::depthwise_dgrad_normed")
+def _dgrad_normed_fake(grad_out, w, y, consts, stride, padding):
+    return torch.empty(y.shape, dtype=y.dtype, device=y.device, memory_format=kernel_layout(y))
+
+
+@torch.library.register_fake("mobilenet_bn::bn_relu_bwd_consts_from_sums")
+def _bn_bwd_consts_from_sums_fake(x, weight, bias, mean, invstd, sums):
+    c = x.shape[1]
+    return (x.new_empty((6, c), dtype=torch.float32), x.new_empty(c, dtype=torch.float32),
+            x.new_empty(c, dtype=torch.float32))
+
+
 @torch.library.register_fake("mobilenet_bn::bn_relu_bwd_from_sums")
 def _bn_bwd_from_sums_fake(grad_y, x, weight, bias, mean, invstd, sums):
     return (torch.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=kernel_layout(x)),
@@ -129,6 +164,22 @@ def normed_unsupported(y: Tensor, weight: Tensor, bias: Tensor | None, stride, p
     return stats_unsupported(y, weight, bias, tuple(stride), padding, (1, 1))
 
 
+def dgrad_normed_unsupported(y: Tensor, weight: Tensor, stride, padding) -> str | None:
+    """Why depthwise_dgrad_normed cannot compute the BatchNorm's input gradient for this pair, or None when it can:
+    the walks that give the sums (stride 1 or 2, padding 1) and whole vectors of channels for the tiled kernel.
+    Reads metadata only."""
+    why = normed_unsupported(y, weight, None, stride, padding)
+    if why is not None:
+        return why
+    if tuple(padding) != (1, 1):
+        return f"the BatchNorm's input gradient in the input-gradient kernel needs padding 1, got {tuple(padding)}"
+    vec = 4 if y.dtype == torch.float32 else 8
+    if y.shape[1] % vec:
+        return (f"the BatchNorm's input gradient in the input-gradient kernel needs a multiple of {vec} "
+                f"{str(y.dtype).removeprefix('torch.')} channels, got {y.shape[1]}")
+    return None
+
+
 def _input_stats(y, norm_weight, norm_bias, running_mean, running_var, num_batches_tracked, eps, momentum, sums):
     """(mean, invstd) of the BatchNorm the pair applies to y, updating its running statistics where given; from
     `sums` (y's per-channel sums as the convolution that wrote y returned them) instead of a pass over y."""
@@ -148,20 +199,30 @@ class _BatchNormReluDepthwise(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, norm_weight, norm_bias, conv_weight, running_mean, running_var, num_batches_tracked, eps,
-                momentum, stride, padding, sums, one_walk, walk_sums):
+                momentum, stride, padding, sums, one_walk, walk_sums, grad_in_dgrad):
         mean, invstd = _input_stats(y, norm_weight, norm_bias, running_mean, running_var, num_batches_tracked, eps,
                                     momentum, sums)
         out = _fwd_normed(y, conv_weight, mean, invstd, norm_weight, norm_bias, stride, padding)
         ctx.save_for_backward(y, norm_weight, norm_bias, conv_weight, mean, invstd)
-        ctx.conv_args = (stride, padding, one_walk, walk_sums)
+        ctx.conv_args = (stride, padding, one_walk, walk_sums, grad_in_dgrad)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         y, norm_weight, norm_bias, conv_weight, mean, invstd = ctx.saved_tensors
-        stride, padding, one_walk, walk_sums = ctx.conv_args
+        stride, padding, one_walk, walk_sums, grad_in_dgrad = ctx.conv_args
         needs = ctx.needs_input_grad
         grad_out = grad_out.to(y.dtype)
+        if grad_in_dgrad and any(needs[:3]):
+            # The walk's sums and weight gradient; then y's gradient in one pass from grad_out.
+            grad_conv_weight, bn_sums = _bwd_normed_sums(grad_out, y, conv_weight, mean, invstd, norm_weight,
+                                                         norm_bias, stride, padding)
+            consts, grad_norm_weight, grad_norm_bias = _bn_bwd_consts_from_sums(y, norm_weight, norm_bias, mean,
+                                                                                invstd, bn_sums)
+            grad_y = _dgrad_normed(grad_out, conv_weight, y, consts, stride, padding) if needs[0] else None
+            return (grad_y, grad_norm_weight if needs[1] else None, grad_norm_bias if needs[2] else None,
+                    in_weight_strides(grad_conv_weight, conv_weight) if needs[3] else None,
+                    None, None, None, None, None, None, None, None, None, None, None)
         grad_conv_weight = grad_x = None
         bn_sums = None  # the BatchNorm backward's gradient sums, where the walk gave them
         if any(needs[:3]) and one_walk:
@@ -181,7 +242,7 @@ class _BatchNormReluDepthwise(torch.autograd.Function):
             grad_y, grad_norm_weight, grad_norm_bias = _bn_bwd(grad_x, y, norm_weight, norm_bias, mean, invstd)
         return (grad_y if needs[0] else None, grad_norm_weight if needs[1] else None,
                 grad_norm_bias if needs[2] else None, in_weight_strides(grad_conv_weight, conv_weight) if needs[3] else None,
-                None, None, None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None, None, None)
 
 
 def next_norm_unsupported(y: Tensor, weight: Tensor, bias: Tensor | None, stride, padding) -> str | None:
@@ -220,7 +281,8 @@ def batch_norm_relu_depthwise_conv2d(y: Tensor, norm_weight: Tensor, norm_bias: 
                                      running_mean: Tensor | None = None, running_var: Tensor | None = None,
                                      num_batches_tracked: Tensor | None = None,
                                      momentum: float | None = None, sums: Tensor | None = None,
-                                     one_walk: bool = True, walk_sums: bool = False) -> Tensor:
+                                     one_walk: bool = True, walk_sums: bool = False,
+                                     grad_in_dgrad: bool = False) -> Tensor:
     """F.conv2d(relu(batch_norm(y, training=True)), conv_weight, None, stride, padding, groups=C) for a 3x3 depthwise
     conv_weight (C, 1, 3, 3) on channels_last y, without relu(batch_norm(y)) being stored. With running_mean,
     running_var and num_batches_tracked (and momentum in [0, 1]) the running statistics are updated as
@@ -231,14 +293,22 @@ def batch_norm_relu_depthwise_conv2d(y: Tensor, norm_weight: Tensor, norm_bias: 
     replace the BatchNorm's statistics pass over y. one_walk=False runs the backward's input and weight gradients as
     two kernels (the same input gradient, bit for bit), for A/B runs; walk_sums (with one_walk) has the walk sum the
     BatchNorm backward's gradient sums too (the same gradients to those sums' summation order at stride 1; at stride
-    2 the stride-2 walk, whose input gradient also sums in its own order)."""
-    conv_weight, stride, padding, update = _check_pair("batch_norm_relu_depthwise_conv2d", y, norm_weight, norm_bias,
-                                                       conv_weight, stride, padding, running_mean, running_var,
-                                                       momentum, sums)
+    2 the stride-2 walk, whose input gradient also sums in its own order). grad_in_dgrad (with walk_sums) has the
+    walk give only the sums and the weight gradient, and the gradient of y computed from grad_out in one pass
+    (depthwise_dgrad_normed); cases it does not take raise ValueError (dgrad_normed_unsupported says why)."""
+    name = "batch_norm_relu_depthwise_conv2d"
+    conv_weight, stride, padding, update = _check_pair(name, y, norm_weight, norm_bias, conv_weight, stride, padding,
+                                                       running_mean, running_var, momentum, sums)
+    if grad_in_dgrad:
+        if not (one_walk and walk_sums):
+            raise ValueError(f"{name}: grad_in_dgrad needs the walk's sums (one_walk=True, walk_sums=True)")
+        why = dgrad_normed_unsupported(y, conv_weight, stride, padding)
+        if why is not None:
+            raise ValueError(f"{name}: {why}")
     return _BatchNormReluDepthwise.apply(y, _f32(norm_weight), _f32(norm_bias), conv_weight, running_mean,
                                          running_var, num_batches_tracked, float(eps),
                                          float(momentum) if update else 0.0, stride, padding, sums, bool(one_walk),
-                                         bool(one_walk and walk_sums))
+                                         bool(one_walk and walk_sums), bool(grad_in_dgrad))
 
 
 class _BatchNormReluDepthwiseBatchNormRelu(torch.autograd.Function):

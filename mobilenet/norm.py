@@ -127,12 +127,37 @@ def depthwise_backward_mode() -> str:
     return mode
 
 
+NORM_INPUT_GRAD_MODES = ("pass", "dgrad")
+
+
+@functools.cache
+def norm_input_grad_mode() -> str:
+    """Where the input gradient of the BatchNorm + ReLU before a depthwise conv is computed, in the layers whose
+    backward kernel gives that BatchNorm's gradient sums and does not apply the next BatchNorm (MBN_DEPTHWISE_BACKWARD
+    sums, or next_norm_ring outside the rings), read once per process, for A/B runs: "pass" (the default), the
+    conv's input gradient written by that kernel, then the BatchNorm's own input-gradient pass over it and y;
+    "dgrad", that kernel gives only the sums and the weight gradient, and the input-gradient kernel computes the
+    BatchNorm's input gradient from the output gradient, so the conv's input gradient is never written or read
+    back (kernels/norm_depthwise.py)."""
+    mode = os.environ.get("MBN_NORM_INPUT_GRAD", "pass")
+    if mode not in NORM_INPUT_GRAD_MODES:
+        raise ConfigError(f"MBN_NORM_INPUT_GRAD must be one of {', '.join(NORM_INPUT_GRAD_MODES)}, got {mode!r}; "
+                          "unset it for the default (pass)")
+    if mode == "dgrad" and depthwise_backward_mode() not in ("sums",) + NEXT_NORM_MODES:
+        raise ConfigError(f"MBN_NORM_INPUT_GRAD=dgrad needs the gradient sums of the depthwise backward kernels "
+                          f"(MBN_DEPTHWISE_BACKWARD=sums, next_norm or next_norm_ring), got "
+                          f"MBN_DEPTHWISE_BACKWARD={depthwise_backward_mode()}")
+    return mode
+
+
 def check_ab_environment(cfg) -> None:
-    """The A/B variables norm=custom reads (MBN_RUNNING_UPDATE, MBN_DEPTHWISE_BACKWARD): a ConfigError naming the
-    choices for a value that is none of them, before any work, rather than at the first training step."""
+    """The A/B variables norm=custom reads (MBN_RUNNING_UPDATE, MBN_DEPTHWISE_BACKWARD, MBN_NORM_INPUT_GRAD): a
+    ConfigError naming the choices for a value that is none of them, before any work, rather than at the first
+    training step."""
     if cfg.norm.name == "custom":
         _running_update_mode()
         depthwise_backward_mode()
+        norm_input_grad_mode()
 
 
 def register_norm(impl: NormImpl) -> NormImpl:
@@ -344,11 +369,20 @@ def norm_relu_depthwise(bn: "CustomBatchNormReLU", conv: nn.Module, y: Tensor, s
     if why is not None:
         raise NormUnavailable(f"norm.apply_in_depthwise is on: this depthwise conv cannot apply the BatchNorm before "
                               f"it ({why}); set norm.apply_in_depthwise=false")
+    grad_in_dgrad = norm_input_grad_mode() == "dgrad"
+    if grad_in_dgrad:
+        from kernels.norm_depthwise import dgrad_normed_unsupported
+
+        why = dgrad_normed_unsupported(y, conv.weight, conv.stride, conv.padding)
+        if why is not None:
+            raise NormUnavailable(f"MBN_NORM_INPUT_GRAD=dgrad: this depthwise conv cannot take the BatchNorm's input "
+                                  f"gradient ({why}); unset MBN_NORM_INPUT_GRAD")
     running, momentum = _running_update("norm.apply_in_depthwise", bn)
     return batch_norm_relu_depthwise_conv2d(y, bn.weight, bn.bias, conv.weight, conv.stride, conv.padding, bn.eps,
                                             *running, momentum=momentum, sums=sums,
                                             one_walk=depthwise_backward_mode() != "separate",
-                                            walk_sums=depthwise_backward_mode() in ("sums",) + NEXT_NORM_MODES)
+                                            walk_sums=depthwise_backward_mode() in ("sums",) + NEXT_NORM_MODES,
+                                            grad_in_dgrad=grad_in_dgrad)
 
 
 def next_norm_in(conv: nn.Module, y: Tensor) -> bool:

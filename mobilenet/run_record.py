@@ -17,7 +17,8 @@ from .distributed import DistInfo
 from .machine_load import sampling_wanted
 from .meter import Throughput
 from .model import apply_in_depthwise_state, apply_in_pointwise_state
-from .norm import DEFAULT_DEPTHWISE_BACKWARD, NEXT_NORM_MODES, depthwise_backward_mode, running_update_label
+from .norm import (DEFAULT_DEPTHWISE_BACKWARD, NEXT_NORM_MODES, depthwise_backward_mode, norm_input_grad_mode,
+                   running_update_label)
 from .profiling.trace import UNPROFILED
 
 
@@ -51,6 +52,9 @@ def norm_label(cfg, training: bool = True) -> str:
                 label += f" (backward: MBN_DEPTHWISE_BACKWARD={mode}" + (f": {detail}" if detail else "") + ")"
             elif detail:
                 label += f" (backward: {detail})"
+            if norm_input_grad_mode() == "dgrad":
+                label += (" (MBN_NORM_INPUT_GRAD=dgrad: where the depthwise backward does not apply the next "
+                          "BatchNorm, this BatchNorm's input gradient is computed by the input-gradient kernel)")
         applied, why = pointwise, pointwise_why
         label += (f" (applied by cuDNN's fused pointwise conv after it, in training; {why})" if applied
                   else f" ({why})")

@@ -332,14 +332,19 @@ def test_running_statistics_are_the_separate_ops_bits_and_nn_batchnorms(dtype):
     assert int(states[0][2]) == 4 == int(bn.num_batches_tracked)
 
 
+def _opcheck_inputs():
+    """A small fp16 stride-2 pair's (y, bn_w, bn_b, conv_w, stride, grad_out, (mean, invstd, bn_w, bn_b))."""
+    y, bn_w, bn_b, conv_w, stride = _inputs((4, 16, 9, 9, 2), torch.float16, seed=6)
+    mean, invstd, _ = torch.ops.mobilenet_bn.bn_stats.default(y, bn_w, bn_b, 1e-5)
+    grad = torch.randn(4, 16, 5, 5, device="cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
+    return y, bn_w, bn_b, conv_w, stride, grad, (mean, invstd, bn_w, bn_b)
+
+
 @gpu
 def test_ops_opcheck_and_clear_errors():
     from kernels.norm_depthwise import batch_norm_relu_depthwise_conv2d
 
-    y, bn_w, bn_b, conv_w, stride = _inputs((4, 16, 9, 9, 2), torch.float16, seed=6)
-    mean, invstd, _ = torch.ops.mobilenet_bn.bn_stats.default(y, bn_w, bn_b, 1e-5)
-    grad = torch.randn(4, 16, 5, 5, device="cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
-    norm = (mean, invstd, bn_w, bn_b)
+    y, bn_w, bn_b, conv_w, stride, grad, norm = _opcheck_inputs()
     torch.library.opcheck(torch.ops.mobilenet_dw.depthwise_fwd_normed.default, (y, conv_w, *norm, [2, 2], [1, 1]))
     torch.library.opcheck(torch.ops.mobilenet_dw.depthwise_wgrad_normed.default,
                           (grad, y, conv_w, *norm, [2, 2], [1, 1]))

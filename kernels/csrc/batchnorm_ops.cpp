@@ -247,6 +247,35 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_relu_bwd_consts(const at::Tens
   return {consts, grad_weight, grad_bias};
 }
 
+// bn_relu_bwd_consts with its gradient sums given as partials [chunks, 2, C] fp32 (mobilenet_dw's
+// depthwise_bwd_normed_sums): (consts [6, C] fp32, grad_weight, grad_bias) from the finalize alone, for
+// mobilenet_dw::depthwise_dgrad_normed, which applies that input gradient to the gradient it computes. x: the
+// BatchNorm's input (its shape and dtype set the count and the plan).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_relu_bwd_consts_from_sums(
+    const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& bias, const at::Tensor& mean,
+    const at::Tensor& invstd, const at::Tensor& sums) {
+  TORCH_CHECK(sums.dim() == 3 && sums.size(0) >= 1 && sums.size(0) < (1 << 30) && sums.size(1) == 2 &&
+                  x_in.dim() == 4 && sums.size(2) == x_in.size(1) && sums.scalar_type() == at::kFloat &&
+                  sums.device() == x_in.device(),
+              "batch_norm_relu backward: sums must be a float32 (chunks, 2, C) tensor on the input's device, got ",
+              sums.scalar_type(), " ", sums.sizes());
+  const BackwardInputs in(x_in, x_in, weight, bias, mean, invstd);
+  const BnShape& s = in.s;
+  const auto stat = in.x.options().dtype(at::kFloat);
+  at::Tensor consts = at::empty({6, s.C}, stat);
+  at::Tensor grad_weight = at::empty({s.C}, stat), grad_bias = at::empty({s.C}, stat);
+  const BnPlan p = make_plan(s, in.dt, address(in.x), num_sms(), BnPass::kBackward);
+  at::Tensor workspace = at::empty({static_cast<int64_t>(workspace_floats(s, p))}, stat);
+  const at::Tensor part = sums.contiguous();
+  launch_backward_consts_from_sums(s, p, in.dt, in.x.const_data_ptr(), in.w.const_data_ptr<float>(),
+                                   in.b.const_data_ptr<float>(), in.m.const_data_ptr<float>(),
+                                   in.is.const_data_ptr<float>(), part.const_data_ptr<float>(),
+                                   static_cast<int>(part.size(0)), consts.mutable_data_ptr<float>(),
+                                   grad_weight.mutable_data_ptr<float>(), grad_bias.mutable_data_ptr<float>(),
+                                   workspace.mutable_data_ptr<float>(), c10::cuda::getCurrentCUDAStream());
+  return {consts, grad_weight, grad_bias};
+}
+
 // running_mean, running_var and the batch's mean and var: contiguous fp32 (C,) vectors on one device.
 void check_running_stats(const at::Tensor& running_mean, const at::Tensor& running_var,
                          const at::Tensor& num_batches_tracked, const at::Tensor& mean, const at::Tensor& var,
@@ -502,6 +531,11 @@ TORCH_LIBRARY(mobilenet_bn, m) {
   m.def(
       "bn_relu_bwd_consts(Tensor grad_y, Tensor x, Tensor weight, Tensor bias, Tensor mean, Tensor invstd) "
       "-> (Tensor, Tensor, Tensor)");
+  // bn_relu_bwd_consts with the sums given (mobilenet_dw::depthwise_bwd_normed_sums'), for
+  // mobilenet_dw::depthwise_dgrad_normed.
+  m.def(
+      "bn_relu_bwd_consts_from_sums(Tensor x, Tensor weight, Tensor bias, Tensor mean, Tensor invstd, Tensor sums) "
+      "-> (Tensor, Tensor, Tensor)");
   m.def("bn_local_stats(Tensor x) -> (Tensor, Tensor)");
   m.def("bn_relu_normalize(Tensor x, Tensor weight, Tensor bias, Tensor mean, Tensor invstd) -> Tensor");
   m.def("bn_relu_grad_sums(Tensor grad_y, Tensor x, Tensor weight, Tensor bias, Tensor mean, Tensor invstd) -> Tensor");
@@ -545,6 +579,7 @@ TORCH_LIBRARY_IMPL(mobilenet_bn, CUDA, m) {
   m.impl("bn_relu_bwd", &mbn::bn_relu_bwd);
   m.impl("bn_relu_bwd_consts", &mbn::bn_relu_bwd_consts);
   m.impl("bn_relu_bwd_from_sums", &mbn::bn_relu_bwd_from_sums);
+  m.impl("bn_relu_bwd_consts_from_sums", &mbn::bn_relu_bwd_consts_from_sums);
   m.impl("bn_update_running_stats", &mbn::bn_update_running_stats);
   m.impl("bn_local_stats", &mbn::bn_local_stats);
   m.impl("bn_relu_normalize", &mbn::bn_relu_normalize);

@@ -732,6 +732,15 @@ void launch_backward_consts(const BnShape& s, const BnPlan& p, DType dt, const v
                            grad_weight, grad_bias, workspace, static_cast<const float*>(nullptr), 0, consts, stream);
 }
 
+void launch_backward_consts_from_sums(const BnShape& s, const BnPlan& p, DType dt, const void* x,
+                                      const float* weight, const float* bias, const float* mean, const float* invstd,
+                                      const float* sums, int chunks, float* consts, float* grad_weight,
+                                      float* grad_bias, float* workspace, cudaStream_t stream) {
+  // With both the sums and consts given, backward_typed runs only its finalize (grad_y is not read).
+  dispatch<BackwardLaunch>(dt, p.vec, s, p, x, x, weight, bias, mean, invstd, static_cast<void*>(nullptr),
+                           grad_weight, grad_bias, workspace, sums, chunks, consts, stream);
+}
+
 void launch_backward_from_sums(const BnShape& s, const BnPlan& p, DType dt, const void* grad_y, const void* x,
                                const float* weight, const float* bias, const float* mean, const float* invstd,
                                const float* sums, int chunks, void* grad_x, float* grad_weight, float* grad_bias,

@@ -97,6 +97,13 @@ void launch_backward_consts(const BnShape& s, const BnPlan& p, DType dt, const v
                             float* consts, float* grad_weight, float* grad_bias, float* workspace,
                             cudaStream_t stream);
 
+// launch_backward_consts with the gradient sums given (launch_backward_from_sums' sums): the finalize alone, whose
+// consts the depthwise input-gradient kernel applies to the gradient it computes (mdw::launch_dgrad_normed).
+void launch_backward_consts_from_sums(const BnShape& s, const BnPlan& p, DType dt, const void* x,
+                                      const float* weight, const float* bias, const float* mean, const float* invstd,
+                                      const float* sums, int chunks, float* consts, float* grad_weight,
+                                      float* grad_bias, float* workspace, cudaStream_t stream);
+
 // nn.BatchNorm2d's running-statistics update from this batch's mean and biased variance over `count` values per
 // channel: num_batches_tracked += 1, then running = (1 - f) * running + f * batch (var made unbiased), where
 // f = momentum, or 1 / num_batches_tracked when momentum < 0 (nn.BatchNorm2d's momentum=None).

@@ -59,6 +59,15 @@ struct OutputGradNorm {
   int C = 0;
 };
 
+// The BatchNorm + ReLU before a depthwise convolution, whose input gradient the tiled NHWC input-gradient kernel
+// applies to each grad_input value it computes (launch_dgrad_normed): y, that BatchNorm's input (the shape and
+// layout of grad_input), and consts, its backward's per-channel constants from its gradient sums, laid out as
+// OutputGradNorm's (mobilenet_bn::bn_relu_bwd_consts_from_sums).
+struct InputGradNorm {
+  const void* y = nullptr;
+  const float* consts = nullptr;
+};
+
 // The activations the forward epilogue can apply; values match the op schema's `activation` argument.
 enum Act : int { kActNone = 0, kActReLU = 1, kActReLU6 = 2 };
 
@@ -115,6 +124,14 @@ void launch_bwd_walk(const DepthwiseShape& s, DType dt, const void* grad_out, co
 // grad_input from grad_out (gather over the taps that touch each input pixel).
 void launch_dgrad(const DepthwiseShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,
                   cudaStream_t stream);
+
+// The gradient of y, the input of the BatchNorm + ReLU before the convolution (bn), from grad_out in one pass: the
+// tiled NHWC kernel's input gradient with that BatchNorm's input-gradient arithmetic applied to each value
+// (InputGradNorm). dgrad_normed_fits: NHWC 3x3, stride 1 or 2, padding 1, dilation 1, no depth multiplier, 16/32-bit,
+// channels in whole vectors of the tiled kernel with aligned pointers; it never runs another way.
+bool dgrad_normed_fits(const DepthwiseShape& s, DType dt, const void* grad_out, const void* y, const void* grad_y);
+void launch_dgrad_normed(const DepthwiseShape& s, DType dt, const void* grad_out, const void* w,
+                         const InputGradNorm& bn, void* grad_y, cudaStream_t stream);
 
 // Weight/bias gradients are reduced in two fixed-order stages through a workspace of partial sums
 // (fp32, or fp64 for double inputs); this says how many elements of that type the workspace needs.

@@ -363,7 +363,8 @@ void launch_bwd_normed(const DepthwiseShape& g, DType dt, const void* go, const 
   ConvShape s;
   if (!narrow_shape(g, &s)) return;
   if (bwd_normed_one_walk(g) || (sums != nullptr && bwd_normed_s2_walk(g))) {
-    int chunks = bwd_normed_ring_wanted(g, s, dt, sums != nullptr)
+    // gx null (the sums and the weight gradient only): the walks, which skip their stores; the rings always store.
+    int chunks = gx != nullptr && bwd_normed_ring_wanted(g, s, dt, sums != nullptr)
                      ? backward_nhwc_ring_normed(s, dt, go, y, w, norm, gx, ws, sums, out_norm, stream)
                      : 0;
     if (chunks == 0) chunks = backward_input_row_normed(s, dt, go, y, w, norm, gx, ws, sums, out_norm, stream);
@@ -446,6 +447,19 @@ void launch_dgrad(const DepthwiseShape& g, DType dt, const void* go, const void*
     return input_grad_nchw_column_k57(s, dt, go, w, gx, stream);
   if (input_grad_nchw_vec3x3(s, dt, go, w, gx, stream)) return;
   input_grad_tiled(s, dt, go, w, gx, stream);
+}
+
+bool dgrad_normed_fits(const DepthwiseShape& g, DType dt, const void* go, const void* y, const void* gy) {
+  ConvShape s;
+  return narrow_shape(g, &s) && s.channels_last && s.KH == 3 && s.KW == 3 && s.PH == 1 && s.PW == 1 &&
+         tiled_fits(s, dt, go, gy, nhwc_vec(dt)) && aligned(y, static_cast<size_t>(nhwc_vec(dt)) * elem_size(dt));
+}
+
+void launch_dgrad_normed(const DepthwiseShape& g, DType dt, const void* go, const void* w, const InputGradNorm& bn,
+                         void* gy, cudaStream_t stream) {
+  ConvShape s;
+  if (!narrow_shape(g, &s)) return;
+  input_grad_tiled_normed(s, dt, go, w, bn, gy, stream);
 }
 
 // Weight gradient (depthwise_weight_grad.cu): outside narrow_shape's domain the generic technique (which runs its

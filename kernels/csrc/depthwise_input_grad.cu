@@ -22,10 +22,14 @@ namespace {
 // of grad_out[oh, ow] * w[kh, kw]. A lane owns TW consecutive input columns, aligned in padded
 // coordinates (vw = iw + P) to a multiple of the stride, so which taps hit which grad_out column is
 // known at compile time for stride 2 too (output parity); the row parity is checked at run time.
-template <class TT, int K, int S, int TW, int V>
+// BN: the input is relu(batch_norm(y)) and the lane writes the gradient of y instead (bn.y, bn.consts: the BatchNorm
+// backward's per-channel constants from its sums): each grad_input value rounded to the element type, as
+// depthwise_bwd stores it, then batchnorm_relu.cu's input-gradient arithmetic with y's value at the same place. That
+// pass then does not run, and grad_input is never written or read back.
+template <class TT, int K, int S, int TW, int V, bool BN = false>
 __global__ void __launch_bounds__(256, V == 8 ? 2 : 3)
     dgrad_nhwc_kernel(const typename TT::S* __restrict__ go, const typename TT::S* __restrict__ w,
-                      typename TT::S* __restrict__ gx, ConvShape s, Tiling t) {
+                      typename TT::S* __restrict__ gx, ConvShape s, Tiling t, InputGradNorm bn = {}) {
   using Sx = typename TT::S;
   constexpr int A = (K - 1) / S;  // grad_out columns left of vw0/S that reach this strip
   constexpr int L = A + (TW - 1) / S + 1;
@@ -61,11 +65,35 @@ __global__ void __launch_bounds__(256, V == 8 ? 2 : 3)
       load_row_packs(go + ((static_cast<size_t>(n) * s.OH + oh) * s.OW) * s.C + c0, owb, s.OW, s.C, raw);
       accumulate_nhwc_row<TT, K>(raw, wl, kh, cw, acc, [](int i, int j) { return j - (i - A) * S; });
     }
-    Sx* xp = gx + (static_cast<size_t>(n) * s.H + ih) * s.W * s.C + c0;
+    const size_t row = (static_cast<size_t>(n) * s.H + ih) * s.W * s.C + c0;
+    Sx* xp = gx + row;
+    if constexpr (BN) {
+      // The constants once per image: reloading them here (L1) keeps them out of the accumulation's registers.
+      float k[6][V];
 #pragma unroll
-    for (int j = 0; j < TW; ++j) {
-      const int iw = vw0 + j - s.PW;
-      if (iw >= 0 && iw < s.W) store_vec<TT, V>(xp + static_cast<size_t>(iw) * s.C, acc[j]);
+      for (int j = 0; j < 6; ++j)
+#pragma unroll
+        for (int v = 0; v < V; ++v) k[j][v] = __ldg(bn.consts + static_cast<size_t>(j) * s.C + c0 + v);
+      const Sx* yp = static_cast<const Sx*>(bn.y) + row;
+#pragma unroll
+      for (int j = 0; j < TW; ++j) {
+        const int iw = vw0 + j - s.PW;
+        if (iw < 0 || iw >= s.W) continue;
+        float yv[V], out[V];
+        load_vec<TT, V>(yp + static_cast<size_t>(iw) * s.C, yv);
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+          const float g = TT::to_acc(TT::from_acc(acc[j][v]));  // grad_input as depthwise_bwd would store it
+          out[v] = bn_relu_input_grad<TT>(g, yv[v], k[0][v], k[1][v], k[2][v], k[3][v], k[4][v], k[5][v]);
+        }
+        store_vec<TT, V>(xp + static_cast<size_t>(iw) * s.C, out);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < TW; ++j) {
+        const int iw = vw0 + j - s.PW;
+        if (iw >= 0 && iw < s.W) store_vec<TT, V>(xp + static_cast<size_t>(iw) * s.C, acc[j]);
+      }
     }
   }
 }
@@ -112,9 +140,9 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-template <class TT, int K, int S, int TW, int V>
+template <class TT, int K, int S, int TW, int V, bool BN = false>
 void launch_dgrad_nhwc(const ConvShape& s, const void* go, const void* w, void* gx, int strip0, int strips,
-                       cudaStream_t stream) {
+                       cudaStream_t stream, const InputGradNorm& bn = {}) {
   using Sx = typename TT::S;
   Tiling t = make_tiling(true, s.H, strip0, strips, s.C / V, nhwc_lanes_c(V, sizeof(Sx)));
   const int blocks_per_image = t.groups * t.tiles_h * t.tiles_w;
@@ -124,8 +152,8 @@ void launch_dgrad_nhwc(const ConvShape& s, const void* go, const void* w, void* 
   t.blocks_per_group = t.tiles_h * t.tiles_w * ceil_div(s.N, t.images);
   const dim3 grid(blocks_per_image * ceil_div(s.N, t.images));
   const size_t smem = sizeof(float) * K * K * t.lanes_c * V;
-  dgrad_nhwc_kernel<TT, K, S, TW, V><<<grid, t.block, smem, stream>>>(
-      static_cast<const Sx*>(go), static_cast<const Sx*>(w), static_cast<Sx*>(gx), s, t);
+  dgrad_nhwc_kernel<TT, K, S, TW, V, BN><<<grid, t.block, smem, stream>>>(
+      static_cast<const Sx*>(go), static_cast<const Sx*>(w), static_cast<Sx*>(gx), s, t, bn);
 }
 
 template <class TT, int K, int S>
@@ -153,6 +181,24 @@ void dgrad_fast(const ConvShape& s, const void* go, const void* w, void* gx, cud
   if (k == 3) (str == 1 ? run_dgrad<TT, 3, 1> : run_dgrad<TT, 3, 2>)(s, go, w, gx, st);
   else if (k == 5) (str == 1 ? run_dgrad<TT, 5, 1> : run_dgrad<TT, 5, 2>)(s, go, w, gx, st);
   else (str == 1 ? run_dgrad<TT, 7, 1> : run_dgrad<TT, 7, 2>)(s, go, w, gx, st);
+}
+
+// The tiled NHWC kernel with the BatchNorm's input gradient as its epilogue (BN above); 3x3 at stride 1 or 2.
+template <class TT, int S>
+void run_dgrad_normed(const ConvShape& s, const void* go, const void* w, const InputGradNorm& bn, void* gy,
+                      cudaStream_t stream) {
+  constexpr int K = 3;
+  constexpr int TW = StripWidth<K, S>::value;
+  const int strip0 = s.PW / TW;
+  const int strips = (s.PW + s.W - 1) / TW - strip0 + 1;
+  launch_dgrad_nhwc<TT, K, S, TW, NhwcVec<typename TT::S>::value, true>(s, go, w, gy, strip0, strips, stream, bn);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <class TT>
+void dgrad_normed_t(const ConvShape& s, const void* go, const void* w, const InputGradNorm& bn, void* gy,
+                    cudaStream_t stream) {
+  (s.SH == 1 ? run_dgrad_normed<TT, 1> : run_dgrad_normed<TT, 2>)(s, go, w, bn, gy, stream);
 }
 
 // ---- generic ----
@@ -208,6 +254,16 @@ void input_grad_tiled(const ConvShape& s, DType dt, const void* go, const void* 
     case DType::F16: return dgrad_fast<F16T>(s, go, w, gx, stream);
     case DType::BF16: return dgrad_fast<BF16T>(s, go, w, gx, stream);
     default: return;  // the dispatch's tiled test excludes fp64
+  }
+}
+
+void input_grad_tiled_normed(const ConvShape& s, DType dt, const void* go, const void* w, const InputGradNorm& bn,
+                             void* gy, cudaStream_t stream) {
+  switch (dt) {
+    case DType::F32: return dgrad_normed_t<F32T>(s, go, w, bn, gy, stream);
+    case DType::F16: return dgrad_normed_t<F16T>(s, go, w, bn, gy, stream);
+    case DType::BF16: return dgrad_normed_t<BF16T>(s, go, w, bn, gy, stream);
+    default: return;  // dgrad_normed_fits excludes fp64
   }
 }
 

@@ -85,6 +85,10 @@ bool input_grad_nchw_vec3x3(const ConvShape& s, DType dt, const void* grad_out, 
 // 3/5/7 square, stride 1 or 2, dilation 1, 16/32-bit, either layout: register tiles of a few columns per lane.
 void input_grad_tiled(const ConvShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,
                       cudaStream_t stream);
+// The tiled NHWC 3x3 kernel at stride 1 or 2 with the BatchNorm's input gradient as its epilogue
+// (launch_dgrad_normed, depthwise.h).
+void input_grad_tiled_normed(const ConvShape& s, DType dt, const void* grad_out, const void* w,
+                             const InputGradNorm& bn, void* grad_y, cudaStream_t stream);
 // Any shape, dtype and layout the op accepts: one input element per thread, summing over its M filters.
 void input_grad_generic(const DepthwiseShape& s, DType dt, const void* grad_out, const void* w, void* grad_input,
                         cudaStream_t stream);

@@ -155,11 +155,12 @@ void check_like_output(const char* op, const char* name, const at::Tensor& t, co
               " tensor on ", y.device(), ", got ", t.scalar_type(), " ", t.sizes());
 }
 
-// The per-channel constants of the BatchNorm after the convolution: a float32 (6, C) tensor on y's device.
-void check_out_consts(const char* op, const at::Tensor& t, int64_t C, const at::Tensor& y) {
+// The per-channel constants of a BatchNorm's backward (mobilenet_bn::bn_relu_bwd_consts): a float32 (6, C) tensor on
+// y's device.
+void check_bn_consts(const char* op, const char* name, const at::Tensor& t, int64_t C, const at::Tensor& y) {
   const bool ok = t.scalar_type() == at::kFloat && t.dim() == 2 && t.size(0) == 6 && t.size(1) == C &&
                   t.device() == y.device();
-  TORCH_CHECK(ok, op, ": out_consts must be a float32 (6, ", C, ") tensor on ", y.device(), ", got ", t.scalar_type(),
+  TORCH_CHECK(ok, op, ": ", name, " must be a float32 (6, ", C, ") tensor on ", y.device(), ", got ", t.scalar_type(),
               " ", t.sizes(), " on ", t.device());
 }
 
@@ -245,7 +246,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_bwd_normed(
     TORCH_CHECK(grad_sums && bwd_normed_sums_chunks(s, to_dtype(y.scalar_type())) > 0, op,
                 ": out_x (the BatchNorm after the convolution) is applied by the walks that give the sums: grad_sums "
                 "and a 3x3 convolution of stride 1 or 2 with padding 1");
-    check_out_consts(op, *out_consts, s.C, y);
+    check_bn_consts(op, "out_consts", *out_consts, s.C, y);
     ox = in_layout(*out_x, fmt);
     oc = out_consts->contiguous();
     out_norm.x = ox.const_data_ptr();
@@ -268,6 +269,70 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_bwd_normed(
                     chunks > 0 ? sums.mutable_data_ptr<float>() : nullptr, ox.defined() ? &out_norm : nullptr,
                     c10::cuda::getCurrentCUDAStream().stream());
   return {grad_input, grad_weight, sums};
+}
+
+// depthwise_bwd_normed with grad_sums, without its input gradient: (grad_weight, sums) from the walks, which then
+// store nothing else (at stride 1 the input-row walk runs even where the rings would). The BatchNorm's input gradient
+// is then depthwise_dgrad_normed's, from grad_out, once the sums are final.
+std::tuple<at::Tensor, at::Tensor> depthwise_bwd_normed_sums(const at::Tensor& grad_out, const at::Tensor& y_in,
+                                                             const at::Tensor& w_in, const at::Tensor& mean,
+                                                             const at::Tensor& invstd, const at::Tensor& norm_weight,
+                                                             const at::Tensor& norm_bias, at::IntArrayRef stride,
+                                                             at::IntArrayRef padding) {
+  const char* op = "depthwise_bwd_normed_sums";
+  const c10::MemoryFormat fmt = layout_of(y_in);
+  const int64_t dilation[2] = {1, 1};
+  const DepthwiseShape s = check_and_shape(y_in, w_in, stride, padding, dilation, fmt);
+  check_like_output(op, "grad_out", grad_out, s, y_in);
+  c10::cuda::CUDAGuard guard(y_in.device());
+  const at::Tensor y = in_layout(y_in, fmt);
+  const at::Tensor go = in_layout(grad_out, fmt);
+  const at::Tensor w = w_in.contiguous();
+  const InputNorm norm = input_norm_of(op, y, mean, invstd, norm_weight, norm_bias);
+  const DType dt = to_dtype(y.scalar_type());
+  TORCH_CHECK(go.numel() > 0 && normed_fits(s, dt, go.const_data_ptr(), y.const_data_ptr()), op, ": ", kNormedCases);
+  const int chunks = bwd_normed_sums_chunks(s, dt);
+  TORCH_CHECK(chunks > 0, op, ": the sums come from the walks of 3x3 convolutions of stride 1 or 2 with padding 1");
+  at::Tensor grad_weight = at::empty(w.sizes(), w.options());
+  const at::Tensor workspace =
+      at::empty({static_cast<int64_t>(bwd_normed_workspace_elems(s, dt, true))}, y.options().dtype(at::kFloat));
+  at::Tensor sums = at::empty({chunks, 2, s.C}, y.options().dtype(at::kFloat));
+  launch_bwd_normed(s, dt, go.const_data_ptr(), y.const_data_ptr(), w.const_data_ptr(), norm, nullptr,
+                    workspace.mutable_data_ptr(), grad_weight.mutable_data_ptr(), sums.mutable_data_ptr<float>(),
+                    nullptr, c10::cuda::getCurrentCUDAStream().stream());
+  return {grad_weight, sums};
+}
+
+// The gradient of y, the input of the BatchNorm + ReLU before the convolution, from grad_out in one pass: the
+// convolution's input gradient (rounded to y's dtype, as depthwise_bwd stores it) with that BatchNorm's input-gradient
+// arithmetic applied to each value, consts its backward's per-channel constants [6, C] fp32
+// (mobilenet_bn::bn_relu_bwd_consts_from_sums). NHWC 3x3, stride 1 or 2, padding 1, whole vectors of channels (8
+// 16-bit or 4 fp32).
+at::Tensor depthwise_dgrad_normed(const at::Tensor& grad_out, const at::Tensor& w_in, const at::Tensor& y_in,
+                                  const at::Tensor& consts, at::IntArrayRef stride, at::IntArrayRef padding) {
+  const char* op = "depthwise_dgrad_normed";
+  const c10::MemoryFormat fmt = layout_of(y_in);
+  const int64_t dilation[2] = {1, 1};
+  const DepthwiseShape s = check_and_shape(y_in, w_in, stride, padding, dilation, fmt);
+  check_like_output(op, "grad_out", grad_out, s, y_in);
+  check_bn_consts(op, "consts", consts, s.C, y_in);
+  c10::cuda::CUDAGuard guard(y_in.device());
+  const at::Tensor y = in_layout(y_in, fmt);
+  const at::Tensor go = in_layout(grad_out, fmt);
+  const at::Tensor w = w_in.contiguous();
+  const at::Tensor k = consts.contiguous();
+  const DType dt = to_dtype(y.scalar_type());
+  at::Tensor grad_y = at::empty(y.sizes(), y.options().memory_format(fmt));
+  TORCH_CHECK(go.numel() > 0 && dgrad_normed_fits(s, dt, go.const_data_ptr(), y.const_data_ptr(),
+                                                  grad_y.const_data_ptr()),
+              op, ": only channels_last 3x3 depthwise convolutions (one filter per channel) with stride 1 or 2, "
+              "padding 1 and whole vectors of channels (a multiple of 8 16-bit or 4 float32 channels) are supported");
+  InputGradNorm bn;
+  bn.y = y.const_data_ptr();
+  bn.consts = k.const_data_ptr<float>();
+  launch_dgrad_normed(s, dt, go.const_data_ptr(), w.const_data_ptr(), bn, grad_y.mutable_data_ptr(),
+                      c10::cuda::getCurrentCUDAStream().stream());
+  return grad_y;
 }
 
 // The NHWC 3x3 padding-1 convolution of an (n, c, h, w) input at this stride, as the normalizing backward's queries
@@ -375,6 +440,15 @@ TORCH_LIBRARY(mobilenet_dw, m) {
       "depthwise_bwd_normed(Tensor grad_out, Tensor y, Tensor w, Tensor mean, Tensor invstd, Tensor norm_weight, "
       "Tensor norm_bias, int[2] stride, int[2] padding, bool grad_sums=False, Tensor? out_x=None, "
       "Tensor? out_consts=None) -> (Tensor, Tensor, Tensor)");
+  // The BatchNorm's input gradient from grad_out, once its sums are final (MBN_NORM_INPUT_GRAD=dgrad): the walks'
+  // weight gradient and sums without the convolution's input gradient, then that input gradient recomputed by the
+  // tiled kernel with the BatchNorm's input-gradient arithmetic applied to each value.
+  m.def(
+      "depthwise_bwd_normed_sums(Tensor grad_out, Tensor y, Tensor w, Tensor mean, Tensor invstd, "
+      "Tensor norm_weight, Tensor norm_bias, int[2] stride, int[2] padding) -> (Tensor, Tensor)");
+  m.def(
+      "depthwise_dgrad_normed(Tensor grad_out, Tensor w, Tensor y, Tensor consts, int[2] stride, int[2] padding) "
+      "-> Tensor");
   m.def("bwd_normed_sums_rows(int n, int c, int h, int w, int stride, ScalarType dtype) -> int",
         &mdw::bwd_normed_sums_rows);
   m.def("bwd_normed_ring_runs(int n, int c, int h, int w, ScalarType dtype) -> bool", &mdw::bwd_normed_ring_runs_for);
@@ -389,4 +463,6 @@ TORCH_LIBRARY_IMPL(mobilenet_dw, CUDA, m) {
   m.impl("depthwise_fwd_normed", &mdw::depthwise_fwd_normed);
   m.impl("depthwise_wgrad_normed", &mdw::depthwise_wgrad_normed);
   m.impl("depthwise_bwd_normed", &mdw::depthwise_bwd_normed);
+  m.impl("depthwise_bwd_normed_sums", &mdw::depthwise_bwd_normed_sums);
+  m.impl("depthwise_dgrad_normed", &mdw::depthwise_dgrad_normed);
 }

@@ -527,6 +527,7 @@ __global__ void __launch_bounds__(256, kInputRowMinBlocks<DGRAD, V>)
   const WgradNhwcBlock& blk = lr.blk;
   const int words = lr.words, cw = lr.cw, rows = s.N * s.H;
   const bool active = lr.active;
+  const bool store_gx = gx != nullptr;  // null: the sums and the weight gradient only (the gradient is recomputed)
   float acc[KK + 1][V];
   fill(acc, 0.f);
   float bn_sums[2][V];  // SUMS: sum(g), sum(g * (y - mean))
@@ -625,7 +626,7 @@ __global__ void __launch_bounds__(256, kInputRowMinBlocks<DGRAD, V>)
             const int iw = t0 + u;
             const bool in_row = inside || iw < s.W;
             const uint32_t stored = narrow_word<TT, V>(d);
-            if (in_row) asm volatile("st.global.b32 [%0], %1;" ::"l"(gxp + iw * words), "r"(stored));
+            if (in_row && store_gx) asm volatile("st.global.b32 [%0], %1;" ::"l"(gxp + iw * words), "r"(stored));
             if constexpr (SUMS) add_grad_sums<TT, V>(stored, xraw[u], xv, in_row, norm.mean, bn_sums);
           }
           if constexpr (!NORM) {  // the bias gradient: grad_out(ih, iw), zero past the row's end
@@ -739,7 +740,7 @@ __device__ __forceinline__ void walk_row_s2(const uint32_t* xp, const uint32_t* 
           continue;
         }
         const uint32_t stored = narrow_word<TT, V>(d[i]);
-        gxp[iw * words] = stored;
+        if (gxp != nullptr) gxp[iw * words] = stored;
         widen_word<TT, V>(norm(yraw[u][i]), xv[i]);
         if constexpr (NORM) add_grad_sums<TT, V>(stored, yraw[u][i], xv[i], true, norm.mean, bn_sums);
       }
@@ -802,7 +803,8 @@ __global__ void __launch_bounds__(256, kInputRowS2MinBlocks<V>)
       const size_t g_base = static_cast<size_t>(n) * s.OH * s.OW * words + cw;
       const uint32_t* gn = go + g_base;
       const uint32_t* zn = GNORM ? static_cast<const uint32_t*>(out_norm.x) + g_base : nullptr;
-      uint32_t* gxp = gx + static_cast<size_t>(r) * s.W * words + cw;
+      // gx null: the sums and the weight gradient only (the input gradient is recomputed with the BatchNorm's).
+      uint32_t* gxp = gx != nullptr ? gx + static_cast<size_t>(r) * s.W * words + cw : nullptr;
       const int kh0 = (ih + 1) & 1;
       int g_off[2];  // the first word of output row (ih + 1 - kh) / 2 for kh = kh0, kh0 + 2; -1 outside
 #pragma unroll
