@@ -105,6 +105,7 @@ def _running_update_mode() -> str:
 
 DEPTHWISE_BACKWARD_MODES = ("sums", "next_norm", "next_norm_ring", "walk", "separate")
 NEXT_NORM_MODES = ("next_norm", "next_norm_ring")
+SUMS_MODES = ("sums",) + NEXT_NORM_MODES  # the modes whose backward kernels give the BatchNorm's gradient sums
 DEFAULT_DEPTHWISE_BACKWARD = "next_norm_ring"
 
 
@@ -143,7 +144,7 @@ def norm_input_grad_mode() -> str:
     if mode not in NORM_INPUT_GRAD_MODES:
         raise ConfigError(f"MBN_NORM_INPUT_GRAD must be one of {', '.join(NORM_INPUT_GRAD_MODES)}, got {mode!r}; "
                           "unset it for the default (pass)")
-    if mode == "dgrad" and depthwise_backward_mode() not in ("sums",) + NEXT_NORM_MODES:
+    if mode == "dgrad" and depthwise_backward_mode() not in SUMS_MODES:
         raise ConfigError(f"MBN_NORM_INPUT_GRAD=dgrad needs the gradient sums of the depthwise backward kernels "
                           f"(MBN_DEPTHWISE_BACKWARD=sums, next_norm or next_norm_ring), got "
                           f"MBN_DEPTHWISE_BACKWARD={depthwise_backward_mode()}")
@@ -381,7 +382,7 @@ def norm_relu_depthwise(bn: "CustomBatchNormReLU", conv: nn.Module, y: Tensor, s
     return batch_norm_relu_depthwise_conv2d(y, bn.weight, bn.bias, conv.weight, conv.stride, conv.padding, bn.eps,
                                             *running, momentum=momentum, sums=sums,
                                             one_walk=depthwise_backward_mode() != "separate",
-                                            walk_sums=depthwise_backward_mode() in ("sums",) + NEXT_NORM_MODES,
+                                            walk_sums=depthwise_backward_mode() in SUMS_MODES,
                                             grad_in_dgrad=grad_in_dgrad)
 
 

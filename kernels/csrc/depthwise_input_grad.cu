@@ -156,16 +156,18 @@ void launch_dgrad_nhwc(const ConvShape& s, const void* go, const void* w, void* 
       static_cast<const Sx*>(go), static_cast<const Sx*>(w), static_cast<Sx*>(gx), s, t, bn);
 }
 
-template <class TT, int K, int S>
-void run_dgrad(const ConvShape& s, const void* go, const void* w, void* gx, cudaStream_t stream) {
+// BN: the NHWC kernel with the BatchNorm's input gradient as its epilogue (its caller runs it on NHWC only).
+template <class TT, int K, int S, bool BN = false>
+void run_dgrad(const ConvShape& s, const void* go, const void* w, void* gx, cudaStream_t stream,
+               const InputGradNorm& bn) {
   using Sx = typename TT::S;
   constexpr int TW = StripWidth<K, S>::value;
   static_assert(TW % S == 0, "strips must start on a stride multiple");
   // Strips tile the padded columns [PW, PW + W).
   const int strip0 = s.PW / TW;
   const int strips = (s.PW + s.W - 1) / TW - strip0 + 1;
-  if (s.channels_last) {
-    launch_dgrad_nhwc<TT, K, S, TW, NhwcVec<Sx>::value>(s, go, w, gx, strip0, strips, stream);
+  if (BN || s.channels_last) {
+    launch_dgrad_nhwc<TT, K, S, TW, NhwcVec<Sx>::value, BN>(s, go, w, gx, strip0, strips, stream, bn);
   } else {
     const Tiling t = make_tiling(false, s.H, strip0, strips, s.N * s.C);
     const dim3 grid(t.groups * t.tiles_h * t.tiles_w);
@@ -178,27 +180,17 @@ void run_dgrad(const ConvShape& s, const void* go, const void* w, void* gx, cuda
 template <class TT>
 void dgrad_fast(const ConvShape& s, const void* go, const void* w, void* gx, cudaStream_t st) {
   const int k = s.KH, str = s.SH;
-  if (k == 3) (str == 1 ? run_dgrad<TT, 3, 1> : run_dgrad<TT, 3, 2>)(s, go, w, gx, st);
-  else if (k == 5) (str == 1 ? run_dgrad<TT, 5, 1> : run_dgrad<TT, 5, 2>)(s, go, w, gx, st);
-  else (str == 1 ? run_dgrad<TT, 7, 1> : run_dgrad<TT, 7, 2>)(s, go, w, gx, st);
+  const InputGradNorm plain{};
+  if (k == 3) (str == 1 ? run_dgrad<TT, 3, 1> : run_dgrad<TT, 3, 2>)(s, go, w, gx, st, plain);
+  else if (k == 5) (str == 1 ? run_dgrad<TT, 5, 1> : run_dgrad<TT, 5, 2>)(s, go, w, gx, st, plain);
+  else (str == 1 ? run_dgrad<TT, 7, 1> : run_dgrad<TT, 7, 2>)(s, go, w, gx, st, plain);
 }
 
-// The tiled NHWC kernel with the BatchNorm's input gradient as its epilogue (BN above); 3x3 at stride 1 or 2.
-template <class TT, int S>
-void run_dgrad_normed(const ConvShape& s, const void* go, const void* w, const InputGradNorm& bn, void* gy,
-                      cudaStream_t stream) {
-  constexpr int K = 3;
-  constexpr int TW = StripWidth<K, S>::value;
-  const int strip0 = s.PW / TW;
-  const int strips = (s.PW + s.W - 1) / TW - strip0 + 1;
-  launch_dgrad_nhwc<TT, K, S, TW, NhwcVec<typename TT::S>::value, true>(s, go, w, gy, strip0, strips, stream, bn);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
+// The tiled NHWC 3x3 kernel with the BatchNorm's input gradient as its epilogue, at stride 1 or 2.
 template <class TT>
 void dgrad_normed_t(const ConvShape& s, const void* go, const void* w, const InputGradNorm& bn, void* gy,
                     cudaStream_t stream) {
-  (s.SH == 1 ? run_dgrad_normed<TT, 1> : run_dgrad_normed<TT, 2>)(s, go, w, bn, gy, stream);
+  (s.SH == 1 ? run_dgrad<TT, 3, 1, true> : run_dgrad<TT, 3, 2, true>)(s, go, w, gy, stream, bn);
 }
 
 // ---- generic ----
