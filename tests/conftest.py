@@ -17,6 +17,28 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _cudnn_flags_restored():
+    """Trainer() and infer.py's setup turn cudnn.benchmark on for the whole process: restored after every test, so a
+    test that builds one does not leave autotuned cuDNN algorithms, some of them not deterministic (fp32 weight
+    gradients with atomics), to the bitwise comparisons of the tests after it."""
+    flags = torch.backends.cudnn
+    saved = flags.benchmark, flags.deterministic
+    yield
+    flags.benchmark, flags.deterministic = saved
+
+
+@pytest.fixture
+def deterministic_cudnn():
+    """Deterministic cuDNN algorithms and no autotuning for a test that compares steps with cuDNN's convolutions in
+    them bit for bit (a Trainer built inside the test turns benchmark on again: set it back after)."""
+    flags = torch.backends.cudnn
+    saved = flags.benchmark, flags.deterministic
+    flags.benchmark, flags.deterministic = False, True
+    yield
+    flags.benchmark, flags.deterministic = saved
+
+
 @pytest.fixture
 def set_knobs(monkeypatch):
     """set_knobs(NAME=value, ...): the custom kernels' launch knob MDW_<NAME> for every dtype (per-dtype overrides

@@ -167,7 +167,7 @@ def test_an_input_the_copies_cannot_take_runs_the_walk(next_norm, set_knobs):
 
 @gpu
 @pytest.mark.parametrize("dtype", _DTYPES, ids=lambda d: str(d).split(".")[-1])
-def test_model_steps_with_the_ring(dtype, set_knobs, backward_mode):
+def test_model_steps_with_the_ring(dtype, set_knobs, backward_mode, deterministic_cudnn):
     """Two MobileNetV1 training steps (width 0.25, norm.apply_in_depthwise on) with the rings and with the walks: the
     sums grouped otherwise, so the gradients agree to the sums' order, and the loss and buffers bit for bit; next_norm
     with the rings bit for bit the sums' with the rings."""
@@ -223,7 +223,7 @@ def _applies_next_norm_in_a_walk(name: str) -> bool:
 
 @gpu
 @pytest.mark.parametrize("backward", ["sums", "next_norm", "next_norm_ring"])
-def test_captured_step_with_the_ring_equals_eager(backward, set_knobs, backward_mode):
+def test_captured_step_with_the_ring_equals_eager(backward, set_knobs, backward_mode, deterministic_cudnn):
     set_knobs(BWD_RING=1, BWD_RING_NORM=1)
     backward_mode(backward)
     _assert_captured_step_equals_eager(_model_pair({"apply_norm_in_depthwise": True}, {})[1])

@@ -142,15 +142,6 @@ GPU_RUN = ["device=cuda", "progress=false", "data=synthetic", "data.steps_per_ep
            "perf.warmup_steps=2", "perf.log_every=1", "optim.warmup_epochs=0.5"]
 
 
-@pytest.fixture
-def deterministic_cudnn():
-    """Deterministic cuDNN algorithms, no autotuning, restored afterwards."""
-    b = torch.backends.cudnn
-    saved = b.benchmark, b.deterministic
-    yield
-    b.benchmark, b.deterministic = saved
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend, amp, norm", [("cudnn", "amp=true", "torch"), ("custom", "amp=true", "torch"),
                                                 ("custom", "amp=false", "torch"), ("cudnn", "amp=false", "torch"),

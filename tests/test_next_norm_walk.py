@@ -145,7 +145,7 @@ def _sums_and_next_norm_models(dtype):
 
 @gpu
 @pytest.mark.parametrize("dtype", _DTYPES, ids=lambda d: str(d).split(".")[-1])
-def test_model_step_is_bitwise_the_sums_step(dtype, backward_mode):
+def test_model_step_is_bitwise_the_sums_step(dtype, backward_mode, deterministic_cudnn):
     """Two training steps (the second from the running statistics the first updated) with MBN_DEPTHWISE_BACKWARD=sums
     and =next_norm: the loss, every gradient and every buffer bit for bit."""
     a_model, b_model = _sums_and_next_norm_models(dtype)
@@ -160,6 +160,6 @@ def test_model_step_is_bitwise_the_sums_step(dtype, backward_mode):
 
 
 @gpu
-def test_captured_next_norm_step_equals_eager(backward_mode):
+def test_captured_next_norm_step_equals_eager(backward_mode, deterministic_cudnn):
     backward_mode("next_norm")
     _assert_captured_step_equals_eager(_sums_and_next_norm_models(torch.float16)[1])

@@ -407,7 +407,7 @@ def _batch():
 @gpu
 @pytest.mark.parametrize("backward", ["walk", "sums", "next_norm", "separate"])  # MBN_DEPTHWISE_BACKWARD
 @pytest.mark.parametrize("dtype", _DTYPES, ids=lambda d: str(d).split(".")[-1])
-def test_model_step_is_bitwise_the_same_with_the_switch_on(dtype, backward, monkeypatch):
+def test_model_step_is_bitwise_the_same_with_the_switch_on(dtype, backward, monkeypatch, deterministic_cudnn):
     from mobilenet.norm import depthwise_backward_mode
 
     monkeypatch.setenv("MBN_DEPTHWISE_BACKWARD", backward)
@@ -459,7 +459,7 @@ def _assert_captured_step_equals_eager(model) -> None:
 
 
 @gpu
-def test_captured_model_step_equals_eager():
+def test_captured_model_step_equals_eager(deterministic_cudnn):
     _assert_captured_step_equals_eager(_models(torch.float16)[1])
 
 

@@ -170,7 +170,7 @@ def test_ops_opcheck_and_clear_errors():
 @gpu
 @pytest.mark.parametrize("backward", ["sums", "next_norm_ring"])  # MBN_DEPTHWISE_BACKWARD
 @pytest.mark.parametrize("dtype", _DTYPES, ids=lambda d: str(d).split(".")[-1])
-def test_model_step_with_it_on_matches_the_default(env, dtype, backward):
+def test_model_step_with_it_on_matches_the_default(env, dtype, backward, deterministic_cudnn):
     from test_norm_in_depthwise import _SUMS_ORDER_TOL, _WGRAD_ORDER_TOL, _batch, _models, _rel, _step
 
     env("MBN_DEPTHWISE_BACKWARD", backward)
@@ -195,7 +195,7 @@ def test_model_step_with_it_on_matches_the_default(env, dtype, backward):
 
 
 @gpu
-def test_captured_model_step_equals_eager(env):
+def test_captured_model_step_equals_eager(env, deterministic_cudnn):
     from test_norm_in_depthwise import _assert_captured_step_equals_eager, _models
 
     env("MBN_NORM_INPUT_GRAD", "dgrad")
