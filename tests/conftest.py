@@ -19,24 +19,21 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _cudnn_flags_restored():
-    """Trainer() and infer.py's setup turn cudnn.benchmark on for the whole process: restored after every test, so a
-    test that builds one does not leave autotuned cuDNN algorithms, some of them not deterministic (fp32 weight
-    gradients with atomics), to the bitwise comparisons of the tests after it."""
+    """Trainer() and infer.py's setup turn cudnn.benchmark on for the whole process, and some tests set cuDNN's flags
+    themselves: restored after every test, so that no test leaves autotuned cuDNN algorithms, some of them not
+    deterministic (fp32 weight gradients with atomics), or another TF32 setting to the tests after it."""
     flags = torch.backends.cudnn
-    saved = flags.benchmark, flags.deterministic
+    saved = flags.benchmark, flags.deterministic, flags.allow_tf32
     yield
-    flags.benchmark, flags.deterministic = saved
+    flags.benchmark, flags.deterministic, flags.allow_tf32 = saved
 
 
 @pytest.fixture
 def deterministic_cudnn():
     """Deterministic cuDNN algorithms and no autotuning for a test that compares steps with cuDNN's convolutions in
-    them bit for bit (a Trainer built inside the test turns benchmark on again: set it back after)."""
-    flags = torch.backends.cudnn
-    saved = flags.benchmark, flags.deterministic
-    flags.benchmark, flags.deterministic = False, True
-    yield
-    flags.benchmark, flags.deterministic = saved
+    them bit for bit (a Trainer built inside the test turns benchmark on again: set it back after). Restored by
+    _cudnn_flags_restored, which as an autouse fixture is set up before and torn down after this one."""
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = False, True
 
 
 @pytest.fixture

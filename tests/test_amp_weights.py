@@ -185,18 +185,14 @@ gpu = pytest.mark.gpu
 @gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_gpu_steps_equal_autocasts_bitwise(dtype):
+def test_gpu_steps_equal_autocasts_bitwise(dtype, deterministic_cudnn):
     plain, fused = _model(True, "cuda"), _model(True, "cuda")
     wrapper = WeightCastForward(fused, dtype)
     g = torch.Generator(device="cuda").manual_seed(2)
     x = torch.randn(8, 3, 64, 64, device="cuda", generator=g).contiguous(memory_format=torch.channels_last)
     labels = torch.randint(0, 7, (8,), device="cuda", generator=g)
-    torch.backends.cudnn.deterministic = True
-    try:
-        want = _steps(plain, plain, x, labels, dtype)
-        got = _steps(wrapper, fused, x, labels, dtype)
-    finally:
-        torch.backends.cudnn.deterministic = False
+    want = _steps(plain, plain, x, labels, dtype)
+    got = _steps(wrapper, fused, x, labels, dtype)
     for name in want[1]:
         assert torch.equal(want[1][name], got[1][name]), name
         assert torch.equal(want[2][name], got[2][name]), name
