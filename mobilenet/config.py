@@ -56,6 +56,11 @@ class StreamPriority(str, Enum):
     high = "high"
 
 
+class StemWeightGrad(str, Enum):
+    cudnn = "cudnn"
+    custom = "custom"  # kernels/csrc/stem_weight_grad.cu
+
+
 class DaliDecode(str, Enum):
     mixed = "mixed"
     cpu = "cpu"
@@ -100,6 +105,11 @@ class ModelConfig:
     name: str = "mobilenet_v1"
     width_mult: float = 1.0
     dropout: float = 0.0
+    # Who computes the stem convolution's weight gradient in training (3 -> 32 channels, 3x3, stride 2): cudnn, or
+    # custom, this project's kernel (kernels/stem_ops.py), which needs a CUDA GPU, channels_last=true and output
+    # channels in whole 16-byte vectors (every width_mult of the paper). The forward is cuDNN's either way. Not yet
+    # measured against cuDNN on a GPU, so not the default; the summary's "stem weight gradient" row says which ran.
+    stem_weight_grad: StemWeightGrad = StemWeightGrad.cudnn
 
 
 @dataclass

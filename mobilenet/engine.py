@@ -27,7 +27,7 @@ from .depthwise import get_backend
 from .errors import ConfigError, checking_user_input
 from .evaluation import evaluate
 from .meter import StepMeter, Throughput
-from .model import apply_in_depthwise_state, apply_in_pointwise_state, build_model
+from .model import apply_in_depthwise_state, apply_in_pointwise_state, build_model, stem_weight_grad_needs
 from .norm import check_ab_environment, convert_sync_batchnorm, custom_pair_needs, get_norm, sync_bn_state
 from .optim import build_optimizer, build_scheduler, scheduled_lrs
 from .reporting import TensorBoardLog, environment, print_summary
@@ -75,6 +75,7 @@ def validate(cfg, device: torch.device) -> None:
     machine_load.sampling_wanted(cfg)  # a perf.sample_load that is not a choice
     _check_stats_from_depthwise(cfg)
     _check_apply_in_depthwise(cfg)
+    _check_stem_weight_grad(cfg, device)
     if cfg.amp and enum_value(cfg.amp_dtype) == "fp16" and device.type != "cuda":
         raise ConfigError("amp=true with amp_dtype=fp16 needs a CUDA GPU (CPU autocast runs bf16 only); "
                           "use amp_dtype=bf16 on a CPU, or run on a GPU")
@@ -90,6 +91,16 @@ def _check_stats_from_depthwise(cfg) -> None:
     _refuse_unless("norm.stats_from_depthwise", [
         *custom_pair_needs(cfg), (bool(cfg.channels_last), "channels_last=true (the statistics walk is NHWC)"),
         (not cfg.sync_bn, "sync_bn=false (the depthwise kernel's statistics are this rank's only)")])
+
+
+def _check_stem_weight_grad(cfg, device: torch.device) -> None:
+    """model.stem_weight_grad=custom runs only where its kernel takes the stem as this run feeds it."""
+    if enum_value(cfg.model.stem_weight_grad) != "custom":
+        return
+    missing = [what for ok, what in stem_weight_grad_needs(cfg, device) if not ok]
+    if missing:
+        raise ConfigError(f"model.stem_weight_grad=custom needs {', '.join(missing)}; or set "
+                          "model.stem_weight_grad=cudnn")
 
 
 def _refuse_unless(switch: str, needs: list[tuple[bool, str]]) -> None:
@@ -142,7 +153,8 @@ def build_for_run(cfg, device: torch.device, num_classes: int, model: nn.Module 
             model = build_model(cfg.model.name, num_classes, cfg.model.width_mult, cfg.backend.name, cfg.model.dropout,
                                 norm=cfg.norm.name, stats_from_depthwise=cfg.norm.stats_from_depthwise,
                                 apply_norm_in_depthwise=apply_in_depthwise_state(cfg)[0],
-                                apply_norm_in_pointwise=apply_in_pointwise_state(cfg)[0])
+                                apply_norm_in_pointwise=apply_in_pointwise_state(cfg)[0],
+                                stem_weight_grad=enum_value(cfg.model.stem_weight_grad))
     model = model.to(device)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)

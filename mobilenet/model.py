@@ -148,12 +148,46 @@ def apply_in_pointwise_state(cfg) -> tuple[bool, str]:
     return _switch_state("norm.apply_in_pointwise", mode, needs)
 
 
+STEM_WEIGHT_GRADS = ("cudnn", "custom")
+
+
+def stem_weight_grad_needs(cfg, device: torch.device) -> list[tuple[bool, str]]:
+    """(holds, what it needs) of model.stem_weight_grad=custom for this run: the kernel's conditions
+    (kernels/stem_args.py) as the config decides them, checked before any work."""
+    channels = _scaled(STEM_CHANNELS, cfg.model.width_mult)
+    per_vector = 8 if cfg.amp else 4  # 16 bytes of the output gradient's channels
+    return [(device.type == "cuda", f"a CUDA GPU (this run's device is {device.type})"),
+            (bool(cfg.channels_last), "channels_last=true (the kernel reads the images NHWC)"),
+            (channels % per_vector == 0,
+             f"stem output channels in whole 16-byte vectors, a multiple of {per_vector} "
+             f"{'under amp' if cfg.amp else 'in fp32'} (model.width_mult={cfg.model.width_mult} gives {channels})")]
+
+
+class StemConv2d(nn.Conv2d):
+    """The stem's convolution (bias-free), whose weight gradient in training comes from `weight_grad`: cudnn (plain
+    nn.Conv2d), or custom, this project's kernel (kernels/stem_ops.py; the forward is cuDNN's either way). The same
+    parameters, so the same state_dict. Eval, and a weight without gradient, run nn.Conv2d's forward."""
+
+    def __init__(self, in_ch: int, out_ch: int, kernel_size: int, stride: int, weight_grad: str = "cudnn"):
+        if weight_grad not in STEM_WEIGHT_GRADS:
+            raise ValueError(f"unknown stem weight gradient {weight_grad!r}; choose one of: {', '.join(STEM_WEIGHT_GRADS)}")
+        super().__init__(in_ch, out_ch, kernel_size, stride, padding=kernel_size // 2, bias=False)
+        self.weight_grad = weight_grad
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_grad == "custom" and self.training and self.weight.requires_grad and torch.is_grad_enabled():
+            from kernels.stem_ops import stem_conv2d  # builds/loads the extension: only where it is asked for
+
+            return stem_conv2d(x, self.weight, self.stride, self.padding)
+        return super().forward(x)
+
+
 class ConvBNReLU(nn.Sequential):
-    def __init__(self, in_ch: int, out_ch: int, kernel_size: int, stride: int, norm: str = "torch"):
-        super().__init__(
-            nn.Conv2d(in_ch, out_ch, kernel_size, stride, padding=kernel_size // 2, bias=False),
-            get_norm(norm).norm_relu(out_ch),
-        )
+    def __init__(self, in_ch: int, out_ch: int, kernel_size: int, stride: int, norm: str = "torch",
+                 stem_weight_grad: str | None = None):
+        conv = (nn.Conv2d(in_ch, out_ch, kernel_size, stride, padding=kernel_size // 2, bias=False)
+                if stem_weight_grad is None else StemConv2d(in_ch, out_ch, kernel_size, stride, stem_weight_grad))
+        super().__init__(conv, get_norm(norm).norm_relu(out_ch))
 
 
 class DepthwiseSeparable(nn.Sequential):
@@ -220,7 +254,7 @@ class MobileNetV1(nn.Module):
 
     def __init__(self, num_classes: int = 1000, width_mult: float = 1.0, depthwise: str = "torch", dropout: float = 0.0,
                  norm: str = "torch", stats_from_depthwise: bool = False, apply_norm_in_depthwise: bool = False,
-                 apply_norm_in_pointwise: bool = False):
+                 apply_norm_in_pointwise: bool = False, stem_weight_grad: str = "cudnn"):
         super().__init__()
         for name, on in (("apply_norm_in_depthwise", apply_norm_in_depthwise),
                          ("apply_norm_in_pointwise", apply_norm_in_pointwise)):
@@ -233,7 +267,13 @@ class MobileNetV1(nn.Module):
             raise ValueError(f"num_classes must be >= 1, got {num_classes}")
         self.depthwise_backend = depthwise
         self.norm = get_norm(norm).name
-        layers: list[nn.Module] = [ConvBNReLU(3, _scaled(STEM_CHANNELS, width_mult), 3, 2, norm)]
+        if stem_weight_grad not in STEM_WEIGHT_GRADS:
+            raise ValueError(f"unknown model.stem_weight_grad {stem_weight_grad!r}; choose one of: "
+                             f"{', '.join(STEM_WEIGHT_GRADS)}")
+        # cudnn keeps the plain nn.Conv2d: the default model is exactly what it was.
+        stem = ConvBNReLU(3, _scaled(STEM_CHANNELS, width_mult), 3, 2, norm,
+                          None if stem_weight_grad == "cudnn" else stem_weight_grad)
+        layers: list[nn.Module] = [stem]
         in_ch = _scaled(STEM_CHANNELS, width_mult)
         for out, stride in BLOCKS:
             out_ch = _scaled(out, width_mult)
@@ -309,12 +349,13 @@ class MobileNetV1(nn.Module):
 
 def build_model(name: str, num_classes: int, width_mult: float, depthwise: str, dropout: float = 0.0,
                 norm: str = "torch", stats_from_depthwise: bool = False,
-                apply_norm_in_depthwise: bool = False, apply_norm_in_pointwise: bool = False) -> nn.Module:
+                apply_norm_in_depthwise: bool = False, apply_norm_in_pointwise: bool = False,
+                stem_weight_grad: str = "cudnn") -> nn.Module:
     if name != "mobilenet_v1":
         raise ValueError(f"unknown model {name!r}; choose one of: mobilenet_v1")
     return MobileNetV1(num_classes=num_classes, width_mult=width_mult, depthwise=depthwise, dropout=dropout, norm=norm,
                        stats_from_depthwise=stats_from_depthwise, apply_norm_in_depthwise=apply_norm_in_depthwise,
-                       apply_norm_in_pointwise=apply_norm_in_pointwise)
+                       apply_norm_in_pointwise=apply_norm_in_pointwise, stem_weight_grad=stem_weight_grad)
 
 
 def count_parameters(model: nn.Module) -> int:

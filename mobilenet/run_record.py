@@ -61,6 +61,12 @@ def norm_label(cfg, training: bool = True) -> str:
     return label
 
 
+def stem_weight_grad_label(cfg) -> str:
+    """The summary's "stem weight gradient" row: who computed it in training."""
+    name = enum_value(getattr(cfg.model, "stem_weight_grad", "cudnn"))
+    return "custom (kernels/csrc/stem_weight_grad.cu)" if name == "custom" else name
+
+
 def layout_label(cfg) -> str:
     return "channels_last" if cfg.channels_last else "NCHW"
 
@@ -80,6 +86,8 @@ def config_rows(cfg, device: torch.device, env: dict, backend: str | None = None
         "device": env.get("gpu") if device.type == "cuda" else "cpu",
         "torch / CUDA / cuDNN": f"{env['torch']} / {env['cuda']} / {env['cudnn']}",
         "source tree": env.get("tree", "unknown"),
+        # training only: inference computes no weight gradient
+        **({"stem weight gradient": stem_weight_grad_label(cfg)} if training else {}),
         # a prebuilt library (MOBILENET_KERNELS_PREBUILT) is named, so a run never hides which binary it ran
         **({"custom kernels": origin} if (origin := kernels.loaded_from()) else {}),
     }

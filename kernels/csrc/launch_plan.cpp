@@ -26,6 +26,11 @@ int num_sms() {
   return device_attribute(cudaDevAttrMultiProcessorCount, cached);
 }
 
+int max_smem_per_block_optin() {
+  static std::atomic<int> cached[64] = {};
+  return device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, cached);
+}
+
 int compute_capability_major() {
   static std::atomic<int> cached[64] = {};
   return device_attribute(cudaDevAttrComputeCapabilityMajor, cached);

@@ -88,6 +88,7 @@ inline Tiling make_tiling(bool channels_last, int rows, int strip0, int strips, 
 }
 
 int num_sms();  // of the current device, cached
+int max_smem_per_block_optin();  // bytes of shared memory a block may opt in to on the current device, cached
 int compute_capability_major();  // of the current device, cached
 
 // The work per grid unit, 1..max_work, whose grid takes least time in whole waves of `resident` units: ceil(units(work)

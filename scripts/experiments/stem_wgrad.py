@@ -10,8 +10,11 @@ for 3 NHWC channels. Variants:
     nhwc3_pad4  3 channels delivered, padded to 4 inside the step (what a loader that cannot pad would cost)
     gemm        nhwc3's forward; the weight gradient as one matrix product of the output gradient with the input's
                 patches (zero-padded, unfolded and copied: 27 values per output pixel) instead of cuDNN's kernel
+    custom      nhwc3's forward; the weight gradient from this project's kernel (model.stem_weight_grad=custom,
+                kernels/stem_ops.py)
 
     python scripts/experiments/stem_wgrad.py [--batch 256] [--dtype fp16] [--rounds 7] [--iters 20]
+                                             [--variants nhwc3,custom]
 
 CUDA events around --iters steps of each variant, the variants alternating for --rounds rounds after a warm-up;
 cudnn.benchmark on, as in train.py. Prints the median time per step of each variant.
@@ -60,6 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="fp16")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--variants", default="nhwc3,nchw3,nhwc4,nhwc8,nhwc3_pad4,gemm,custom",
+                   help="comma-separated variants to time (default: all)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("stem_wgrad.py times CUDA kernels and needs a CUDA device")
@@ -74,7 +79,15 @@ def main(argv: list[str] | None = None) -> None:
         "nhwc8": F.pad(x3, (0, 0, 0, 0, 0, 5)).contiguous(memory_format=CL),
         "nhwc3_pad4": x3.contiguous(memory_format=CL),
         "gemm": x3.contiguous(memory_format=CL),
+        "custom": x3.contiguous(memory_format=CL),
     }
+    wanted = args.variants.split(",")
+    unknown = sorted(set(wanted) - set(inputs))
+    if unknown:
+        raise SystemExit(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(inputs)}")
+    inputs = {name: inputs[name] for name in wanted}
+    if "custom" in inputs:
+        from kernels.stem_ops import stem_conv2d
     w = torch.randn(32, 3, 3, 3, device=dev, dtype=dt).contiguous(memory_format=CL).requires_grad_()
     dy = torch.randn(n, 32, s // 2, s // 2, device=dev, dtype=dt).contiguous(memory_format=CL)
 
@@ -83,7 +96,12 @@ def main(argv: list[str] | None = None) -> None:
         if name == "nhwc3_pad4":
             x = F.pad(x, (0, 0, 0, 0, 0, 1)).contiguous(memory_format=CL)
         weight = w if x.shape[1] == 3 else F.pad(w, (0, 0, 0, 0, 0, x.shape[1] - 3))
-        y = _GemmWeightGradConv.apply(x, weight) if name == "gemm" else F.conv2d(x, weight, stride=2, padding=1)
+        if name == "gemm":
+            y = _GemmWeightGradConv.apply(x, weight)
+        elif name == "custom":
+            y = stem_conv2d(x, weight, (2, 2), (1, 1))
+        else:
+            y = F.conv2d(x, weight, stride=2, padding=1)
         if name == "nchw3":
             y = y.contiguous(memory_format=CL)
         y.backward(dy)
