@@ -62,20 +62,53 @@ __device__ __forceinline__ Tile tile_at(int t, const StemShape& s, const TileGeo
   return tl;
 }
 
-template <int STRIDE>
-struct InputPos {
-  int c, r, j;  // input channel, tile row, column from -pad
+// Position (c, r, j) of flat input-tile element f = c * in_rows * cols + r * cols + j (input channel, tile row,
+// column from -pad), and how f advances by a block's thread count without a division per element: the tile's
+// geometry is the same for every tile, and the loads' index arithmetic would otherwise cost as much as the FMAs.
+struct InputCursor {
+  int c, r, j;     // element f's position
+  int dc, dr, dj;  // the step's, with dj < cols and dr < in_rows: one carry each
+  __device__ __forceinline__ InputCursor(int f, int step, const TileGeom& g) {
+    split(f, g, c, r, j);
+    split(step, g, dc, dr, dj);
+  }
+  static __device__ __forceinline__ void split(int f, const TileGeom& g, int& c, int& r, int& j) {
+    const int rows_total = f / g.cols;
+    j = f - rows_total * g.cols;
+    c = rows_total / g.in_rows;
+    r = rows_total - c * g.in_rows;
+  }
+  __device__ __forceinline__ void advance(const TileGeom& g) {
+    j += dj;
+    if (j >= g.cols) {
+      j -= g.cols;
+      ++r;
+    }
+    r += dr;
+    if (r >= g.in_rows) {
+      r -= g.in_rows;
+      ++c;
+    }
+    c += dc;
+  }
 };
-template <int STRIDE>
-__device__ __forceinline__ InputPos<STRIDE> input_pos(int f, const TileGeom& g) {
-  InputPos<STRIDE> q;
-  const int per_channel = g.in_rows * g.cols;
-  q.c = f / per_channel;
-  const int rem = f - q.c * per_channel;
-  q.r = rem / g.cols;
-  q.j = rem - q.r * g.cols;
-  return q;
-}
+
+// Pixel p and channel offset k of the grad_out tile's element e = p * kb + k (kb: the block's channels), advanced
+// the same way.
+struct DyCursor {
+  int p, k, dp, dk;
+  __device__ __forceinline__ DyCursor(int e, int step, int kb) : p(e / kb), k(e - (e / kb) * kb),
+                                                                dp(step / kb), dk(step - (step / kb) * kb) {}
+  __device__ __forceinline__ void advance(int kb) {
+    k += dk;
+    if (k >= kb) {
+      k -= kb;
+      ++p;
+    }
+    p += dp;
+  }
+};
+
 // Shared-memory float index of input (c, r, j): parity planes of the columns at stride 2.
 template <int STRIDE>
 __device__ __forceinline__ int x_index(int c, int r, int j, const TileGeom& g) {
@@ -85,7 +118,7 @@ __device__ __forceinline__ int x_index(int c, int r, int j, const TileGeom& g) {
 // The input element under tile position q, zero outside the image (the convolution's padding).
 template <class TT, int STRIDE>
 __device__ __forceinline__ typename TT::S load_input(const typename TT::S* x, const StemShape& s, const Tile& tl,
-                                                     const InputPos<STRIDE>& q) {
+                                                     const InputCursor& q) {
   const int ih = tl.oh0 * STRIDE - s.pad + q.r, iw = q.j - s.pad;
   if (ih < 0 || ih >= s.H || iw < 0 || iw >= s.W) return typename TT::S(0);
   return x[((static_cast<size_t>(tl.n) * s.H + ih) * s.W + iw) * s.C + q.c];
@@ -132,54 +165,44 @@ __global__ void __launch_bounds__(32 * kMaxChannelGroups * C, 1)
 
   uint4 rdy[kDyVecSlots];
   S rx[kXSlots];
-  // grad_out vector v of tile tl: pixel v * VE / kb of the tile, channels k0 + (v * VE) % kb onwards.
+  // grad_out vector v of tile tl holds element e = v * VE of the tile's [pixels][kb] slice: pixel e / kb, channels
+  // k0 + e % kb onwards. Thread tid's vectors are v = tid, tid + nthreads, ...
   auto dy_vecs = [&](const Tile& tl) { return tl.valid_rows * s.Wo * kb / VE; };
-  auto dy_src = [&](const Tile& tl, int v) {
-    const int e = v * VE, p = e / kb;
-    const size_t pixel = (static_cast<size_t>(tl.n) * s.Ho + tl.oh0) * s.Wo + p;
-    return reinterpret_cast<const uint4*>(grad_out + pixel * s.K + k0 + (e - p * kb));
+  auto dy_src = [&](const Tile& tl, const DyCursor& d) {
+    const size_t pixel = (static_cast<size_t>(tl.n) * s.Ho + tl.oh0) * s.Wo + d.p;
+    return reinterpret_cast<const uint4*>(grad_out + pixel * s.K + k0 + d.k);
   };
-  auto dy_dst = [&](int v) {
-    const int e = v * VE, p = e / kb;
-    return sdy + p * g.dy_stride + (e - p * kb);
-  };
+  auto dy_dst = [&](const DyCursor& d) { return sdy + d.p * g.dy_stride + d.k; };
   auto load_regs = [&](const Tile& tl) {
     const int nv = dy_vecs(tl);
+    DyCursor d(tid * VE, nthreads * VE, kb);
 #pragma unroll
-    for (int q = 0; q < kDyVecSlots; ++q) {
-      const int v = tid + q * nthreads;
-      if (v < nv) rdy[q] = __ldg(dy_src(tl, v));
-    }
+    for (int q = 0; q < kDyVecSlots; ++q, d.advance(kb))
+      if (tid + q * nthreads < nv) rdy[q] = __ldg(dy_src(tl, d));
+    InputCursor ic(tid, nthreads, g);
 #pragma unroll
-    for (int q = 0; q < kXSlots; ++q) {
-      const int f = tid + q * nthreads;
-      if (f < g.x_elems) rx[q] = load_input<TT, STRIDE>(x, s, tl, input_pos<STRIDE>(f, g));
-    }
+    for (int q = 0; q < kXSlots; ++q, ic.advance(g))
+      if (tid + q * nthreads < g.x_elems) rx[q] = load_input<TT, STRIDE>(x, s, tl, ic);
   };
   auto store_regs = [&](const Tile& tl) {
     const int nv = dy_vecs(tl);
+    DyCursor d(tid * VE, nthreads * VE, kb);
 #pragma unroll
-    for (int q = 0; q < kDyVecSlots; ++q) {
-      const int v = tid + q * nthreads;
-      if (v < nv) store_dy_vec<TT>(dy_dst(v), rdy[q]);
-    }
+    for (int q = 0; q < kDyVecSlots; ++q, d.advance(kb))
+      if (tid + q * nthreads < nv) store_dy_vec<TT>(dy_dst(d), rdy[q]);
+    InputCursor ic(tid, nthreads, g);
 #pragma unroll
-    for (int q = 0; q < kXSlots; ++q) {
-      const int f = tid + q * nthreads;
-      if (f < g.x_elems) {
-        const InputPos<STRIDE> ip = input_pos<STRIDE>(f, g);
-        sx[x_index<STRIDE>(ip.c, ip.r, ip.j, g)] = TT::to_acc(rx[q]);
-      }
-    }
+    for (int q = 0; q < kXSlots; ++q, ic.advance(g))
+      if (tid + q * nthreads < g.x_elems) sx[x_index<STRIDE>(ic.c, ic.r, ic.j, g)] = TT::to_acc(rx[q]);
   };
   // Tiles too large for the register slots: loaded straight into shared memory.
   auto load_direct = [&](const Tile& tl) {
     const int nv = dy_vecs(tl);
-    for (int v = tid; v < nv; v += nthreads) store_dy_vec<TT>(dy_dst(v), __ldg(dy_src(tl, v)));
-    for (int f = tid; f < g.x_elems; f += nthreads) {
-      const InputPos<STRIDE> ip = input_pos<STRIDE>(f, g);
-      sx[x_index<STRIDE>(ip.c, ip.r, ip.j, g)] = TT::to_acc(load_input<TT, STRIDE>(x, s, tl, ip));
-    }
+    DyCursor d(tid * VE, nthreads * VE, kb);
+    for (int v = tid; v < nv; v += nthreads, d.advance(kb)) store_dy_vec<TT>(dy_dst(d), __ldg(dy_src(tl, d)));
+    InputCursor ic(tid, nthreads, g);
+    for (int f = tid; f < g.x_elems; f += nthreads, ic.advance(g))
+      sx[x_index<STRIDE>(ic.c, ic.r, ic.j, g)] = TT::to_acc(load_input<TT, STRIDE>(x, s, tl, ic));
   };
 
   float acc[kChannelsPerWarp][kTaps];
