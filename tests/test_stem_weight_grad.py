@@ -312,3 +312,21 @@ def test_compiled_step_matches_eager():
     compiled = torch.compile(loss_of, fullgraph=True)
     compiled(x, w).backward()
     assert torch.allclose(w.grad, eager, rtol=1e-3, atol=1e-5)
+
+
+@gpu
+def test_a_captured_fit_with_the_custom_stem_learns_and_says_so(tmp_path):
+    """The whole training path: perf.amp_weight_cast (the weight reaches the stem as its fp16 copy), the captured
+    step, and the summary row."""
+    from mobilenet.engine import Trainer
+
+    run = ["device=cuda", "progress=false", "data=synthetic", "data.steps_per_epoch=12", "data.num_classes=100",
+           "data.batch_size=32", "data.resolution=64", "evaluate=false", "save_checkpoints=false", "epochs=1",
+           "perf.warmup_steps=2", "perf.log_every=1", "optim.warmup_epochs=0.5", "backend=custom", "norm=custom",
+           "amp=true", "channels_last=true", "cuda_graph=true", "model.stem_weight_grad=custom"]
+    t = Trainer(compose(run), tmp_path)
+    assert isinstance(t.model.features[0][0], StemConv2d)
+    result = t.fit()
+    losses = [v for _, v in result.losses]
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+    assert t.summary_rows(result)["stem weight gradient"] == "custom (kernels/csrc/stem_weight_grad.cu)"
