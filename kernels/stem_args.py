@@ -6,9 +6,15 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["stem_unsupported", "STEM_DTYPES"]
+__all__ = ["stem_unsupported", "channels_per_vector", "STEM_DTYPES"]
 
 STEM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def channels_per_vector(dtype: torch.dtype) -> int:
+    """Output channels in the 16 bytes the kernel reads of the output gradient at a time: the stem's channel count
+    must be a multiple of it."""
+    return 16 // dtype.itemsize
 
 
 def _pair(v) -> tuple[int, int]:
@@ -35,7 +41,7 @@ def stem_unsupported(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, 
     if h < 3 or w < 3:
         return f"the padded input {h}x{w} is smaller than the 3x3 kernel"
     k = weight.shape[0]
-    per_vector = 16 // torch.empty(0, dtype=dtype).element_size()
+    per_vector = channels_per_vector(dtype)
     if k % per_vector:
         return (f"it reads the output gradient in 16-byte vectors, so the output channels must be a multiple of "
                 f"{per_vector} in {dtype}, got {k} (model.width_mult 0.25, 0.5, 0.75 and 1.0 give 8, 16, 24, 32)")

@@ -27,13 +27,13 @@ def _weight_grad_fake(grad_out, x, stride, padding):
 
 
 class _StemConv2d(torch.autograd.Function):
-    """y = conv2d(x, weight) in the run's compute dtype (autocast's where it is on); backward: the weight gradient
-    from this project's kernel, in fp32 and then the weight's dtype; the input gradient (rarely needed: images need
-    none) from aten's convolution_backward."""
+    """y = conv2d(x, weight) in `dtype`, the run's compute dtype (autocast's where it is on); backward: the weight
+    gradient from this project's kernel, in fp32 and then the weight's dtype; the input gradient (rarely needed:
+    images need none) from aten's convolution_backward."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, stride: tuple[int, int], padding: tuple[int, int]) -> Tensor:
-        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+    def forward(ctx, x: Tensor, weight: Tensor, stride: tuple[int, int], padding: tuple[int, int],
+                dtype: torch.dtype) -> Tensor:
         with torch.autocast("cuda", enabled=False):
             xc, wc = x.to(dtype), weight.to(dtype)
             y = F.conv2d(xc, wc, None, stride, padding)
@@ -54,7 +54,7 @@ class _StemConv2d(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = torch.ops.aten.convolution_backward(grad_out, xc, wc, None, stride, padding, [1, 1], False,
                                                          [0, 0], 1, [True, False, False])[0].to(x_dtype)
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None, None, None
 
 
 def stem_conv2d(x: Tensor, weight: Tensor, stride: tuple[int, int], padding: tuple[int, int]) -> Tensor:
@@ -64,4 +64,4 @@ def stem_conv2d(x: Tensor, weight: Tensor, stride: tuple[int, int], padding: tup
     why = stem_unsupported(x, weight, dtype, stride, padding)
     if why:
         raise ValueError(f"the custom stem weight gradient cannot run here: {why}")
-    return _StemConv2d.apply(x, weight, tuple(stride), tuple(padding))
+    return _StemConv2d.apply(x, weight, tuple(stride), tuple(padding), dtype)

@@ -97,17 +97,15 @@ def _check_stem_weight_grad(cfg, device: torch.device) -> None:
     """model.stem_weight_grad=custom runs only where its kernel takes the stem as this run feeds it."""
     if enum_value(cfg.model.stem_weight_grad) != "custom":
         return
-    missing = [what for ok, what in stem_weight_grad_needs(cfg, device) if not ok]
-    if missing:
-        raise ConfigError(f"model.stem_weight_grad=custom needs {', '.join(missing)}; or set "
-                          "model.stem_weight_grad=cudnn")
+    dtype = autocast_dtype(cfg) or torch.float32
+    _refuse_unless("model.stem_weight_grad", stem_weight_grad_needs(cfg, device, dtype), on="custom", off="cudnn")
 
 
-def _refuse_unless(switch: str, needs: list[tuple[bool, str]]) -> None:
-    """ConfigError naming every (condition, what it needs) of `needs` that does not hold for `switch`=true."""
+def _refuse_unless(switch: str, needs: list[tuple[bool, str]], on: str = "true", off: str = "false") -> None:
+    """ConfigError naming every (condition, what it needs) of `needs` that does not hold for `switch`=`on`."""
     missing = [what for ok, what in needs if not ok]
     if missing:
-        raise ConfigError(f"{switch}=true needs {', '.join(missing)}; or set {switch}=false")
+        raise ConfigError(f"{switch}={on} needs {', '.join(missing)}; or set {switch}={off}")
 
 
 def _check_apply_in_depthwise(cfg) -> None:

@@ -9,6 +9,7 @@ from torch import nn
 
 from kernels.cudnn_frontend import cudnn_frontend_missing
 from kernels.depthwise_args import column_walk_offsets_fit
+from kernels.stem_args import channels_per_vector
 
 from .config import enum_value
 from .depthwise import DepthwiseConv2d
@@ -151,11 +152,11 @@ def apply_in_pointwise_state(cfg) -> tuple[bool, str]:
 STEM_WEIGHT_GRADS = ("cudnn", "custom")
 
 
-def stem_weight_grad_needs(cfg, device: torch.device) -> list[tuple[bool, str]]:
-    """(holds, what it needs) of model.stem_weight_grad=custom for this run: the kernel's conditions
-    (kernels/stem_args.py) as the config decides them, checked before any work."""
+def stem_weight_grad_needs(cfg, device: torch.device, dtype: torch.dtype) -> list[tuple[bool, str]]:
+    """(holds, what it needs) of model.stem_weight_grad=custom for this run, whose convolutions compute in `dtype`:
+    the kernel's conditions (kernels/stem_args.py) as the config decides them, checked before any work."""
     channels = _scaled(STEM_CHANNELS, cfg.model.width_mult)
-    per_vector = 8 if cfg.amp else 4  # 16 bytes of the output gradient's channels
+    per_vector = channels_per_vector(dtype)
     return [(device.type == "cuda", f"a CUDA GPU (this run's device is {device.type})"),
             (bool(cfg.channels_last), "channels_last=true (the kernel reads the images NHWC)"),
             (channels % per_vector == 0,
@@ -170,7 +171,8 @@ class StemConv2d(nn.Conv2d):
 
     def __init__(self, in_ch: int, out_ch: int, kernel_size: int, stride: int, weight_grad: str = "cudnn"):
         if weight_grad not in STEM_WEIGHT_GRADS:
-            raise ValueError(f"unknown stem weight gradient {weight_grad!r}; choose one of: {', '.join(STEM_WEIGHT_GRADS)}")
+            raise ValueError(f"unknown stem weight gradient {weight_grad!r}; choose one of: "
+                             f"{', '.join(STEM_WEIGHT_GRADS)}")
         super().__init__(in_ch, out_ch, kernel_size, stride, padding=kernel_size // 2, bias=False)
         self.weight_grad = weight_grad
 

@@ -323,9 +323,7 @@ template <class TT, int STRIDE>
 void launch_typed(const StemShape& s, const StemPlan& p, const TileGeom& g, const void* grad_out, const void* x,
                   float* partial, cudaStream_t stream) {
   using S = typename TT::S;
-  const auto kernel = kernel_of<TT, STRIDE>();
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(p.smem)));
+  const auto kernel = kernel_of<TT, STRIDE>();  // its shared-memory limit raised by make_stem_plan, on this device
   kernel<<<dim3(p.blocks, p.k_blocks), p.threads, p.smem, stream>>>(
       static_cast<const S*>(grad_out), static_cast<const S*>(x), s, g, p.tiles, p.prefetch, partial);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
