@@ -121,6 +121,10 @@ class DaliConfig:
     # Share of images nvJPEG sends to the hardware JPEG decoder where the GPU has one (0..1). All of them: on the
     # H200 that decodes faster than DALI's default of 0.65 and leaves the SMs to training (docs/results/loader_h200.md).
     hw_decoder_load: float = 1.0
+    # Training pipelines decoding side by side, each with its own reader shard, decoder and `threads` threads; the
+    # loader takes their batches in turn. One pipeline's decoder works through one batch at a time, and its JPEG
+    # engines wait while it prepares the next (mobilenet/data/dali.py). Validation always runs one.
+    pipelines: int = 1
     # Check every file's image signature / JPEG structure before DALI starts (DALI's decode errors do not name
     # the file, and DALI 2.4's CPU decoder can segfault instead of failing); needed for data.skip_corrupt. Costs
     # one small read at each end of every file.

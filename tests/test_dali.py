@@ -84,7 +84,7 @@ def test_train_epoch_labels_match_folder(digits):
     # 1437 = 3 * 479: with this batch size both loaders yield every image once and drop nothing.
     dali_train, dali_val = build_loaders(data_cfg(digits, batch_size=479), CPU_FP32)
     for loader in (dali_train, dali_val):  # the dynamic executor: outputs handed over by DLPack, no copy
-        assert loader._iterator._pipes[0].exec_dynamic is True
+        assert loader._iterators[0]._pipes[0].exec_dynamic is True
     folder_train, _ = build_loaders(data_cfg(digits, loader="folder", batch_size=479), CPU_FP32)
     assert len(dali_train) == len(folder_train) == 3 and dali_train.num_samples == NUM_TRAIN
     first = None
@@ -128,7 +128,7 @@ def test_channels_last_is_a_view_of_the_nhwc_batch(digits, dtype):
         assert x.dtype == dtype and x.shape == (n, 3, 21, 21)
         assert x.is_contiguous(memory_format=torch.channels_last)
         assert x.stride() == (21 * 21 * 3, 1, 21 * 3, 3)
-    raw = next(train._iterator)[0]  # what DALI hands over: an NHWC tensor
+    raw = next(train._iterators[0])[0]  # what DALI hands over: an NHWC tensor
     x, _ = train._handover(raw)
     assert raw["images"].shape == (64, 21, 21, 3)
     if dtype != torch.bfloat16:  # bf16 is converted from fp32 on the device (documented copy)
@@ -207,6 +207,79 @@ def test_train_epochs_repeat_no_image_and_shards_are_disjoint(digits, world_size
         for a in range(world_size):
             for b in range(a + 1, world_size):
                 assert not epoch_sets[a] & epoch_sets[b], "two ranks share an image in one epoch"
+
+
+# ------------------------------------------------------------------------------------ several pipelines
+
+
+@pytest.fixture(scope="session")
+def one_image_per_class(tmp_path_factory) -> Path:
+    """96 small JPEGs, each in a class of its own (in train/ and in val/), so that a label names its image."""
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("one_per_class")
+    gen = torch.Generator().manual_seed(0)
+    for i in range(96):
+        pixels = torch.randint(0, 256, (24, 24, 3), generator=gen, dtype=torch.uint8).numpy()
+        for split in ("train", "val"):
+            folder = root / split / f"c{i:03d}"
+            folder.mkdir(parents=True)
+            Image.fromarray(pixels).save(folder / "img.jpg", quality=90)
+    return root
+
+
+@pytest.mark.parametrize("world_size, pipelines", [(1, 2), (1, 3), (2, 2)])
+def test_pipelines_take_turns_over_disjoint_shards_and_repeat_no_image(one_image_per_class, world_size, pipelines):
+    cfg = data_cfg(one_image_per_class, "data.num_classes=96", f"data.dali.pipelines={pipelines}", batch_size=8)
+    trains = [build_loaders(cfg, LoaderSpec(torch.device("cpu"), torch.float32, False, rank=r, world_size=world_size))[0]
+              for r in range(world_size)]
+    per_pipeline = (96 // (world_size * pipelines)) // 8
+    for train in trains:
+        assert train.pipelines == pipelines and len(train) == pipelines * per_pipeline
+    for _ in range(3):  # the shards rotate between epochs
+        seen = set()
+        for train in trains:
+            batches = [y.tolist() for _, y in train]
+            assert len(batches) == pipelines * per_pipeline
+            # Batch j came from pipeline j % P: each pipeline's batches share no image with another's.
+            turns = [{i for b in batches[k::pipelines] for i in b} for k in range(pipelines)]
+            assert all(len(t) == per_pipeline * 8 for t in turns), "a pipeline repeated an image within one epoch"
+            ids = [i for b in batches for i in b]
+            assert len(set(ids)) == len(ids), "an image repeated within one epoch"
+            assert not seen & set(ids), "two ranks share an image in one epoch"
+            seen |= set(ids)
+        assert len(seen) == world_size * pipelines * per_pipeline * 8
+
+
+def test_pipelines_keep_taking_turns_across_capped_epochs(one_image_per_class):
+    cfg = data_cfg(one_image_per_class, "data.num_classes=96", "data.dali.pipelines=2", "data.steps_per_epoch=3",
+                   batch_size=8)
+    train, _ = build_loaders(cfg, CPU_FP32)
+    # 3 batches an epoch from 2 pipelines: turns run on across epochs, so 4 epochs take 6 batches from each, its
+    # whole shard, and no image comes twice.
+    ids = [i for _ in range(4) for _, y in train for i in y.tolist()]
+    assert len(ids) == 96 and len(set(ids)) == 96
+
+
+def test_validation_stays_one_pipeline_in_order(one_image_per_class):
+    cfg = data_cfg(one_image_per_class, "data.num_classes=96", "data.dali.pipelines=3", batch_size=8)
+    _, val = build_loaders(cfg, CPU_FP32)
+    assert val.pipelines == 1
+    assert epoch(val)[1].tolist() == list(range(96))  # in file order, every image once
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_a_pipeline_count_below_1_is_refused(digits, value):
+    # Values that are no integer at all are refused when Hydra composes the config (the structured config's int).
+    with pytest.raises(ConfigError, match=rf"data.dali.pipelines={value} is the number .* a whole number from 1"):
+        build_loaders(data_cfg(digits, f"data.dali.pipelines={value}"), CPU_FP32)
+
+
+def test_more_pipelines_than_batches_in_a_shard_is_refused(one_image_per_class):
+    cfg = data_cfg(one_image_per_class, "data.num_classes=96", "data.dali.pipelines=7", batch_size=16)
+    with pytest.raises(ConfigError, match=r"pipelines=7: each of the 7 shard\(s\) of the 96 training images holds less "
+                                          r"than one batch of 16; use fewer pipelines"):
+        build_loaders(cfg, CPU_FP32)
 
 
 # --------------------------------------------------------------------------------------------- bad input
@@ -345,6 +418,8 @@ def test_the_summary_names_how_dali_decodes(digits):
     mixed = data_cfg(digits, "data.dali.decode=mixed", "data.dali.hw_decoder_load=0.8", "data.dali.threads=10")
     assert data_label(mixed) == "dali (decode=mixed, 10 thread(s), prefetch 2, hw_decoder_load 0.8)"
     assert data_label(data_cfg(digits, loader="folder")) == "folder"
+    two = data_cfg(digits, "data.dali.pipelines=2")
+    assert data_label(two) == "dali (decode=cpu, 2 thread(s), prefetch 2, 2 training pipelines of 2 thread(s) each)"
 
 
 def test_a_dali_fed_run_names_its_decode_settings_in_the_summary(digits, run_dir):
@@ -356,6 +431,18 @@ def test_a_dali_fed_run_names_its_decode_settings_in_the_summary(digits, run_dir
     trainer = Trainer(cfg, run_dir)
     rows = trainer.summary_rows(trainer.fit())
     assert rows["data"] == "dali (decode=cpu, 2 thread(s), prefetch 3)"
+
+
+def test_a_run_fed_by_two_pipelines_trains_and_says_so(digits, run_dir):
+    from mobilenet.engine import Trainer
+
+    cfg = compose(["data=dali", f"data.root={digits}", *SMALL, "data.dali.decode=cpu", "data.dali.pipelines=2",
+                   "data.batch_size=16", "data.steps_per_epoch=5", "model.width_mult=0.25", "device=cpu", "epochs=1",
+                   "evaluate=false", "progress=false", "perf.warmup_steps=1"])
+    trainer = Trainer(cfg, run_dir)
+    result = trainer.fit()
+    assert result.train.steps == 4 and result.train.images == 64
+    assert trainer.summary_rows(result)["data"].endswith("2 training pipelines of 2 thread(s) each)")
 
 
 # ---------------------------------------------------------------------------------------------------- GPU
@@ -441,3 +528,20 @@ def test_gpu_yielded_batches_stay_valid(digits, dedicated_stream):
 def test_gpu_decode_without_a_gpu_is_refused_not_swapped(digits):
     with pytest.raises(ValueError, match="data.dali.decode=mixed decodes on the GPU.*data.dali.decode=cpu"):
         build_loaders(data_cfg(digits, "data.dali.decode=mixed"), CPU_FP32)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_two_mixed_pipelines_take_turns_and_repeat_no_image(one_image_per_class):
+    cfg = data_cfg(one_image_per_class, "data.num_classes=96", "data.dali.decode=mixed", "data.dali.pipelines=2",
+                   batch_size=8)
+    train, _ = build_loaders(cfg, LoaderSpec(torch.device("cuda", 0), torch.float16, True))
+    for _ in range(2):
+        batches = [(x, y) for x, y in train]
+        assert len(batches) == 12
+        assert all(x.is_cuda and x.dtype == torch.float16 and x.is_contiguous(memory_format=torch.channels_last)
+                   for x, _ in batches)
+        ids = [i for _, y in batches for i in y.tolist()]
+        assert sorted(ids) == list(range(96))
+        turns = [{i for _, y in batches[k::2] for i in y.tolist()} for k in range(2)]
+        assert len(turns[0]) == len(turns[1]) == 48

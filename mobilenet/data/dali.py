@@ -19,6 +19,12 @@ using. When PyTorch frees it, DALI takes the buffer back after a cudaDeviceSynch
 bf16: DALI has no bfloat16 type. For a bf16 run the pipeline produces float32 and each batch is converted on the
 device (one extra elementwise copy per batch); this is logged as a warning when the loader is built.
 
+Several training pipelines (data.dali.pipelines=N): a pipeline's decoder works through one batch at a time, and
+between two batches, while the host parses the next batch's headers and sets up its decode, the GPU's JPEG engines
+wait. N pipelines, each with its own reader shard (rank r's pipeline k reads shard r*N+k of world*N), decoder and
+threads, keep them fed from several batches at once; the loader takes the pipelines' batches in turn. Every image
+still comes once per epoch: the world*N shards are disjoint and rotate together.
+
 Corrupt files: DALI's decoder errors do not name the file (they read e.g. "nvImageCodec failure: '#3'") and leave
 the pipeline unusable. So the file list is checked up front (data.dali.check_files, on by default): the image's
 signature, for JPEG the marker structure up to the scan (a frame header with a size) and the end-of-image marker
@@ -265,9 +271,10 @@ def make_val_pipeline(cfg, files, labels, *, decode: str, on_gpu: bool, out_type
 
 
 class DaliLoader:
-    """Loader protocol over a DALIGenericIterator; see the module docstring for layout and buffer lifetime."""
+    """Loader protocol over DALIGenericIterators, one per pipeline (several only in training, taken in turn); see
+    the module docstring for layout, buffer lifetime and pipelines."""
 
-    def __init__(self, pipeline, files: list[str], *, train: bool, spec: LoaderSpec, batch_size: int,
+    def __init__(self, pipelines, files: list[str], *, train: bool, spec: LoaderSpec, batch_size: int,
                  num_classes: int, num_batches: int, num_samples: int, skipped: int, name: str):
         _, _, _, DALIGenericIterator, LastBatchPolicy = import_dali()
         self.spec = spec
@@ -281,13 +288,18 @@ class DaliLoader:
         self._files = files  # to name a file DALI failed on
         self._num_batches = num_batches
         self._convert_to = torch.bfloat16 if spec.dtype == torch.bfloat16 else None
-        self._iterator = None
+        if pipelines is None:
+            pipelines = []
+        elif not isinstance(pipelines, (list, tuple)):
+            pipelines = [pipelines]
+        if len(pipelines) > 1 and not train:
+            raise ValueError("a validation loader reads its images in order, with one pipeline")
+        # Train drops the last partial batch; val returns it partial with DALI's padding removed.
+        policy = LastBatchPolicy.DROP if train else LastBatchPolicy.PARTIAL
+        self._iterators = [DALIGenericIterator([p], ["images", "labels"], reader_name="Reader", last_batch_policy=policy,
+                                               auto_reset=True, prepare_first_batch=False) for p in pipelines]
+        self._turn = 0  # the pipeline whose batch comes next; kept across epochs so that capped epochs stay balanced
         self._epoch_finished = True
-        if pipeline is not None:
-            # Train drops the last partial batch; val returns it partial with DALI's padding removed.
-            policy = LastBatchPolicy.DROP if train else LastBatchPolicy.PARTIAL
-            self._iterator = DALIGenericIterator([pipeline], ["images", "labels"], reader_name="Reader",
-                                                 last_batch_policy=policy, auto_reset=True, prepare_first_batch=False)
 
     def __len__(self) -> int:
         return self._num_batches
@@ -303,9 +315,13 @@ class DaliLoader:
             images = images.to(self._convert_to)  # keeps the memory format
         return images, labels.view(-1)
 
-    def _next(self):
+    @property
+    def pipelines(self) -> int:
+        return len(self._iterators)
+
+    def _next(self, iterator):
         try:
-            return next(self._iterator)[0]
+            return next(iterator)[0]
         except RuntimeError as e:
             # DALI's message does not name the file: look for it now (cheap check), then say what we know.
             bad = find_corrupt(self._files, min(32, available_cpus()))
@@ -320,24 +336,27 @@ class DaliLoader:
             ) from e
 
     def __iter__(self):
-        if self._iterator is None:
+        if not self._iterators:
             return
         if self.train:
             for _ in range(self._num_batches):
+                iterator = self._iterators[self._turn]
+                self._turn = (self._turn + 1) % len(self._iterators)
                 try:
-                    out = self._next()
+                    out = self._next(iterator)
                 except StopIteration:  # DALI's epoch ended (auto_reset started the next): capped epochs run across
-                    out = self._next()
+                    out = self._next(iterator)
                 yield self._handover(out)
             return
+        (iterator,) = self._iterators
         # Validation must start at the first image every time: finish an epoch that a consumer abandoned.
         if not self._epoch_finished:
-            for _ in self._iterator:
+            for _ in iterator:
                 pass
         self._epoch_finished = False
         while True:
             try:
-                out = self._next()
+                out = self._next(iterator)
             except StopIteration:
                 self._epoch_finished = True
                 return
@@ -364,12 +383,23 @@ def check_decoder_load(dali_cfg) -> None:
                           "a number from 0 to 1 (1.0, the default: all of them)")
 
 
+def check_pipelines(dali_cfg) -> int:
+    """data.dali.pipelines as a count, or a clear error."""
+    n = dali_cfg.pipelines  # an int: the structured config refuses anything else when it composes
+    if n < 1:
+        raise ConfigError(f"data.dali.pipelines={n!r} is the number of training pipelines decoding side by side: a whole "
+                          "number from 1 (the default: one pipeline)")
+    return n
+
+
 def decoder_label(dali_cfg) -> str:
     """How a data=dali run decodes, for its summary and log."""
     decode = enum_value(dali_cfg.decode)
     label = f"decode={decode}, {dali_cfg.threads} thread(s), prefetch {dali_cfg.prefetch}"
     if decode == "mixed":
         label += f", hw_decoder_load {float(dali_cfg.hw_decoder_load):g}"
+    if dali_cfg.pipelines > 1:
+        label += f", {dali_cfg.pipelines} training pipelines of {dali_cfg.threads} thread(s) each"
     return label
 
 
@@ -386,6 +416,7 @@ def build(cfg, spec: LoaderSpec):
     _, types, _, _, _ = import_dali()  # before anything else: a missing DALI is the error to report
     dali_cfg = cfg.dali
     check_decoder_load(dali_cfg)
+    n_pipes = check_pipelines(dali_cfg)
     _, train_samples, val_samples, classes = scan_image_folder(cfg)
     skipped = {"train": 0, "val": 0}
     if dali_cfg.check_files:
@@ -411,15 +442,21 @@ def build(cfg, spec: LoaderSpec):
 
     # Train: DALI shards (shard i holds images [N*i/S, N*(i+1)/S) of its globally shuffled list, and the shards
     # rotate every epoch); every rank yields the same number of full batches, as DDP needs: the iterator sizes an
-    # epoch as floor(N/S) images and drops the partial batch.
+    # epoch as floor(N/S) images and drops the partial batch. With P pipelines a rank's pipeline k reads shard
+    # rank*P+k of world*P.
     train_files = [p for p, _ in train_samples]
     train_labels = [lbl for _, lbl in train_samples]
-    train_batches = (len(train_files) // spec.world_size) // cfg.batch_size
+    shards = spec.world_size * n_pipes
+    train_batches = n_pipes * ((len(train_files) // shards) // cfg.batch_size)
+    if train_batches == 0:
+        raise ConfigError(f"data.dali.pipelines={n_pipes}: each of the {shards} shard(s) of the {len(train_files)} "
+                          f"training images holds less than one batch of {cfg.batch_size}; use fewer pipelines")
     if cfg.steps_per_epoch is not None:
         train_batches = min(train_batches, cfg.steps_per_epoch)
-    train_pipe = make_train_pipeline(cfg, train_files, train_labels, shard_id=spec.rank, num_shards=spec.world_size,
-                                     seed=seed, **common)
-    train = DaliLoader(train_pipe, train_files, train=True, spec=spec, batch_size=cfg.batch_size, num_classes=len(classes),
+    # Each pipeline its own augmentation seed, apart from the ranks' (seed + rank) and from validation's.
+    train_pipes = [make_train_pipeline(cfg, train_files, train_labels, shard_id=spec.rank * n_pipes + k, num_shards=shards,
+                                       seed=(seed + 104_729 * k) % (2**31), **common) for k in range(n_pipes)]
+    train = DaliLoader(train_pipes, train_files, train=True, spec=spec, batch_size=cfg.batch_size, num_classes=len(classes),
                        num_batches=train_batches, num_samples=train_batches * cfg.batch_size,
                        skipped=skipped["train"], name="train")
 
