@@ -195,7 +195,7 @@ def test_train_epochs_repeat_no_image_and_shards_are_disjoint(digits, world_size
         pipe = make_train_pipeline(cfg, files, list(range(len(files))), decode="cpu", on_gpu=False, out_type=types.FLOAT,
                                    channels_last=False, shard_id=rank, num_shards=world_size,
                                    batch_size=64, num_threads=2, device_id=None, seed=rank)
-        loaders.append(DaliLoader(pipe, files, train=True, spec=spec, batch_size=64, num_classes=10,
+        loaders.append(DaliLoader([pipe], files, train=True, spec=spec, batch_size=64, num_classes=10,
                                   num_batches=batches, num_samples=batches * 64, skipped=0, name="train"))
     for _ in range(3):  # shards rotate between epochs
         epoch_sets = []

@@ -274,7 +274,7 @@ class DaliLoader:
     """Loader protocol over DALIGenericIterators, one per pipeline (several only in training, taken in turn); see
     the module docstring for layout, buffer lifetime and pipelines."""
 
-    def __init__(self, pipelines, files: list[str], *, train: bool, spec: LoaderSpec, batch_size: int,
+    def __init__(self, pipelines: list, files: list[str], *, train: bool, spec: LoaderSpec, batch_size: int,
                  num_classes: int, num_batches: int, num_samples: int, skipped: int, name: str):
         _, _, _, DALIGenericIterator, LastBatchPolicy = import_dali()
         self.spec = spec
@@ -288,10 +288,6 @@ class DaliLoader:
         self._files = files  # to name a file DALI failed on
         self._num_batches = num_batches
         self._convert_to = torch.bfloat16 if spec.dtype == torch.bfloat16 else None
-        if pipelines is None:
-            pipelines = []
-        elif not isinstance(pipelines, (list, tuple)):
-            pipelines = [pipelines]
         if len(pipelines) > 1 and not train:
             raise ValueError("a validation loader reads its images in order, with one pipeline")
         # Train drops the last partial batch; val returns it partial with DALI's padding removed.
@@ -466,10 +462,9 @@ def build(cfg, spec: LoaderSpec):
     if cfg.val_steps is not None:
         val_rank = val_rank[: cfg.val_steps * cfg.batch_size]
     val_files = [p for p, _ in val_rank]
-    val_pipe = None
-    if val_rank:
-        val_pipe = make_val_pipeline(cfg, val_files, [lbl for _, lbl in val_rank], seed=seed + 7919, **common)
-    val = DaliLoader(val_pipe, val_files, train=False, spec=spec, batch_size=cfg.batch_size, num_classes=len(classes),
+    val_labels = [lbl for _, lbl in val_rank]
+    val_pipes = [make_val_pipeline(cfg, val_files, val_labels, seed=seed + 7919, **common)] if val_rank else []
+    val = DaliLoader(val_pipes, val_files, train=False, spec=spec, batch_size=cfg.batch_size, num_classes=len(classes),
                      num_batches=math.ceil(len(val_rank) / cfg.batch_size), num_samples=len(val_rank),
                      skipped=skipped["val"], name="val")
     train.classes = val.classes = classes  # class names, as data=folder provides them
