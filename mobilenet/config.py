@@ -94,10 +94,14 @@ class NormConfig:
     # cudnn-frontend's graph API) apply relu(batch_norm(.)) as they load their input (kernels/norm_pointwise.py). It
     # needs norm=custom channels_last=true amp=true amp_dtype=fp16 sync_bn=false compile=false
     # norm.stats_from_depthwise=false, channel counts that are multiples of 8 (every width_mult of the paper), and the
-    # nvidia-cudnn-frontend package. auto | true | false as apply_in_depthwise, false by default: measured +4.2-4.5% on
-    # an H200, and within the fp16 noise floor over 300 steps, but cuDNN adds its statistics with atomics, so steps
-    # are not bitwise repeatable (docs/results/pointwise_norm_fusion_h200.md).
+    # nvidia-cudnn-frontend package. auto | true | false as apply_in_depthwise, false by default. The BatchNorm after
+    # each of those convs computes its statistics with its own pass, so steps stay bitwise repeatable.
     apply_in_pointwise: str = "false"
+    # With apply_in_pointwise on: the BatchNorm after each fused pointwise conv takes its statistics from the sums that
+    # cuDNN's statistics epilogue computed from the conv's output, instead of a pass of its own over it. cuDNN adds
+    # those sums with atomics, so steps are not bitwise repeatable: off by default (measured, with apply_in_pointwise,
+    # +4.2-4.5% on an H200 and within the fp16 noise floor over 300 steps: docs/results/pointwise_norm_fusion_h200.md).
+    stats_from_pointwise: bool = False
 
 
 @dataclass

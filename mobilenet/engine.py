@@ -75,6 +75,7 @@ def validate(cfg, device: torch.device) -> None:
     machine_load.sampling_wanted(cfg)  # a perf.sample_load that is not a choice
     _check_stats_from_depthwise(cfg)
     _check_apply_in_depthwise(cfg)
+    _check_stats_from_pointwise(cfg)
     _check_stem_weight_grad(cfg, device)
     if cfg.amp and enum_value(cfg.amp_dtype) == "fp16" and device.type != "cuda":
         raise ConfigError("amp=true with amp_dtype=fp16 needs a CUDA GPU (CPU autocast runs bf16 only); "
@@ -91,6 +92,15 @@ def _check_stats_from_depthwise(cfg) -> None:
     _refuse_unless("norm.stats_from_depthwise", [
         *custom_pair_needs(cfg), (bool(cfg.channels_last), "channels_last=true (the statistics walk is NHWC)"),
         (not cfg.sync_bn, "sync_bn=false (the depthwise kernel's statistics are this rank's only)")])
+
+
+def _check_stats_from_pointwise(cfg) -> None:
+    """norm.stats_from_pointwise=true takes its sums from the fused pointwise convs: only where those run."""
+    if not cfg.norm.stats_from_pointwise:
+        return
+    on, why = apply_in_pointwise_state(cfg)
+    _refuse_unless("norm.stats_from_pointwise", [(on, f"norm.apply_in_pointwise on, whose fused convolutions compute "
+                                                      f"the sums (this run: {why})")])
 
 
 def _check_stem_weight_grad(cfg, device: torch.device) -> None:
@@ -152,6 +162,7 @@ def build_for_run(cfg, device: torch.device, num_classes: int, model: nn.Module 
                                 norm=cfg.norm.name, stats_from_depthwise=cfg.norm.stats_from_depthwise,
                                 apply_norm_in_depthwise=apply_in_depthwise_state(cfg)[0],
                                 apply_norm_in_pointwise=apply_in_pointwise_state(cfg)[0],
+                                stats_from_pointwise=cfg.norm.stats_from_pointwise,
                                 stem_weight_grad=enum_value(cfg.model.stem_weight_grad))
     model = model.to(device)
     if cfg.channels_last:

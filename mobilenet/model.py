@@ -251,13 +251,19 @@ class MobileNetV1(nn.Module):
     """apply_norm_in_depthwise: in training, each BatchNorm + ReLU that feeds a depthwise conv (the stem's and the
     first 12 pointwise blocks') is applied by that conv's kernels as they load their input (mobilenet/norm.py
     norm_relu_depthwise). apply_norm_in_pointwise: likewise each BatchNorm + ReLU that feeds a pointwise conv (the 13
-    after the depthwise convs), applied by cuDNN's fused convolutions (norm_relu_pointwise). The same modules either
+    after the depthwise convs), applied by cuDNN's fused convolutions (norm_relu_pointwise). stats_from_pointwise:
+    with it, the BatchNorm after each of those convs takes its statistics from the sums cuDNN computed from the conv's
+    output (not bitwise repeatable: cuDNN adds them with atomics) instead of its own pass. The same modules either
     way, so the same state_dict. Eval runs the layers one by one."""
 
     def __init__(self, num_classes: int = 1000, width_mult: float = 1.0, depthwise: str = "torch", dropout: float = 0.0,
                  norm: str = "torch", stats_from_depthwise: bool = False, apply_norm_in_depthwise: bool = False,
-                 apply_norm_in_pointwise: bool = False, stem_weight_grad: str = "cudnn"):
+                 apply_norm_in_pointwise: bool = False, stem_weight_grad: str = "cudnn",
+                 stats_from_pointwise: bool = False):
         super().__init__()
+        if stats_from_pointwise and not apply_norm_in_pointwise:
+            raise ValueError("stats_from_pointwise takes the sums of the fused pointwise convs: it needs "
+                             "apply_norm_in_pointwise")
         for name, on in (("apply_norm_in_depthwise", apply_norm_in_depthwise),
                          ("apply_norm_in_pointwise", apply_norm_in_pointwise)):
             if stats_from_depthwise and on:
@@ -287,6 +293,7 @@ class MobileNetV1(nn.Module):
             for producer, block in zip(self.features[:-1], self.features[1:]):
                 check_apply_in_depthwise(self._last_norm(producer), block[0])
         self.apply_norm_in_pointwise = apply_norm_in_pointwise
+        self.stats_from_pointwise = stats_from_pointwise
         if apply_norm_in_pointwise:
             for block in self.features[1:]:
                 check_apply_in_pointwise(block[1], block[3][0])
@@ -335,6 +342,8 @@ class MobileNetV1(nn.Module):
                 y = depthwise(pending(y))
             if self.apply_norm_in_pointwise:
                 y, sums = norm_relu_pointwise(norm_relu, pointwise_conv, y)
+                if not self.stats_from_pointwise:
+                    sums = None  # the next BatchNorm's own statistics pass: fixed-order sums, bitwise repeatable
             else:
                 y = pointwise_conv(relu_slot(norm_relu(y)))
             pending = next_pending
@@ -352,12 +361,13 @@ class MobileNetV1(nn.Module):
 def build_model(name: str, num_classes: int, width_mult: float, depthwise: str, dropout: float = 0.0,
                 norm: str = "torch", stats_from_depthwise: bool = False,
                 apply_norm_in_depthwise: bool = False, apply_norm_in_pointwise: bool = False,
-                stem_weight_grad: str = "cudnn") -> nn.Module:
+                stem_weight_grad: str = "cudnn", stats_from_pointwise: bool = False) -> nn.Module:
     if name != "mobilenet_v1":
         raise ValueError(f"unknown model {name!r}; choose one of: mobilenet_v1")
     return MobileNetV1(num_classes=num_classes, width_mult=width_mult, depthwise=depthwise, dropout=dropout, norm=norm,
                        stats_from_depthwise=stats_from_depthwise, apply_norm_in_depthwise=apply_norm_in_depthwise,
-                       apply_norm_in_pointwise=apply_norm_in_pointwise, stem_weight_grad=stem_weight_grad)
+                       apply_norm_in_pointwise=apply_norm_in_pointwise, stem_weight_grad=stem_weight_grad,
+                       stats_from_pointwise=stats_from_pointwise)
 
 
 def count_parameters(model: nn.Module) -> int:

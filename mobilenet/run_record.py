@@ -56,6 +56,9 @@ def norm_label(cfg, training: bool = True) -> str:
                 label += (" (MBN_NORM_INPUT_GRAD=dgrad: where the depthwise backward does not apply the next "
                           "BatchNorm, this BatchNorm's input gradient is computed by the input-gradient kernel)")
         applied, why = pointwise, pointwise_why
+        if applied and cfg.norm.stats_from_pointwise:
+            why += ("; the BatchNorm after that conv takes its statistics from cuDNN's sums, "
+                    "norm.stats_from_pointwise=true: not bitwise repeatable")
         label += (f" (applied by cuDNN's fused pointwise conv after it, in training; {why})" if applied
                   else f" ({why})")
     return label

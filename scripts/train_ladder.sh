@@ -7,8 +7,9 @@
 #
 # Ladder: fp32 NCHW -> AMP fp16 -> channels_last -> custom depthwise -> custom BatchNorm+ReLU -> BatchNorm+ReLU in
 # the depthwise kernels (norm.apply_in_depthwise) -> captured step -> BatchNorm+ReLU in cuDNN's pointwise convs
-# (norm.apply_in_pointwise, where cudnn-frontend is installed), each step adding one switch to the one before (the
-# first six eager, cuda_graph=false). Then the comparison the
+# (norm.apply_in_pointwise, where cudnn-frontend is installed) -> the next BatchNorms' statistics from cuDNN's sums
+# (norm.stats_from_pointwise), each step adding one switch to the one before (the first six eager,
+# cuda_graph=false). Then the comparison the
 # fused-norm issue asks for, alternating processes: backend=custom norm=custom against backend=cudnn norm=torch
 # (default capture), and backend=custom norm=apex where apex is installed, ROUNDS times; then the bf16 and fp32
 # channels_last rows of norm=custom.
@@ -38,11 +39,14 @@ run "custom BatchNorm+ReLU" backend=custom norm=custom norm.apply_in_depthwise=f
 run "BatchNorm+ReLU in the depthwise kernels" backend=custom norm=custom norm.apply_in_depthwise=true amp=true \
   channels_last=true cuda_graph=false
 run "captured step" backend=custom norm=custom norm.apply_in_depthwise=true amp=true channels_last=true cuda_graph=true
-# The opt-in last step (off by default: not bitwise repeatable) where cudnn-frontend is importable; otherwise its row
-# says so under a label that is no step of the ladder.
+# The opt-in last steps (off by default: fp16 scale and shift operands; then sums that are not bitwise repeatable)
+# where cudnn-frontend is importable; otherwise their row says so under a label that is no step of the ladder.
 if "$PY" -c "import cudnn" >/dev/null 2>&1; then
   run "BatchNorm+ReLU in cuDNN's pointwise convs" backend=custom norm=custom norm.apply_in_depthwise=true \
     norm.apply_in_pointwise=true amp=true channels_last=true cuda_graph=true
+  run "statistics from cuDNN's sums (not bitwise repeatable)" backend=custom norm=custom \
+    norm.apply_in_depthwise=true norm.apply_in_pointwise=true norm.stats_from_pointwise=true amp=true \
+    channels_last=true cuda_graph=true
 else
   printf '| %s | `%s` | not run: nvidia-cudnn-frontend is not installed (pip install -e ".[cudnn]") |\n' \
     "BatchNorm+ReLU in cuDNN's pointwise convs (not run)" "norm.apply_in_pointwise=true"

@@ -2,13 +2,15 @@
 and cuDNN's fused convolutions (kernels/norm_pointwise.py, through cudnn-frontend) applying it as they load their
 input, run as one pair and, across MobileNetV1's blocks, by the model.
 
-CPU (CI): the config composes (auto by default), auto is off where it cannot run and says why (cudnn-frontend
-missing included, with how to install it), true is refused there, the model refuses other norms, the state_dict is
-the same with the switch on, a CPU training forward stops naming CUDA, and the summary names the switch. GPU
-(`pytest -m gpu`, with nvidia-cudnn-frontend installed): the pair against float64 (forward and all four gradients,
-poisoned outputs), the normalize within its operands' rounding, the next BatchNorm's statistics from the pair's output
-sums, what is repeatable, the running statistics bitwise those of the separate ops, opcheck, clear errors, and a
-whole MobileNetV1 step with the switch on against off within the noise floor, eager and captured in a CUDA graph.
+CPU (CI): the config composes (off by default), auto is off where it cannot run and says why (cudnn-frontend
+missing included, with how to install it), true is refused there, norm.stats_from_pointwise is refused without the
+switch, the model refuses other norms, the state_dict is the same with the switch on, a CPU training forward stops
+naming CUDA, and the summary names the switch and where the next BatchNorm's statistics come from. GPU (`pytest -m
+gpu`, with nvidia-cudnn-frontend installed): the pair against float64 (forward and all four gradients, poisoned
+outputs), the normalize within its operands' rounding, the next BatchNorm's statistics from the pair's output sums,
+what is repeatable, the running statistics bitwise those of the separate ops, opcheck, clear errors, and a whole
+MobileNetV1 step with the switch on against off within the noise floor (the statistics from the BatchNorm's own pass
+and from cuDNN's sums), bitwise repeatable with its own pass, and captured in a CUDA graph against eager.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ def test_config_default_is_off_and_each_choice_resolves():
     from mobilenet.model import apply_in_pointwise_state
 
     assert compose([]).norm.apply_in_pointwise == "false"
+    assert compose([]).norm.stats_from_pointwise is False
     assert apply_in_pointwise_state(compose(PAIR)) == (False, "norm.apply_in_pointwise=false")
     if HAS_FRONTEND:
         assert apply_in_pointwise_state(compose([*PAIR, "norm.apply_in_pointwise=auto"])) == (
@@ -100,7 +103,31 @@ def test_build_for_run_follows_the_resolved_switch():
     if HAS_FRONTEND:
         model = build_for_run(compose([*PAIR, "model.width_mult=0.25", "norm.apply_in_pointwise=true"]),
                               torch.device("cpu"), 10)
-        assert model.apply_norm_in_pointwise
+        assert model.apply_norm_in_pointwise and not model.stats_from_pointwise
+        model = build_for_run(compose([*PAIR, "model.width_mult=0.25", "norm.apply_in_pointwise=true",
+                                       "norm.stats_from_pointwise=true"]), torch.device("cpu"), 10)
+        assert model.apply_norm_in_pointwise and model.stats_from_pointwise
+
+
+def test_stats_from_pointwise_is_refused_without_the_fused_pointwise_convs():
+    from mobilenet.config import ConfigError
+    from mobilenet.engine import _check_stats_from_pointwise
+
+    cfg = compose([*PAIR, "norm.apply_in_pointwise=false", "norm.stats_from_pointwise=true"])
+    with pytest.raises(ConfigError, match=r"norm.stats_from_pointwise=true needs norm.apply_in_pointwise on, whose "
+                                          r"fused convolutions compute the sums \(this run: "
+                                          r"norm.apply_in_pointwise=false\); or set norm.stats_from_pointwise=false"):
+        _check_stats_from_pointwise(cfg)
+    cfg = compose([*PAIR, "channels_last=false", "norm.apply_in_pointwise=auto", "norm.stats_from_pointwise=true"])
+    with pytest.raises(ConfigError, match=r"\(this run: norm.apply_in_pointwise=auto: off, it needs "
+                                          r"channels_last=true"):
+        _check_stats_from_pointwise(cfg)
+    _check_stats_from_pointwise(compose(PAIR))  # off: nothing to refuse
+    if HAS_FRONTEND:
+        _check_stats_from_pointwise(compose([*PAIR, "norm.apply_in_pointwise=true", "norm.stats_from_pointwise=true"]))
+    with pytest.raises(ValueError, match="stats_from_pointwise takes the sums of the fused pointwise convs: it needs "
+                                         "apply_norm_in_pointwise"):
+        MobileNetV1(num_classes=10, width_mult=0.25, norm="custom", stats_from_pointwise=True)
 
 
 def test_model_refuses_other_norms_at_construction():
@@ -137,6 +164,10 @@ def test_summary_names_the_switch():
     if HAS_FRONTEND:
         assert norm_label(compose([*PAIR, "norm.apply_in_pointwise=auto"])).endswith(
             " (applied by cuDNN's fused pointwise conv after it, in training; norm.apply_in_pointwise=auto)")
+        assert norm_label(compose([*PAIR, "norm.apply_in_pointwise=true", "norm.stats_from_pointwise=true"])).endswith(
+            " (applied by cuDNN's fused pointwise conv after it, in training; norm.apply_in_pointwise=true; the "
+            "BatchNorm after that conv takes its statistics from cuDNN's sums, norm.stats_from_pointwise=true: not "
+            "bitwise repeatable)")
     assert norm_label(compose(PAIR), training=False) == "custom"
 
 
@@ -324,9 +355,10 @@ def test_ops_opcheck_and_clear_errors():
         batch_norm_relu_conv1x1(y, bn_w, bn_b, conv_w.expand(24, 16, 3, 3))
 
 
-def _models():
+def _models(stats_from_pointwise: bool = False):
     """The model with norm.apply_in_depthwise on, and norm.apply_in_pointwise off and on."""
-    return _model_pair({"apply_norm_in_depthwise": True}, {"apply_norm_in_pointwise": True})
+    return _model_pair({"apply_norm_in_depthwise": True},
+                       {"apply_norm_in_pointwise": True, "stats_from_pointwise": stats_from_pointwise})
 
 
 def _step(model, x, target):
@@ -359,13 +391,14 @@ def _within_noise(ref, cand, floor):
 
 @gpu
 @needs_frontend
-def test_model_step_with_the_switch_on_trains_like_off():
+@pytest.mark.parametrize("stats_from_pointwise", [False, True], ids=["own_stats", "cudnn_sums"])
+def test_model_step_with_the_switch_on_trains_like_off(stats_from_pointwise):
     """cuDNN's fused convolutions normalize with fp16 scale and shift operands instead of the BatchNorm's centred
     form, and the next BatchNorm's statistics come from their fp32 sums: the same steps to rounding. At this size a
     step's loss moved by 5e-4 and 7e-4 (H200); its gradients, sums with much cancellation at initialisation, move by
     far more than a weight perturbation of half an fp16 ulp moves them, so they are compared over 300 training steps
     against that noise floor by scripts/compare_loss_curves.py (docs/results/pointwise_norm_fusion_h200.md)."""
-    off, on = _models()
+    off, on = _models(stats_from_pointwise)
     x, target = _batch()
     for _ in range(2):  # the second step starts from the running statistics the first updated
         ref, cand = _step(off.train(), x, target), _step(on.train(), x, target)
@@ -377,8 +410,23 @@ def test_model_step_with_the_switch_on_trains_like_off():
 
 @gpu
 @needs_frontend
-def test_captured_model_step_matches_eager():
+def test_model_step_with_its_own_statistics_is_bitwise_repeatable(deterministic_cudnn):
+    """Without norm.stats_from_pointwise nothing of the step adds in a varying order: two steps from one state are
+    bit for bit the same (cuDNN's sums are computed, and not used)."""
     _, on = _models()
+    state = {k: v.clone() for k, v in on.state_dict().items()}
+    x, target = _batch()
+    first = _step(on.train(), x, target)
+    on.load_state_dict(state)
+    second = _step(on, x, target)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+@gpu
+@needs_frontend
+@pytest.mark.parametrize("stats_from_pointwise", [False, True], ids=["own_stats", "cudnn_sums"])
+def test_captured_model_step_matches_eager(stats_from_pointwise, deterministic_cudnn):
+    _, on = _models(stats_from_pointwise)
     state = {k: v.clone() for k, v in on.state_dict().items()}
     x, target = _batch()
     eager = _step(on.train(), x, target)
@@ -395,6 +443,9 @@ def test_captured_model_step_matches_eager():
     on.load_state_dict(state)
     graph.replay()
     torch.cuda.synchronize()
+    if not stats_from_pointwise:
+        assert all(torch.equal(a, b) for a, b in zip(eager, captured))
+        return
     # Not bitwise: the sums vary between calls (test_only_the_sums_vary_between_calls).
     on.load_state_dict(state)
     _within_noise(eager, captured, _step(_perturbed(on).train(), x, target))
