@@ -111,8 +111,9 @@ class ModelConfig:
     dropout: float = 0.0
     # Who computes the stem convolution's weight gradient in training (3 -> 32 channels, 3x3, stride 2): cudnn, or
     # custom, this project's kernel (kernels/stem_ops.py), which needs a CUDA GPU, channels_last=true and output
-    # channels in whole 16-byte vectors (every width_mult of the paper). The forward is cuDNN's either way. Not yet
-    # measured against cuDNN on a GPU, so not the default; the summary's "stem weight gradient" row says which ran.
+    # channels in whole 16-byte vectors (every width_mult of the paper). The forward is cuDNN's either way. Measured
+    # slower than cuDNN's (training 2% slower on an H100: docs/kernels.md), so not the default; the summary's "stem
+    # weight gradient" row says which ran.
     stem_weight_grad: StemWeightGrad = StemWeightGrad.cudnn
 
 
@@ -127,7 +128,9 @@ class DaliConfig:
     hw_decoder_load: float = 1.0
     # Training pipelines decoding side by side, each with its own reader shard, decoder and `threads` threads; the
     # loader takes their batches in turn. One pipeline's decoder works through one batch at a time, and its JPEG
-    # engines wait while it prepares the next (mobilenet/data/dali.py). Validation always runs one.
+    # engines wait while it prepares the next (mobilenet/data/dali.py). Validation always runs one. Two fed training at
+    # 0.877 of synthetic data on an H100 against 0.722 with one (docs/results/loader_h100_8ea4586.md), not yet in an
+    # alternating comparison.
     pipelines: int = 1
     # Check every file's image signature / JPEG structure before DALI starts (DALI's decode errors do not name
     # the file, and DALI 2.4's CPU decoder can segfault instead of failing); needed for data.skip_corrupt. Costs

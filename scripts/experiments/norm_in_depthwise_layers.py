@@ -22,11 +22,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 
-from mobilenet.bench.dtypes import DTYPES
-from mobilenet.bench.timing import events_elapsed_s
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as `python scripts/experiments/...`
+
+from mobilenet.bench.dtypes import DTYPES  # noqa: E402
+from mobilenet.bench.timing import events_elapsed_s  # noqa: E402
 
 # (channels, input size, stride) of the 13 depthwise layers at width 1.0, input 224 (Howard et al. 2017, Table 1)
 LAYERS = [(32, 112, 1), (64, 112, 2), (128, 56, 1), (128, 56, 2), (256, 28, 1), (256, 28, 2), (512, 14, 1),

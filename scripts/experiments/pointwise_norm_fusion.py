@@ -28,11 +28,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from mobilenet.bench.dtypes import DTYPES as ALL_DTYPES
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as `python scripts/experiments/...`
+
+from mobilenet.bench.dtypes import DTYPES as ALL_DTYPES  # noqa: E402
 
 CANDIDATES = 4
 DTYPES = {k: ALL_DTYPES[k] for k in ("fp16", "bf16")}  # cuDNN's fused convolutions are 16-bit

@@ -24,11 +24,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from mobilenet.bench.dtypes import DTYPES
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as `python scripts/experiments/...`
+
+from mobilenet.bench.dtypes import DTYPES  # noqa: E402
 
 CL = torch.channels_last
 
