@@ -1,7 +1,8 @@
 """Does the loader keep up with training? The same train.py run fed by a real loader and by synthetic data, back to back.
 
     python scripts/check_loader.py [--rounds 2] [--epochs 2] [--warmup 50] [--target 0.90] [--out FILE.md]
-                                   [--work-dir DIR] [--device cuda|cpu] data=dali data.root=DIR [HYDRA OVERRIDES ...]
+                                   [--work-dir DIR] [--device cuda|cpu] [--variant "OVERRIDES" ...]
+                                   data=dali data.root=DIR [HYDRA OVERRIDES ...]
 
 Each round runs `python train.py OVERRIDES` (the loader under test: data=dali or data=folder, with data.root), then
 the same command with data=synthetic in its place: the same model, precision, layout, batch, resolution, classes
@@ -13,12 +14,21 @@ the warm-up steps excluded):
 
     loader share = img/s fed by the loader / img/s on synthetic data
 
-With --rounds > 1 the verdict compares medians, and the rounds alternate the two. The loader's runs sample the
+With --rounds > 1 the verdict compares medians, and the rounds alternate the two. --variant (given twice or more)
+compares loader settings in the same rounds: each variant's overrides (loader keys only: data, data.root, data.dali.*,
+data.workers, ...) are added to the loader run's, every round runs each variant and one synthetic run in an order that
+rotates from round to round, and each variant gets its own share against the same synthetic runs:
+
+    python scripts/check_loader.py --rounds 3 --variant data.dali.pipelines=1 --variant data.dali.pipelines=2 \
+        data=dali data.root=DIR backend=custom norm=custom amp=true channels_last=true
+
+The loader's runs sample the
 machine's load over their timed steps (perf.sample_load): host CPU busy and steal, and with nvidia-ml-py the GPU's SM
 and JPEG-engine busy shares, in the table where logged. --device cpu runs the same comparison on the CPU (small
 images; for tests: its share says nothing about GPUs).
 
-Exit status: 0 share >= --target, 1 below it, 2 a run failed or the setup is wrong (the message says which).
+Exit status: 0 share >= --target (every variant's), 1 below it, 2 a run failed or the setup is wrong (the message
+says which).
 """
 
 from __future__ import annotations
@@ -63,21 +73,27 @@ class SetupError(ValueError):
     """The overrides describe no loader run that can be compared; the message says why."""
 
 
+# The keys a --variant may set: those the synthetic run drops, so that every variant shares its reference.
+LOADER_KEYS = ("data.root", "data.dali.", "data.workers", "data.num_classes", "data.skip_corrupt", "data.check_files")
+
+
 @dataclass
 class Plan:
-    loader: list[str]  # the loader run's overrides
+    loaders: list[list[str]]  # the loader runs' overrides: one, or one per --variant
+    variants: list[str]  # the --variant strings, in that order ([] without --variant)
     synthetic: list[str]  # the synthetic run's
-    cfg: object  # the loader run's composed config
-    steps: int  # steps per epoch of both
+    cfg: object  # the (first) loader run's composed config
+    steps: int  # steps per epoch of every run
 
 
-def plan(args: argparse.Namespace) -> Plan:
-    """The two runs to compare; SetupError where the overrides do not describe a loader run that can be compared."""
+def _is_loader_key(key: str) -> bool:
+    return key == "data" or key.startswith(LOADER_KEYS)
+
+
+def _loader_run(base: list[str], args: argparse.Namespace):
+    """(composed config, steps per epoch, classes) of one loader run; SetupError where it is none."""
     from mobilenet.config import compose
 
-    device = [f"device={args.device}"] + (CPU_DEFAULT if args.device == "cpu" else [])
-    base = merge_overrides([*device, f"epochs={args.epochs}", f"perf.warmup_steps={args.warmup}", *FIXED],
-                           args.overrides)
     try:  # a misspelled key, a bad value or a missing data.root fails here, in a second, not in the first run
         cfg = compose(base)
         if cfg.data.name not in LOADERS:
@@ -90,12 +106,36 @@ def plan(args: argparse.Namespace) -> Plan:
     if steps <= args.warmup and args.epochs == 1:
         raise SetupError(f"the loader's epoch has {steps} steps, no more than --warmup {args.warmup}: nothing would be "
                          "timed; lower --warmup or raise --epochs")
-    loader = [o for o in base if override_key(o) != "data.steps_per_epoch"] + [f"data.steps_per_epoch={steps}"]
+    return cfg, steps, classes
+
+
+def plan(args: argparse.Namespace) -> Plan:
+    """The runs to compare; SetupError where the overrides do not describe loader runs that can be compared."""
+    device = [f"device={args.device}"] + (CPU_DEFAULT if args.device == "cpu" else [])
+    base = merge_overrides([*device, f"epochs={args.epochs}", f"perf.warmup_steps={args.warmup}", *FIXED],
+                           args.overrides)
+    variants = args.variant or []
+    runs = []
+    for variant in variants or [None]:
+        extra = shlex.split(variant) if variant is not None else []
+        others = [o for o in extra if not _is_loader_key(override_key(o))]
+        if others or (variant is not None and not extra):
+            raise SetupError(f"--variant {variant!r} sets {' '.join(others) or 'nothing'}: a variant sets loader keys "
+                             "only (data, data.root, data.dali.*, data.workers, data.num_classes, data.skip_corrupt, "
+                             "data.check_files), which the synthetic run they share leaves out")
+        overrides = merge_overrides(base, extra)
+        runs.append((overrides, *_loader_run(overrides, args)))
+    _, cfg, steps, classes = runs[0]
+    for variant, (overrides, _, s, c) in zip(variants, runs):
+        if (s, c) != (steps, classes):
+            raise SetupError(f"--variant {variant!r} gives {s} steps per epoch and {c} classes, the first "
+                             f"{variants[0]!r} {steps} and {classes}: the variants must read the same training split")
+    loaders = [[o for o in overrides if override_key(o) != "data.steps_per_epoch"] + [f"data.steps_per_epoch={steps}"]
+               for overrides, *_ in runs]
     # data=synthetic in place of the loader, with the loader's classes and steps; the loader's own keys dropped.
-    synthetic = [o for o in loader if override_key(o) != "data" and not override_key(o).startswith(
-        ("data.root", "data.dali.", "data.workers", "data.num_classes", "data.skip_corrupt", "data.check_files"))]
+    synthetic = [o for o in loaders[0] if not _is_loader_key(override_key(o))]
     synthetic = merge_overrides(["data=synthetic"], synthetic) + [f"data.num_classes={classes}"]
-    return Plan(loader, synthetic, cfg, steps)
+    return Plan(loaders, list(variants), synthetic, cfg, steps)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -110,11 +150,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=1800, help="seconds one run may take (default 1800)")
     p.add_argument("--out", type=Path, help="markdown result (default: report.md in the work directory)")
     p.add_argument("--work-dir", type=Path, help="where the runs' log_roots go (default runs/check_loader/<time>)")
+    p.add_argument("--variant", action="append", metavar="OVERRIDES",
+                   help="loader overrides of one setting to compare (give it twice or more), e.g. "
+                        "--variant data.dali.pipelines=1 --variant data.dali.pipelines=2")
     p.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="Hydra overrides of the loader run (after `--` or "
                                                                      "inline); data=dali or data=folder and data.root")
     args = p.parse_intermixed_args(argv)
     if args.epochs < 1 or args.warmup < 0 or args.rounds < 1:
         p.error("--epochs and --rounds must be >= 1 and --warmup >= 0")
+    if args.variant is not None and len(args.variant) < 2:
+        p.error("--variant compares settings: give it at least twice (or not at all)")
     return args
 
 
@@ -142,51 +187,65 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {work} already exists; pick another --work-dir", file=sys.stderr)
         return 2
     name = cfg.data.name
-    print(f"data={name} against data=synthetic: {args.rounds} round(s), {args.epochs} epoch(s) of {steps} steps "
+    variants = runs.variants
+    against = f"{len(variants)} settings of data={name}" if variants else f"data={name}"
+    print(f"{against} against data=synthetic: {args.rounds} round(s), {args.epochs} epoch(s) of {steps} steps "
           f"(batch {cfg.data.batch_size}, {cfg.data.resolution}px), {args.warmup} warm-up steps; runs under {work}",
           flush=True)
-    fed: list[TrainRun] = []
-    made: list[TrainRun] = []
+    # (kind, overrides): the loader run(s), then the synthetic one; "loader" alone, or "loader1", "loader2", ...
+    kinds = [(f"loader{k}" if variants else "loader", o) for k, o in enumerate(runs.loaders, 1)]
+    kinds.append(("synthetic", runs.synthetic))
+    fed: dict[str, list[TrainRun]] = {kind: [] for kind, _ in kinds}
     env = dict(os.environ)
     try:
         for r in range(1, args.rounds + 1):
-            # alternate which goes first, so that drift over the rounds falls on both alike
-            order = [("loader", runs.loader), ("synthetic", runs.synthetic)]
-            for kind, overrides in (order if r % 2 else order[::-1]):
+            # the order rotates from round to round (with one loader: alternates), so that drift over the rounds
+            # falls on every run alike
+            shift = (r - 1) % len(kinds)
+            for kind, overrides in kinds[shift:] + kinds[:shift]:
                 run = run_train(overrides, work / f"round{r}-{kind}", env, args.timeout)
-                (fed if kind == "loader" else made).append(run)
+                fed[kind].append(run)
                 print(f"round {r}/{args.rounds}: {kind:9} {num(run.img_s):>10} img/s ({run.seconds:.0f} s)", flush=True)
     except TrainRunError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    loader_img_s = statistics.median(m.img_s for m in fed)
+    made = fed.pop("synthetic")
     synthetic_img_s = statistics.median(m.img_s for m in made)
-    share = loader_img_s / synthetic_img_s
-    ok = share >= args.target
+    labels = {kind: f"data={name}" + (f" `{variants[i]}`" if variants else "") for i, kind in enumerate(fed)}
+    shares = {kind: statistics.median(f.img_s for f in results) / synthetic_img_s for kind, results in fed.items()}
+    ok = all(share >= args.target for share in shares.values())
     env_facts = environment(torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu"))
     head = "| round | data | img/s | step ms | data wait ms/step | " + " | ".join(LOAD_COLUMNS.values()) + " | share |"
     table = [head, "|---|---|--:|--:|--:|" + "--:|" * len(LOAD_COLUMNS) + "--:|"]
-    for r, (f, m) in enumerate(zip(fed, made), 1):
-        for run, label in ((f, f"data={name}"), (m, "data=synthetic")):
+    for r, m in enumerate(made, 1):
+        rows = [(results[r - 1], labels[kind]) for kind, results in fed.items()] + [(m, "data=synthetic")]
+        for run, label in rows:
             s = run.scalars
-            share_cell = f"{f.img_s / m.img_s:.3f}" if run is f else "1.000 (reference)"
+            share_cell = f"{run.img_s / m.img_s:.3f}" if run is not m else "1.000 (reference)"
             table.append(f"| {r} | {label} | {num(run.img_s)} | {num(s.get('perf/step_ms', float('nan')))} | "
                          f"{num(s.get('perf/data_wait_ms', float('nan')))} | " + " | ".join(_load_cells(run))
                          + f" | {share_cell} |")
+    medians = " (medians)" if args.rounds > 1 else ""
+    verdicts = [(f"{labels[kind]}: l" if variants else "L")
+                + f"oader share {share:.3f} = {num(statistics.median(f.img_s for f in fed[kind]))} / "
+                  f"{num(synthetic_img_s)}{medians}; target >= {args.target:.2f}: "
+                  f"{'PASS' if share >= args.target else 'FAIL'}" for kind, share in shares.items()]
+    order = ("each running every setting and the synthetic run once, in an order that rotates from round to round"
+             if variants else "of one run each, alternating which goes first")
     lines = [
         f"# Does data={name} keep up? The same train.py run fed by it and by synthetic data",
         "",
         f"Command: `python scripts/check_loader.py {shlex.join(argv)}`",
         f"Date: {time.strftime('%Y-%m-%d')}; tree: {env_facts.get('tree', 'unknown')}",
         machine_line(env_facts) + f"; {env_facts['cpu_cores']} CPU cores; DALI {env_facts['dali']}",
-        f"{args.rounds} round(s) of one run each, alternating which goes first; {args.epochs} epoch(s) of {steps} "
+        f"{args.rounds} round(s) {order}; {args.epochs} epoch(s) of {steps} "
         f"steps of batch {cfg.data.batch_size} at {cfg.data.resolution}px, {args.warmup} warm-up steps not timed.",
         "",
         "Commands (round 1):",
         "",
         "```bash",
-        fed[0].command,
+        *[results[0].command for results in fed.values()],
         made[0].command,
         "```",
         "",
@@ -195,13 +254,11 @@ def main(argv: list[str] | None = None) -> int:
         "img/s are perf/train_img_s from each run's TensorBoard events (images over the timed window); the machine's "
         "load is sampled over the loader runs' timed steps (perf.sample_load; GPU figures need nvidia-ml-py).",
         "",
-        f"Loader share {share:.3f} = {num(loader_img_s)} / {num(synthetic_img_s)}"
-        + (" (medians)" if args.rounds > 1 else "") + f"; target >= {args.target:.2f}: {'PASS' if ok else 'FAIL'}",
+        *[line for v in verdicts for line in (v, "")][:-1],
     ]
     publish("\n".join(lines), args.out or work / "report.md")
     print(f"wrote {args.out or work / 'report.md'}; runs in {work}")
     return 0 if ok else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -101,3 +101,44 @@ def test_what_cannot_be_compared_stops_before_any_run(overrides, message, tmp_pa
 def test_too_few_steps_to_time_are_refused(digits_root, tmp_path):
     proc = check_loader(*tiny(digits_root), "--warmup", "6", "--work-dir", str(tmp_path / "work"))
     assert proc.returncode == 2 and "the loader's epoch has 6 steps, no more than --warmup 6" in proc.stderr
+
+
+def test_variants_share_the_synthetic_runs_in_rotating_order(digits_root, tmp_path):
+    """--variant twice: every round runs both loader settings and one synthetic run, the order rotating from round to
+    round; each variant's share is its median over the synthetic runs' median, from the event files."""
+    work = tmp_path / "work"
+    proc = check_loader(*tiny(digits_root), "--rounds", "2", "--target", "0", "--work-dir", str(work),
+                        "--variant", "data.workers=0", "--variant", "data.workers=1 data.check_files=false")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    order = re.findall(r"^round (\d)/2: (loader1|loader2|synthetic)", proc.stdout, re.M)
+    assert order == [("1", "loader1"), ("1", "loader2"), ("1", "synthetic"),
+                     ("2", "loader2"), ("2", "synthetic"), ("2", "loader1")]
+    report = (work / "report.md").read_text()
+    commands = re.findall(r"^python train\.py .*$", report, re.M)
+    assert len(commands) == 3
+    assert "data.workers=0" in commands[0] and "data.workers=1" in commands[1] and "data.check_files=false" in commands[1]
+    assert "data=synthetic" in commands[2] and "data.workers" not in commands[2]
+    made = sorted(scalars(work / f"round{r}-synthetic")["perf/train_img_s"] for r in (1, 2))
+    for k, variant in ((1, "data.workers=0"), (2, "data.workers=1 data.check_files=false")):
+        fed = sorted(scalars(work / f"round{r}-loader{k}")["perf/train_img_s"] for r in (1, 2))
+        verdict = re.search(rf"^data=folder `{re.escape(variant)}`: loader share ([\d.]+) = .* \(medians\); "
+                            r"target >= 0\.00: PASS$", report, re.M)
+        assert verdict and float(verdict[1]) == pytest.approx(sum(fed) / sum(made), abs=1e-3), report
+        assert len(re.findall(rf"^\| \d \| data=folder `{re.escape(variant)}` \|", report, re.M)) == 2
+
+
+@pytest.mark.parametrize("variants, message", [
+    (["data.workers=0", "backend=custom"], "--variant 'backend=custom' sets backend=custom: a variant sets loader "
+                                           "keys only"),
+    (["data.workers=0", "data.workers=1 amp=false"], "sets amp=false: a variant sets loader keys only"),
+])
+def test_a_variant_that_changes_more_than_the_loader_is_refused(variants, message, digits_root, tmp_path):
+    flags = [a for v in variants for a in ("--variant", v)]
+    proc = check_loader(*tiny(digits_root), *flags, "--work-dir", str(tmp_path / "work"))
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert not (tmp_path / "work").exists()
+
+
+def test_a_single_variant_is_refused(digits_root, tmp_path):
+    proc = check_loader(*tiny(digits_root), "--variant", "data.workers=0", "--work-dir", str(tmp_path / "work"))
+    assert proc.returncode == 2 and "give it at least twice" in proc.stderr, proc.stderr
