@@ -80,6 +80,7 @@ LOADER_KEYS = ("data.root", "data.dali.", "data.workers", "data.num_classes", "d
 @dataclass
 class Plan:
     loaders: list[list[str]]  # the loader runs' overrides: one, or one per --variant
+    names: list[str]  # each loader run's data=
     variants: list[str]  # the --variant strings, in that order ([] without --variant)
     synthetic: list[str]  # the synthetic run's
     cfg: object  # the (first) loader run's composed config
@@ -120,9 +121,9 @@ def plan(args: argparse.Namespace) -> Plan:
         extra = shlex.split(variant) if variant is not None else []
         others = [o for o in extra if not _is_loader_key(override_key(o))]
         if others or (variant is not None and not extra):
+            keys = ", ".join(["data", *(k + "*" if k.endswith(".") else k for k in LOADER_KEYS)])
             raise SetupError(f"--variant {variant!r} sets {' '.join(others) or 'nothing'}: a variant sets loader keys "
-                             "only (data, data.root, data.dali.*, data.workers, data.num_classes, data.skip_corrupt, "
-                             "data.check_files), which the synthetic run they share leaves out")
+                             f"only ({keys}), which the synthetic run they share leaves out")
         overrides = merge_overrides(base, extra)
         runs.append((overrides, *_loader_run(overrides, args)))
     _, cfg, steps, classes = runs[0]
@@ -135,7 +136,7 @@ def plan(args: argparse.Namespace) -> Plan:
     # data=synthetic in place of the loader, with the loader's classes and steps; the loader's own keys dropped.
     synthetic = [o for o in loaders[0] if not _is_loader_key(override_key(o))]
     synthetic = merge_overrides(["data=synthetic"], synthetic) + [f"data.num_classes={classes}"]
-    return Plan(loaders, list(variants), synthetic, cfg, steps)
+    return Plan(loaders, [c.data.name for _, c, _, _ in runs], list(variants), synthetic, cfg, steps)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -186,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     if work.exists():
         print(f"error: {work} already exists; pick another --work-dir", file=sys.stderr)
         return 2
-    name = cfg.data.name
+    name = "/".join(dict.fromkeys(runs.names))  # the loader(s) under test: a variant may set data= too
     variants = runs.variants
     against = f"{len(variants)} settings of data={name}" if variants else f"data={name}"
     print(f"{against} against data=synthetic: {args.rounds} round(s), {args.epochs} epoch(s) of {steps} steps "
@@ -212,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
 
     made = fed.pop("synthetic")
     synthetic_img_s = statistics.median(m.img_s for m in made)
-    labels = {kind: f"data={name}" + (f" `{variants[i]}`" if variants else "") for i, kind in enumerate(fed)}
+    labels = {kind: f"data={runs.names[i]}" + (f" `{variants[i]}`" if variants else "") for i, kind in enumerate(fed)}
     shares = {kind: statistics.median(f.img_s for f in results) / synthetic_img_s for kind, results in fed.items()}
     ok = all(share >= args.target for share in shares.values())
     env_facts = environment(torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu"))

@@ -142,3 +142,17 @@ def test_a_variant_that_changes_more_than_the_loader_is_refused(variants, messag
 def test_a_single_variant_is_refused(digits_root, tmp_path):
     proc = check_loader(*tiny(digits_root), "--variant", "data.workers=0", "--work-dir", str(tmp_path / "work"))
     assert proc.returncode == 2 and "give it at least twice" in proc.stderr, proc.stderr
+
+
+def test_each_variant_is_labelled_by_its_own_loader(digits_root):
+    """A variant may change data= itself: each loader run keeps its own name, and the synthetic reference drops it."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import check_loader as script
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    runs = script.plan(script.parse_args([*tiny(digits_root), "--variant", "data=folder",
+                                          "--variant", "data=dali data.dali.decode=cpu"]))
+    assert runs.names == ["folder", "dali"]
+    assert "data=dali" in runs.loaders[1] and "data=folder" in runs.loaders[0]
+    assert not any(o.startswith(("data=folder", "data=dali", "data.dali.")) for o in runs.synthetic)
