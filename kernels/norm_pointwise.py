@@ -31,10 +31,15 @@ import threading
 import torch
 from torch import Tensor
 
+from . import in_weight_strides
 from .cudnn_frontend import cudnn_frontend_missing
-from .norm_ops import _check_running_update, _check_supported, _f32
+from .depthwise_args import out_shape
+from .norm_depthwise import (_bn_bwd_consts, _bn_bwd_from_sums, _bwd_normed, _check_pair, _fwd_normed, _input_stats,
+                             next_norm_unsupported)
+from .norm_ops import _check_running_update, _check_supported, _check_unbiased_count, _f32
 
-__all__ = ["pointwise_unsupported", "batch_norm_relu_conv1x1", "stats_from_sums", "sbr_conv1x1", "sbr_conv1x1_wgrad"]
+__all__ = ["pointwise_unsupported", "batch_norm_relu_conv1x1", "stats_from_sums", "sbr_conv1x1", "sbr_conv1x1_wgrad",
+           "batch_norm_relu_depthwise_conv2d_batch_norm_relu_conv1x1"]
 
 _CANDIDATES = 4  # execution plans timed per graph
 
@@ -313,3 +318,104 @@ def stats_from_sums(sums: Tensor, count: int, eps: float, running_mean: Tensor |
                                                                    num_batches_tracked, eps,
                                                                    float(momentum) if update else 0.0)
     return mean, invstd
+
+
+# --- the depthwise pair, the BatchNorm after it and the pointwise conv as one function ------------------------------
+
+
+class _BatchNormReluDepthwiseBatchNormReluConv1x1(torch.autograd.Function):
+    """conv1x1(relu(batch_norm(z))) with z = depthwise(relu(batch_norm(y))), from y: norm_depthwise's pair (the
+    BatchNorm before applied by the depthwise kernels as they load y), the BatchNorm after it computing only its
+    statistics, and sbr_conv1x1 applying that one as it loads z. The backward splits the middle BatchNorm as
+    MBN_DEPTHWISE_BACKWARD=next_norm does: the pointwise conv's weight gradient (sbr_conv1x1_wgrad) and input gradient
+    (cuDNN's dgrad), bn_relu_bwd_consts for the middle BatchNorm (its reduce pass and the gradients of its weight and
+    bias), depthwise_bwd_normed applying its input gradient as the walk or the rings load the gradient, then
+    bn_relu_bwd_from_sums for the BatchNorm before. The same kernels' arithmetic as _BatchNormReluConv1x1 after
+    norm_depthwise's pair, so the same bits, without the middle BatchNorm's input-gradient pass. Returns (out, sums) as
+    _BatchNormReluConv1x1 does."""
+
+    @staticmethod
+    def forward(ctx, y, norm_weight, norm_bias, dw_weight, running_mean, running_var, num_batches_tracked, eps,
+                momentum, stride, padding, sums, mid_weight, mid_bias, mid_running_mean, mid_running_var,
+                mid_num_batches_tracked, mid_eps, mid_momentum, pw_weight):
+        mean, invstd = _input_stats(y, norm_weight, norm_bias, running_mean, running_var, num_batches_tracked, eps,
+                                    momentum, sums)
+        z = _fwd_normed(y, dw_weight, mean, invstd, norm_weight, norm_bias, stride, padding)
+        bn = torch.ops.mobilenet_bn
+        if mid_running_mean is not None:
+            mid_mean, mid_invstd, _var = bn.bn_stats_update(z, mid_weight, mid_bias, mid_running_mean, mid_running_var,
+                                                            mid_num_batches_tracked, mid_eps, mid_momentum)
+        else:
+            mid_mean, mid_invstd, _var = bn.bn_stats(z, mid_weight, mid_bias, mid_eps)
+        scale_shift = bn.bn_scale_shift(mid_mean, mid_invstd, mid_weight, mid_bias, z.dtype)
+        out, out_sums = sbr_conv1x1(z, scale_shift, pw_weight)
+        ctx.save_for_backward(y, norm_weight, norm_bias, dw_weight, mean, invstd, z, mid_weight, mid_bias, mid_mean,
+                              mid_invstd, scale_shift, pw_weight)
+        ctx.conv_args = (stride, padding)
+        ctx.mark_non_differentiable(out_sums)
+        return out, out_sums
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_sums):
+        (y, norm_weight, norm_bias, dw_weight, mean, invstd, z, mid_weight, mid_bias, mid_mean, mid_invstd,
+         scale_shift, pw_weight) = ctx.saved_tensors
+        stride, padding = ctx.conv_args
+        needs = ctx.needs_input_grad
+        grad_out = grad_out.to(z.dtype).contiguous(memory_format=torch.channels_last)
+        grad_pw_weight = sbr_conv1x1_wgrad(grad_out, z, scale_shift, pw_weight) if needs[19] else None
+        # The gradient of relu(batch_norm(z)), the pointwise conv's input (z stands in for it: a dgrad reads only its
+        # shape).
+        grad_normed = torch.ops.aten.convolution_backward(grad_out, z, pw_weight, None, [1, 1], [0, 0], [1, 1], False,
+                                                          [0, 0], 1, [True, False, False])[0]
+        consts, grad_mid_weight, grad_mid_bias = _bn_bwd_consts(grad_normed, z, mid_weight, mid_bias, mid_mean,
+                                                                mid_invstd)
+        grad_x, grad_dw_weight, bn_sums = _bwd_normed(grad_normed, y, dw_weight, mean, invstd, norm_weight, norm_bias,
+                                                      stride, padding, True, z, consts)
+        grad_y, grad_norm_weight, grad_norm_bias = _bn_bwd_from_sums(grad_x, y, norm_weight, norm_bias, mean, invstd,
+                                                                     bn_sums)
+        return (grad_y if needs[0] else None, grad_norm_weight if needs[1] else None,
+                grad_norm_bias if needs[2] else None,
+                in_weight_strides(grad_dw_weight, dw_weight) if needs[3] else None,
+                None, None, None, None, None, None, None, None,
+                grad_mid_weight if needs[12] else None, grad_mid_bias if needs[13] else None,
+                None, None, None, None, None, grad_pw_weight)
+
+
+def batch_norm_relu_depthwise_conv2d_batch_norm_relu_conv1x1(
+        y: Tensor, norm_weight: Tensor, norm_bias: Tensor, dw_weight: Tensor, mid_weight: Tensor, mid_bias: Tensor,
+        pw_weight: Tensor, stride=(1, 1), padding=(1, 1), eps: float = 1e-5, running_mean: Tensor | None = None,
+        running_var: Tensor | None = None, num_batches_tracked: Tensor | None = None, momentum: float | None = None,
+        mid_eps: float = 1e-5, mid_running_mean: Tensor | None = None, mid_running_var: Tensor | None = None,
+        mid_num_batches_tracked: Tensor | None = None, mid_momentum: float | None = None,
+        sums: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(out, sums): out = batch_norm_relu_conv1x1(z, mid_weight, mid_bias, pw_weight, ...)[0] for
+    z = kernels.norm_depthwise.batch_norm_relu_depthwise_conv2d(y, norm_weight, norm_bias, dw_weight, ...), with the
+    middle BatchNorm's input gradient applied by the depthwise backward kernel as it loads the gradient instead of a
+    pass of its own (kernels.norm_depthwise.batch_norm_relu_depthwise_conv2d_batch_norm_relu's split); sums as
+    batch_norm_relu_conv1x1 returns them. The running statistics of each BatchNorm are updated where its own are
+    given (momentum in [0, 1]). The cases of both functions at stride 1 or 2 with padding 1, on fp16 channels_last y
+    with the cudnn-frontend package installed; others raise ValueError."""
+    name = "batch_norm_relu_depthwise_conv2d_batch_norm_relu_conv1x1"
+    dw_weight, stride, padding, update = _check_pair(name, y, norm_weight, norm_bias, dw_weight, stride, padding,
+                                                     running_mean, running_var, momentum, sums,
+                                                     unsupported=next_norm_unsupported)
+    _check_supported(y, mid_weight, mid_bias)
+    if not isinstance(pw_weight, Tensor):
+        raise ValueError(f"{name}: pw_weight must be a tensor (K, C, 1, 1)")
+    # The pointwise conv's input is z: y's dtype, layout and channels, which is what the fused graphs look at.
+    why = pointwise_unsupported(y, pw_weight)
+    if why is not None:
+        raise ValueError(f"{name}: {why}")
+    missing = cudnn_frontend_missing()
+    if missing is not None:
+        raise ValueError(f"{name} needs {missing}")
+    pw_weight = pw_weight.to(y.dtype).contiguous(memory_format=torch.channels_last)
+    mid_update = _check_running_update(name, y, mid_momentum, mid_running_mean, mid_running_var)
+    if mid_update:
+        n, _, oh, ow = out_shape(y.shape, dw_weight.shape, stride, padding, (1, 1))
+        _check_unbiased_count(name, n * oh * ow)
+    return _BatchNormReluDepthwiseBatchNormReluConv1x1.apply(
+        y, _f32(norm_weight), _f32(norm_bias), dw_weight, running_mean, running_var, num_batches_tracked, float(eps),
+        float(momentum) if update else 0.0, stride, padding, sums, _f32(mid_weight), _f32(mid_bias), mid_running_mean,
+        mid_running_var, mid_num_batches_tracked, float(mid_eps), float(mid_momentum) if mid_update else 0.0,
+        pw_weight)

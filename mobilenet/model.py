@@ -16,7 +16,8 @@ from .depthwise import DepthwiseConv2d
 from .errors import ConfigError
 from .norm import (NEXT_NORM_MODES, check_apply_in_depthwise, check_apply_in_pointwise, check_stats_from_depthwise,
                    custom_pair_needs, depthwise_backward_mode, depthwise_norm_relu, get_norm, next_norm_in,
-                   norm_relu_depthwise, norm_relu_depthwise_norm_relu, norm_relu_pointwise)
+                   norm_relu_depthwise, norm_relu_depthwise_norm_relu, norm_relu_depthwise_norm_relu_pointwise,
+                   norm_relu_pointwise)
 
 # (output channels, stride) of the 13 depthwise-separable blocks at width multiplier 1.0 (Table 1).
 BLOCKS: tuple[tuple[int, int], ...] = (
@@ -327,13 +328,19 @@ class MobileNetV1(nn.Module):
         y, sums = stem_conv(x), None  # sums: y's per-channel sums where the conv that wrote it returned them
         # MBN_DEPTHWISE_BACKWARD=next_norm (every layer) or next_norm_ring (the default: the layers whose backward runs
         # from the rings of rows): the BatchNorm after the depthwise conv joins the pair, whose backward kernel then
-        # applies that BatchNorm's input gradient (not with the pointwise fusion, which applies it itself).
-        next_norm = (self.apply_norm_in_depthwise and not self.apply_norm_in_pointwise
-                     and depthwise_backward_mode() in NEXT_NORM_MODES)
+        # applies that BatchNorm's input gradient; with the pointwise fusion, the pointwise conv that applies that
+        # BatchNorm in the forward joins them too.
+        next_norm = self.apply_norm_in_depthwise and depthwise_backward_mode() in NEXT_NORM_MODES
         for block in self.features[1:]:
             depthwise, norm_relu, relu_slot, (pointwise_conv, next_pending) = block
             if next_norm and next_norm_in(depthwise, y):
-                y = pointwise_conv(relu_slot(norm_relu_depthwise_norm_relu(pending, depthwise, norm_relu, y, sums)))
+                if self.apply_norm_in_pointwise:
+                    y, sums = norm_relu_depthwise_norm_relu_pointwise(pending, depthwise, norm_relu, pointwise_conv, y,
+                                                                      sums)
+                    if not self.stats_from_pointwise:
+                        sums = None  # as below
+                else:
+                    y = pointwise_conv(relu_slot(norm_relu_depthwise_norm_relu(pending, depthwise, norm_relu, y, sums)))
                 pending = next_pending
                 continue
             if self.apply_norm_in_depthwise:

@@ -39,7 +39,7 @@ __all__ = [
     "depthwise_norm_relu", "check_apply_in_depthwise", "norm_relu_depthwise", "norm_relu_depthwise_norm_relu",
     "depthwise_backward_mode",
     "custom_pair_needs",
-    "check_apply_in_pointwise", "norm_relu_pointwise",
+    "check_apply_in_pointwise", "norm_relu_pointwise", "norm_relu_depthwise_norm_relu_pointwise",
 ]
 
 APEX_INSTALL = (
@@ -115,8 +115,8 @@ def depthwise_backward_mode() -> str:
     runs (docs/kernels.md): "sums", one kernel gives both gradients of a depthwise conv (stride 1 or 2)
     and the gradient sums of the BatchNorm before it, whose backward then skips its reduce pass; "next_norm", "sums"
     and the BatchNorm + ReLU after the depthwise conv too, whose input gradient that kernel applies as it loads the
-    gradient (where that BatchNorm runs its own kernels: norm.apply_in_pointwise off; measured slower, so not the
-    default); "next_norm_ring" (the default: measured fastest, docs/kernels.md), "next_norm" only in the layers whose
+    gradient (with norm.apply_in_pointwise, the pointwise conv that applies that BatchNorm joins them:
+    norm_relu_depthwise_norm_relu_pointwise; measured slower in every layer, so not the default); "next_norm_ring" (the default: measured fastest, docs/kernels.md), "next_norm" only in the layers whose
     stride-1 backward runs from the rings of rows (MDW_BWD_RING_NORM; 16-bit), which apply that input gradient once
     per word in shared memory, and "sums" elsewhere (every layer in fp32, where the rings are off by default);
     "walk", the stride-1 kernel without the sums (stride 2 as "separate"); "separate", the conv's input and weight
@@ -475,6 +475,42 @@ def norm_relu_pointwise(bn: "CustomBatchNormReLU", conv: nn.Conv2d, y: Tensor) -
                               f"it ({why}); set norm.apply_in_pointwise=false")
     running, momentum = _running_update("norm.apply_in_pointwise", bn)
     return batch_norm_relu_conv1x1(y, bn.weight, bn.bias, conv.weight, bn.eps, *running, momentum=momentum)
+
+
+def norm_relu_depthwise_norm_relu_pointwise(bn: "CustomBatchNormReLU", conv: nn.Module, mid_bn: "CustomBatchNormReLU",
+                                            pointwise_conv: nn.Conv2d, y: Tensor,
+                                            sums: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """norm_relu_pointwise(mid_bn, pointwise_conv, norm_relu_depthwise(bn, conv, y, sums)) in training as one function
+    (kernels.norm_pointwise.batch_norm_relu_depthwise_conv2d_batch_norm_relu_conv1x1), whose depthwise backward kernel
+    applies mid_bn's input gradient as it loads the gradient instead of mid_bn's own pass: the same values, bit for
+    bit, for the layers where MBN_DEPTHWISE_BACKWARD's next_norm modes apply the next BatchNorm (next_norm_in). Eval
+    mode runs the modules one by one. A training input the kernels or the fused graphs do not take stops the run
+    (NormUnavailable naming why)."""
+    check_apply_in_depthwise(bn, conv)
+    check_apply_in_pointwise(mid_bn, pointwise_conv)
+    if not (_uses_batch_stats(bn) and _uses_batch_stats(mid_bn)):
+        return norm_relu_pointwise(mid_bn, pointwise_conv, norm_relu_depthwise(bn, conv, y, sums))
+    _check_pair_input(y)
+    from kernels.norm_depthwise import next_norm_unsupported
+    from kernels.norm_pointwise import batch_norm_relu_depthwise_conv2d_batch_norm_relu_conv1x1, pointwise_unsupported
+
+    why = next_norm_unsupported(y, conv.weight, conv.bias, conv.stride, conv.padding)
+    if why is not None:
+        raise NormUnavailable(f"norm.apply_in_depthwise is on: this depthwise conv cannot apply the BatchNorms around "
+                              f"it ({why}); set norm.apply_in_depthwise=false")
+    why = pointwise_unsupported(y, pointwise_conv.weight)  # the pointwise conv's input has y's dtype and channels
+    if why is not None:
+        raise NormUnavailable(f"norm.apply_in_pointwise is on: this pointwise conv cannot apply the BatchNorm before "
+                              f"it ({why}); set norm.apply_in_pointwise=false")
+    from kernels.depthwise_args import out_shape
+
+    _check_batch_size(out_shape(y.shape, conv.weight.shape, conv.stride, conv.padding, (1, 1)))
+    running, momentum = _running_update("norm.apply_in_depthwise", bn)
+    mid_running, mid_momentum = _running_update("norm.apply_in_pointwise", mid_bn)
+    return batch_norm_relu_depthwise_conv2d_batch_norm_relu_conv1x1(
+        y, bn.weight, bn.bias, conv.weight, mid_bn.weight, mid_bn.bias, pointwise_conv.weight, conv.stride,
+        conv.padding, bn.eps, *running, momentum=momentum, mid_eps=mid_bn.eps, mid_running_mean=mid_running[0],
+        mid_running_var=mid_running[1], mid_num_batches_tracked=mid_running[2], mid_momentum=mid_momentum, sums=sums)
 
 
 def _custom_check(device: torch.device) -> None:

@@ -42,9 +42,7 @@ def norm_label(cfg, training: bool = True) -> str:
         if applied:
             named = mode != DEFAULT_DEPTHWISE_BACKWARD
             detail = ""
-            if mode in NEXT_NORM_MODES and pointwise:
-                detail = "not with norm.apply_in_pointwise, which applies that BatchNorm itself" if named else ""
-            elif mode in NEXT_NORM_MODES:
+            if mode in NEXT_NORM_MODES:
                 detail = "the BatchNorm+ReLU after it has its input gradient applied by the depthwise backward kernel"
                 if mode == "next_norm_ring":
                     detail += " where that kernel runs from the rings of rows (MDW_BWD_RING_NORM: 16-bit by default)"

@@ -10,7 +10,9 @@ gpu`, with nvidia-cudnn-frontend installed): the pair against float64 (forward a
 outputs), the normalize within its operands' rounding, the next BatchNorm's statistics from the pair's output sums,
 what is repeatable, the running statistics bitwise those of the separate ops, opcheck, clear errors, and a whole
 MobileNetV1 step with the switch on against off within the noise floor (the statistics from the BatchNorm's own pass
-and from cuDNN's sums), bitwise repeatable with its own pass, and captured in a CUDA graph against eager.
+and from cuDNN's sums), bitwise repeatable with its own pass, and captured in a CUDA graph against eager; the depthwise
+pair, the BatchNorm after it and the pointwise conv as one function (the middle BatchNorm's input gradient applied by
+the depthwise backward) bit for bit the two pairs in turn, alone and in the model's ring layers.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import torch.nn.functional as F
 from mobilenet.config import compose
 from mobilenet.model import MobileNetV1
 from mobilenet.norm import NormUnavailable
-from test_norm_in_depthwise import _batch, _model_pair
+from test_depthwise_backward_walk import backward_mode  # noqa: F401 (a fixture)
+from test_norm_in_depthwise import _batch, _model_pair, _poison
 from test_norm_in_depthwise import _step as _depthwise_step
 
 HAS_FRONTEND = importlib.util.find_spec("cudnn") is not None
@@ -449,3 +452,107 @@ def test_captured_model_step_matches_eager(stats_from_pointwise, deterministic_c
     # Not bitwise: the sums vary between calls (test_only_the_sums_vary_between_calls).
     on.load_state_dict(state)
     _within_noise(eager, captured, _step(_perturbed(on).train(), x, target))
+
+
+# --- the depthwise pair, the BatchNorm after it and the pointwise conv as one function (next_norm's split) ---------
+
+_TRIPLE_CASES = [(4, 64, 28, 28, 1), (3, 128, 14, 14, 1), (2, 64, 28, 28, 2), (5, 32, 9, 11, 1)]  # (N, C, H, W, stride)
+
+
+def _triple_inputs(case, seed):
+    """y fp16 channels_last, the BatchNorm before (fp32 weight, bias), the depthwise weight, the middle BatchNorm, the
+    pointwise weight (2C outputs), the stride, and running statistics for both BatchNorms."""
+    from test_norm_in_depthwise import _inputs
+
+    y, bn_w, bn_b, dw_w, stride = _inputs(case, torch.float16, seed=seed)
+    c = y.shape[1]
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    mid_w = torch.rand(c, device="cuda", generator=g) + 0.5
+    mid_b = torch.randn(c, device="cuda", generator=g) * 0.5
+    pw_w = (torch.randn(2 * c, c, 1, 1, device="cuda", generator=g) / c**0.5).half().contiguous(
+        memory_format=torch.channels_last)
+    running = [(torch.zeros(c, device="cuda"), torch.ones(c, device="cuda"), torch.zeros((), dtype=torch.long,
+                                                                                        device="cuda"))
+               for _ in range(2)]
+    return y, bn_w, bn_b, dw_w, mid_w, mid_b, pw_w, stride, running
+
+
+def _triple_run(fused: bool, y, bn_w, bn_b, dw_w, mid_w, mid_b, pw_w, stride, running, seed):
+    """out, sums, the gradients of y and of the five weights for a random output gradient, and both BatchNorms'
+    running statistics: as one function, or as the depthwise pair then the pointwise pair."""
+    from kernels.norm_depthwise import batch_norm_relu_depthwise_conv2d
+    from kernels.norm_pointwise import batch_norm_relu_conv1x1, batch_norm_relu_depthwise_conv2d_batch_norm_relu_conv1x1
+    from test_depthwise_backward_walk import _grad
+
+    leaves = [t.detach().clone().requires_grad_() for t in (y, bn_w, bn_b, dw_w, mid_w, mid_b, pw_w)]
+    running = [tuple(t.clone() for t in r) for r in running]
+    _poison()
+    if fused:
+        out, sums = batch_norm_relu_depthwise_conv2d_batch_norm_relu_conv1x1(
+            *leaves, stride=stride, padding=(1, 1), running_mean=running[0][0], running_var=running[0][1],
+            num_batches_tracked=running[0][2], momentum=0.1, mid_running_mean=running[1][0],
+            mid_running_var=running[1][1], mid_num_batches_tracked=running[1][2], mid_momentum=0.1)
+    else:
+        z = batch_norm_relu_depthwise_conv2d(leaves[0], leaves[1], leaves[2], leaves[3], stride, (1, 1),
+                                             running_mean=running[0][0], running_var=running[0][1],
+                                             num_batches_tracked=running[0][2], momentum=0.1, walk_sums=True)
+        out, sums = batch_norm_relu_conv1x1(z, leaves[4], leaves[5], leaves[6], running_mean=running[1][0],
+                                            running_var=running[1][1], num_batches_tracked=running[1][2], momentum=0.1)
+    _poison()
+    out.backward(_grad(out.shape, out.dtype, seed + 2))
+    return [out.detach(), sums] + [t.grad for t in leaves] + [t for r in running for t in r]
+
+
+@gpu
+@needs_frontend
+@pytest.mark.parametrize("case", _TRIPLE_CASES, ids=_ids)
+def test_pair_and_pointwise_pair_as_one_function_are_the_two_in_turn(case, deterministic_cudnn):
+    """The one function gives the output, every gradient and both running statistics of the depthwise pair followed
+    by the fused pointwise pair bit for bit (these are checked against float64 by their own tests), with outputs and
+    gradients finite where the allocator was poisoned; the sums (cuDNN's atomics) to fp32 rounding."""
+    inputs = _triple_inputs(case, seed=sum(case))
+    fused = _triple_run(True, *inputs, seed=sum(case))
+    separate = _triple_run(False, *inputs, seed=sum(case))
+    for i, (a, b) in enumerate(zip(fused, separate)):
+        assert torch.isfinite(a.float()).all(), i
+        if i == 1:
+            assert _rel(a, b) < 1e-5
+        else:
+            assert torch.equal(a, b), i
+
+
+@gpu
+@needs_frontend
+def test_one_function_refuses_what_it_cannot_take():
+    from kernels.norm_pointwise import batch_norm_relu_depthwise_conv2d_batch_norm_relu_conv1x1 as triple
+
+    y, bn_w, bn_b, dw_w, mid_w, mid_b, pw_w, _, _ = _triple_inputs((2, 16, 8, 8, 1), seed=0)
+    with pytest.raises(ValueError, match=r"batch_norm_relu_depthwise_conv2d_batch_norm_relu_conv1x1: .*padding"):
+        triple(y, bn_w, bn_b, dw_w, mid_w, mid_b, pw_w, stride=(1, 1), padding=(0, 0))
+    with pytest.raises(ValueError, match="fp16 inputs only"):
+        triple(y.bfloat16(), bn_w, bn_b, dw_w.bfloat16(), mid_w, mid_b, pw_w)
+    with pytest.raises(ValueError, match="must be 1x1 over all 16 channels"):
+        triple(y, bn_w, bn_b, dw_w, mid_w, mid_b, pw_w[:, :8].contiguous(memory_format=torch.channels_last))
+
+
+@gpu
+@needs_frontend
+def test_model_step_applies_the_middle_norm_in_the_rings_bit_for_bit(set_knobs, backward_mode, deterministic_cudnn):
+    """With the pointwise fusion, MBN_DEPTHWISE_BACKWARD=next_norm_ring (the default) runs the ring layers' depthwise
+    pair, BatchNorm and pointwise conv as one function: two steps bit for bit those of the sums mode, the rings
+    applying the BatchNorm (their GNORM instantiation), which the sums mode's kernels do not."""
+    from test_bwd_ring_norm import _RING
+    from test_kernels import _profiled
+
+    sums_model, ring_model = _model_pair({"apply_norm_in_depthwise": True, "apply_norm_in_pointwise": True}, {})
+    x, target = _batch()
+    set_knobs(BWD_RING=1, BWD_RING_NORM=1)
+    for _ in range(2):
+        backward_mode("sums")
+        a, sums_names = _profiled(lambda: _step(sums_model.train(), x, target))
+        backward_mode("next_norm_ring")
+        b, names = _profiled(lambda: _step(ring_model.train(), x, target))
+        for i, (u, v) in enumerate(zip(a, b)):
+            assert torch.equal(u, v), i
+        assert any(_RING in n and "true, true>" in n for n in names), "the rings applied no BatchNorm"
+        assert not any(_RING in n and "true, true>" in n for n in sums_names)
