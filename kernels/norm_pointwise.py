@@ -238,6 +238,28 @@ def _(sums, count, running_mean, running_var, num_batches_tracked, eps, momentum
 # --- the pair ------------------------------------------------------------------------------------------------------
 
 
+def _normed_conv1x1(y, norm_weight, norm_bias, conv_weight, running_mean, running_var, num_batches_tracked, eps,
+                    momentum):
+    """The forward of the pair: (out, sums, mean, invstd, scale_shift), the BatchNorm's statistics from a pass over y
+    (updating its running statistics where given), then sbr_conv1x1 applying it."""
+    bn = torch.ops.mobilenet_bn
+    if running_mean is not None:
+        mean, invstd, _var = bn.bn_stats_update(y, norm_weight, norm_bias, running_mean, running_var,
+                                                num_batches_tracked, eps, momentum)
+    else:
+        mean, invstd, _var = bn.bn_stats(y, norm_weight, norm_bias, eps)
+    scale_shift = bn.bn_scale_shift(mean, invstd, norm_weight, norm_bias, y.dtype)
+    out, sums = sbr_conv1x1(y, scale_shift, conv_weight)
+    return out, sums, mean, invstd, scale_shift
+
+
+def _conv1x1_input_grad(grad_out: Tensor, y: Tensor, conv_weight: Tensor) -> Tensor:
+    """The gradient of the 1x1 convolution's input, relu(batch_norm(y)): cuDNN's plain dgrad (y stands in for that
+    input: a dgrad reads only its shape)."""
+    return torch.ops.aten.convolution_backward(grad_out, y, conv_weight, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1,
+                                               [True, False, False])[0]
+
+
 class _BatchNormReluConv1x1(torch.autograd.Function):
     """conv1x1(relu(batch_norm(y))) from y: bn_stats(_update), bn_scale_shift, then sbr_conv1x1, which also returns
     its output's sums (no gradient); backward as the module docstring."""
@@ -245,14 +267,8 @@ class _BatchNormReluConv1x1(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, norm_weight, norm_bias, conv_weight, running_mean, running_var, num_batches_tracked, eps,
                 momentum):
-        bn = torch.ops.mobilenet_bn
-        if running_mean is not None:
-            mean, invstd, _var = bn.bn_stats_update(y, norm_weight, norm_bias, running_mean, running_var,
-                                                    num_batches_tracked, eps, momentum)
-        else:
-            mean, invstd, _var = bn.bn_stats(y, norm_weight, norm_bias, eps)
-        scale_shift = bn.bn_scale_shift(mean, invstd, norm_weight, norm_bias, y.dtype)
-        out, sums = sbr_conv1x1(y, scale_shift, conv_weight)
+        out, sums, mean, invstd, scale_shift = _normed_conv1x1(y, norm_weight, norm_bias, conv_weight, running_mean,
+                                                               running_var, num_batches_tracked, eps, momentum)
         ctx.save_for_backward(y, norm_weight, norm_bias, conv_weight, mean, invstd, scale_shift)
         ctx.mark_non_differentiable(sums)
         return out, sums
@@ -267,10 +283,7 @@ class _BatchNormReluConv1x1(torch.autograd.Function):
             grad_conv_weight = sbr_conv1x1_wgrad(grad_out, y, scale_shift, conv_weight)
         grad_y = grad_norm_weight = grad_norm_bias = None
         if any(needs[:3]):
-            # The convolution's input gradient (y stands in for its input: a dgrad reads only its shape), then the
-            # BatchNorm + ReLU backward from y.
-            grad_x = torch.ops.aten.convolution_backward(grad_out, y, conv_weight, None, [1, 1], [0, 0], [1, 1],
-                                                         False, [0, 0], 1, [True, False, False])[0]
+            grad_x = _conv1x1_input_grad(grad_out, y, conv_weight)  # then the BatchNorm + ReLU backward from y
             grad_y, grad_norm_weight, grad_norm_bias = torch.ops.mobilenet_bn.bn_relu_bwd(
                 grad_x, y, norm_weight, norm_bias, mean, invstd)
         return (grad_y if needs[0] else None, grad_norm_weight if needs[1] else None,
@@ -341,14 +354,9 @@ class _BatchNormReluDepthwiseBatchNormReluConv1x1(torch.autograd.Function):
         mean, invstd = _input_stats(y, norm_weight, norm_bias, running_mean, running_var, num_batches_tracked, eps,
                                     momentum, sums)
         z = _fwd_normed(y, dw_weight, mean, invstd, norm_weight, norm_bias, stride, padding)
-        bn = torch.ops.mobilenet_bn
-        if mid_running_mean is not None:
-            mid_mean, mid_invstd, _var = bn.bn_stats_update(z, mid_weight, mid_bias, mid_running_mean, mid_running_var,
-                                                            mid_num_batches_tracked, mid_eps, mid_momentum)
-        else:
-            mid_mean, mid_invstd, _var = bn.bn_stats(z, mid_weight, mid_bias, mid_eps)
-        scale_shift = bn.bn_scale_shift(mid_mean, mid_invstd, mid_weight, mid_bias, z.dtype)
-        out, out_sums = sbr_conv1x1(z, scale_shift, pw_weight)
+        out, out_sums, mid_mean, mid_invstd, scale_shift = _normed_conv1x1(
+            z, mid_weight, mid_bias, pw_weight, mid_running_mean, mid_running_var, mid_num_batches_tracked, mid_eps,
+            mid_momentum)
         ctx.save_for_backward(y, norm_weight, norm_bias, dw_weight, mean, invstd, z, mid_weight, mid_bias, mid_mean,
                               mid_invstd, scale_shift, pw_weight)
         ctx.conv_args = (stride, padding)
@@ -363,10 +371,7 @@ class _BatchNormReluDepthwiseBatchNormReluConv1x1(torch.autograd.Function):
         needs = ctx.needs_input_grad
         grad_out = grad_out.to(z.dtype).contiguous(memory_format=torch.channels_last)
         grad_pw_weight = sbr_conv1x1_wgrad(grad_out, z, scale_shift, pw_weight) if needs[19] else None
-        # The gradient of relu(batch_norm(z)), the pointwise conv's input (z stands in for it: a dgrad reads only its
-        # shape).
-        grad_normed = torch.ops.aten.convolution_backward(grad_out, z, pw_weight, None, [1, 1], [0, 0], [1, 1], False,
-                                                          [0, 0], 1, [True, False, False])[0]
+        grad_normed = _conv1x1_input_grad(grad_out, z, pw_weight)
         consts, grad_mid_weight, grad_mid_bias = _bn_bwd_consts(grad_normed, z, mid_weight, mid_bias, mid_mean,
                                                                 mid_invstd)
         grad_x, grad_dw_weight, bn_sums = _bwd_normed(grad_normed, y, dw_weight, mean, invstd, norm_weight, norm_bias,
