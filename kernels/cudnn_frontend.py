@@ -9,7 +9,7 @@ import importlib.util
 __all__ = ["INSTALL", "cudnn_frontend_missing"]
 
 # 1.16 needs nothing beyond cuDNN itself; later releases pull in the CUTLASS DSL (several hundred MB).
-INSTALL = "pip install 'nvidia-cudnn-frontend>=1.16,<1.17' (or pip install -e '.[cudnn]')"
+INSTALL = "pip install 'nvidia-cudnn-frontend>=1.16,<1.17' (a dependency of this project: pip install -e .)"
 
 
 def cudnn_frontend_missing() -> str | None:

@@ -1,6 +1,6 @@
 """norm.apply_in_pointwise: a BatchNorm + ReLU (training, batch statistics) whose normalize is done by the 1x1
 convolution after it, through cuDNN's fused convolutions (the graph API, driven by cudnn-frontend's Python
-bindings: `pip install -e ".[cudnn]"`). relu(batch_norm(y)) is never written or read back: the BatchNorm computes
+bindings: nvidia-cudnn-frontend, a dependency). relu(batch_norm(y)) is never written or read back: the BatchNorm computes
 only its statistics, and cuDNN's forward and weight-gradient kernels apply relu(y * scale + shift) to y as they load
 it (scale = weight * invstd, shift = bias - mean * scale per channel, rounded to fp16: cuDNN 9.19 runs no fp32
 operands here on Hopper), the way NVIDIA's MLPerf ResNet-50 fuses its NHWC BatchNorms into the next convolution.

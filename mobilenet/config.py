@@ -94,9 +94,10 @@ class NormConfig:
     # cudnn-frontend's graph API) apply relu(batch_norm(.)) as they load their input (kernels/norm_pointwise.py). It
     # needs norm=custom channels_last=true amp=true amp_dtype=fp16 sync_bn=false compile=false
     # norm.stats_from_depthwise=false, channel counts that are multiples of 8 (every width_mult of the paper), and the
-    # nvidia-cudnn-frontend package. auto | true | false as apply_in_depthwise, false by default. The BatchNorm after
-    # each of those convs computes its statistics with its own pass, so steps stay bitwise repeatable.
-    apply_in_pointwise: str = "false"
+    # nvidia-cudnn-frontend package (a dependency). auto | true | false as apply_in_depthwise; auto by default
+    # (measured 2.2% faster on an H100, fp16 channels_last, alternating: docs/results/train_h100_9cfeb02.md). The
+    # BatchNorm after each of those convs computes its statistics with its own pass, so steps stay bitwise repeatable.
+    apply_in_pointwise: str = "auto"
     # With apply_in_pointwise on: the BatchNorm after each fused pointwise conv takes its statistics from the sums that
     # cuDNN's statistics epilogue computed from the conv's output, instead of a pass of its own over it. cuDNN adds
     # those sums with atomics, so steps are not bitwise repeatable: off by default (measured, with apply_in_pointwise,
@@ -128,10 +129,10 @@ class DaliConfig:
     hw_decoder_load: float = 1.0
     # Training pipelines decoding side by side, each with its own reader shard, decoder and `threads` threads; the
     # loader takes their batches in turn. One pipeline's decoder works through one batch at a time, and its JPEG
-    # engines wait while it prepares the next (mobilenet/data/dali.py). Validation always runs one. Two fed training at
-    # 0.877 of synthetic data on an H100 against 0.722 with one (docs/results/loader_h100_8ea4586.md), not yet in an
-    # alternating comparison.
-    pipelines: int = 1
+    # engines wait while it prepares the next (mobilenet/data/dali.py). None (the default): 2 with decode=mixed, 1
+    # with decode=cpu, where no JPEG engine waits. Two fed training at 0.865 of synthetic data on an H100 against
+    # 0.655 with one, alternating (docs/results/loader_h100_9cfeb02.md).
+    pipelines: Optional[int] = None
     # Check every file's image signature / JPEG structure before DALI starts (DALI's decode errors do not name
     # the file, and DALI 2.4's CPU decoder can segfault instead of failing); needed for data.skip_corrupt. Costs
     # one small read at each end of every file.

@@ -34,13 +34,14 @@ run "fp32 NCHW" backend=torch amp=false channels_last=false cuda_graph=false
 run "AMP fp16" backend=torch amp=true channels_last=false cuda_graph=false
 run "channels_last" backend=torch amp=true channels_last=true cuda_graph=false
 run "custom depthwise" backend=custom amp=true channels_last=true cuda_graph=false
-run "custom BatchNorm+ReLU" backend=custom norm=custom norm.apply_in_depthwise=false amp=true channels_last=true \
-  cuda_graph=false
-run "BatchNorm+ReLU in the depthwise kernels" backend=custom norm=custom norm.apply_in_depthwise=true amp=true \
-  channels_last=true cuda_graph=false
-run "captured step" backend=custom norm=custom norm.apply_in_depthwise=true amp=true channels_last=true cuda_graph=true
-# The opt-in last steps (off by default: fp16 scale and shift operands; then sums that are not bitwise repeatable)
-# where cudnn-frontend is importable; otherwise their row says so under a label that is no step of the ladder.
+run "custom BatchNorm+ReLU" backend=custom norm=custom norm.apply_in_depthwise=false norm.apply_in_pointwise=false \
+  amp=true channels_last=true cuda_graph=false
+run "BatchNorm+ReLU in the depthwise kernels" backend=custom norm=custom norm.apply_in_depthwise=true \
+  norm.apply_in_pointwise=false amp=true channels_last=true cuda_graph=false
+run "captured step" backend=custom norm=custom norm.apply_in_depthwise=true norm.apply_in_pointwise=false amp=true \
+  channels_last=true cuda_graph=true
+# The last steps where cudnn-frontend is importable (a dependency, so normally; the second is opt-in: sums that are
+# not bitwise repeatable); otherwise their row says so under a label that is no step of the ladder.
 if "$PY" -c "import cudnn" >/dev/null 2>&1; then
   run "BatchNorm+ReLU in cuDNN's pointwise convs" backend=custom norm=custom norm.apply_in_depthwise=true \
     norm.apply_in_pointwise=true amp=true channels_last=true cuda_graph=true
@@ -48,7 +49,7 @@ if "$PY" -c "import cudnn" >/dev/null 2>&1; then
     norm.apply_in_depthwise=true norm.apply_in_pointwise=true norm.stats_from_pointwise=true amp=true \
     channels_last=true cuda_graph=true
 else
-  printf '| %s | `%s` | not run: nvidia-cudnn-frontend is not installed (pip install -e ".[cudnn]") |\n' \
+  printf '| %s | `%s` | not run: nvidia-cudnn-frontend is not installed (pip install "nvidia-cudnn-frontend>=1.16,<1.17") |\n' \
     "BatchNorm+ReLU in cuDNN's pointwise convs (not run)" "norm.apply_in_pointwise=true"
 fi
 # The apex peer (NVIDIA apex's NHWC BatchNorm with fused ReLU) joins the rounds where apex is importable; otherwise

@@ -416,7 +416,10 @@ def test_a_hardware_decoder_share_outside_0_to_1_is_refused_before_anything_runs
 def test_the_summary_names_how_dali_decodes(digits):
     assert data_label(data_cfg(digits)) == "dali (decode=cpu, 2 thread(s), prefetch 2)"
     mixed = data_cfg(digits, "data.dali.decode=mixed", "data.dali.hw_decoder_load=0.8", "data.dali.threads=10")
-    assert data_label(mixed) == "dali (decode=mixed, 10 thread(s), prefetch 2, hw_decoder_load 0.8)"
+    assert data_label(mixed) == ("dali (decode=mixed, 10 thread(s), prefetch 2, hw_decoder_load 0.8, "
+                                 "2 training pipelines of 10 thread(s) each)")
+    one = data_cfg(digits, "data.dali.decode=mixed", "data.dali.pipelines=1")
+    assert data_label(one) == "dali (decode=mixed, 2 thread(s), prefetch 2, hw_decoder_load 1)"
     assert data_label(data_cfg(digits, loader="folder")) == "folder"
     two = data_cfg(digits, "data.dali.pipelines=2")
     assert data_label(two) == "dali (decode=cpu, 2 thread(s), prefetch 2, 2 training pipelines of 2 thread(s) each)"
@@ -472,7 +475,8 @@ def test_gpu_batches_survive_a_consumer_that_lags_behind_dali(digits):
     """The consumer's stream is held up before every hand-over (as a long training step would): DALI's buffer must
     outlive the delay. Every epoch must still deliver each image once, with its label."""
     spec = LoaderSpec(torch.device("cuda", 0), torch.float32, channels_last=True)
-    cfg = data_cfg(digits, "data.dali.decode=mixed", batch_size=479)
+    # One pipeline: its epoch of 3 batches of 479 takes every training image, as the folder loader's does.
+    cfg = data_cfg(digits, "data.dali.decode=mixed", "data.dali.pipelines=1", batch_size=479)
     train, _ = build_loaders(cfg, spec)
     folder_labels = epoch(build_loaders(data_cfg(digits, loader="folder", batch_size=479), CPU_FP32)[0])[1]
     with streams.issued_on(torch.cuda.Stream()):
@@ -528,6 +532,18 @@ def test_gpu_yielded_batches_stay_valid(digits, dedicated_stream):
 def test_gpu_decode_without_a_gpu_is_refused_not_swapped(digits):
     with pytest.raises(ValueError, match="data.dali.decode=mixed decodes on the GPU.*data.dali.decode=cpu"):
         build_loaders(data_cfg(digits, "data.dali.decode=mixed"), CPU_FP32)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_unset_pipelines_run_two_with_mixed_decode_and_say_so_when_the_data_is_too_small(one_image_per_class):
+    spec = LoaderSpec(torch.device("cuda", 0), torch.float16, channels_last=True)
+    train, _ = build_loaders(data_cfg(one_image_per_class, "data.num_classes=96", "data.dali.decode=mixed",
+                                      batch_size=8), spec)
+    assert train.pipelines == 2
+    with pytest.raises(ConfigError, match=r"data.dali.pipelines \(unset: 2 with decode=mixed\): each of the 2 shard\(s\) "
+                                          r"of the 96 training images holds less than one batch of 64; .*pipelines=1"):
+        build_loaders(data_cfg(one_image_per_class, "data.num_classes=96", "data.dali.decode=mixed"), spec)
 
 
 @pytest.mark.gpu

@@ -36,15 +36,15 @@ PAIR = ["backend=custom", "norm=custom", "channels_last=true", "amp=true", "data
 # ---------------------------------------------------------------------------------------------- CPU tests
 
 
-def test_config_default_is_off_and_each_choice_resolves():
+def test_config_default_is_auto_and_each_choice_resolves():
     from mobilenet.model import apply_in_pointwise_state
 
-    assert compose([]).norm.apply_in_pointwise == "false"
+    assert compose([]).norm.apply_in_pointwise == "auto"
     assert compose([]).norm.stats_from_pointwise is False
-    assert apply_in_pointwise_state(compose(PAIR)) == (False, "norm.apply_in_pointwise=false")
+    assert apply_in_pointwise_state(compose([*PAIR, "norm.apply_in_pointwise=false"])) == (
+        False, "norm.apply_in_pointwise=false")
     if HAS_FRONTEND:
-        assert apply_in_pointwise_state(compose([*PAIR, "norm.apply_in_pointwise=auto"])) == (
-            True, "norm.apply_in_pointwise=auto")
+        assert apply_in_pointwise_state(compose(PAIR)) == (True, "norm.apply_in_pointwise=auto")
         assert apply_in_pointwise_state(compose([*PAIR, "norm.apply_in_pointwise=true"])) == (
             True, "norm.apply_in_pointwise=true")
 
@@ -160,12 +160,11 @@ def test_training_forward_on_cpu_stops_naming_cuda():
 def test_summary_names_the_switch():
     from mobilenet.run_record import norm_label
 
-    assert norm_label(compose(PAIR)).endswith(" (norm.apply_in_pointwise=false)")
-    label = norm_label(compose([*PAIR, "norm.apply_in_depthwise=false", "channels_last=false",
-                                "norm.apply_in_pointwise=auto"]))
+    assert norm_label(compose([*PAIR, "norm.apply_in_pointwise=false"])).endswith(" (norm.apply_in_pointwise=false)")
+    label = norm_label(compose([*PAIR, "norm.apply_in_depthwise=false", "channels_last=false"]))
     assert "(norm.apply_in_pointwise=auto: off, it needs channels_last=true" in label
     if HAS_FRONTEND:
-        assert norm_label(compose([*PAIR, "norm.apply_in_pointwise=auto"])).endswith(
+        assert norm_label(compose(PAIR)).endswith(
             " (applied by cuDNN's fused pointwise conv after it, in training; norm.apply_in_pointwise=auto)")
         assert norm_label(compose([*PAIR, "norm.apply_in_pointwise=true", "norm.stats_from_pointwise=true"])).endswith(
             " (applied by cuDNN's fused pointwise conv after it, in training; norm.apply_in_pointwise=true; the "

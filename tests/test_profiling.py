@@ -513,6 +513,33 @@ def test_a_convolution_launched_by_a_batchnorm_pair_is_a_convolution():
     assert category_of(fused, [Event("_BatchNormReluConv1x1Backward", "cpu_op", 0.0, 1.0, 1, 1, {})]) == "norm"
 
 
+def test_the_pointwise_conv_of_the_depthwise_pointwise_function_is_not_depthwise():
+    """One op launches the depthwise conv, the BatchNorm and the pointwise conv of a ring layer
+    (norm_relu_depthwise_norm_relu_pointwise): the conv op nearest each kernel says which conv it computes."""
+    from mobilenet.profiling.classify import category_of
+    from mobilenet.profiling.trace import Event
+
+    def ops(*names):
+        return [Event(name, "cpu_op", 0.0, 1.0, 1, 1, {}) for name in names]
+
+    gemm = Event("xmma__5x_cudnn::gemm::warp_specialized_kernel_gmma_utmaldg<xmma__5x_cudnn::implicit_gemm::fprop>",
+                 "kernel", 0.0, 1.0, 7, 0, {})
+    ring = Event("void mdw::bwd_nhwc_ring_kernel<mdw::F16T, true, true>(unsigned int const*)", "kernel", 0.0, 1.0, 7, 0,
+                 {})
+    fused = "_BatchNormReluDepthwiseBatchNormReluConv1x1"
+    assert category_of(gemm, ops("mobilenet_cudnn::sbr_conv1x1", fused)) == "other"
+    assert category_of(gemm, ops("mobilenet_cudnn::sbr_conv1x1_wgrad", fused + "Backward")) == "other"
+    dgrad = [Event("aten::convolution_backward", "cpu_op", 0.0, 1.0, 1, 1,
+                   {"Input Dims": [[256, 512, 14, 14], [256, 512, 14, 14], [512, 512, 1, 1]]}),
+             *ops(fused + "Backward")]
+    assert category_of(gemm, dgrad) == "other"
+    assert category_of(ring, ops("mobilenet_dw::depthwise_bwd_normed", fused + "Backward")) == "depthwise"
+    # a depthwise conv by its shapes inside a pair's op stays depthwise
+    dw_grad = [Event("aten::convolution_backward", "cpu_op", 0.0, 1.0, 1, 1,
+                     {"Input Dims": [[256, 512, 14, 14], [256, 512, 14, 14], [512, 1, 3, 3]]}), *ops(fused + "Backward")]
+    assert category_of(gemm, dw_grad) == "depthwise"
+
+
 def test_fixture_pageable_copies():
     """User report 1: host-to-device copies of pageable memory dominate the GPU time."""
     r = _fixture("fp32_pageable_infer")

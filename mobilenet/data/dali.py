@@ -23,7 +23,8 @@ Several training pipelines (data.dali.pipelines=N): a pipeline's decoder works t
 between two batches, while the host parses the next batch's headers and sets up its decode, the GPU's JPEG engines
 wait. N pipelines, each with its own reader shard (rank r's pipeline k reads shard r*N+k of world*N), decoder and
 threads, keep them fed from several batches at once; the loader takes the pipelines' batches in turn. Every image
-still comes once per epoch: the world*N shards are disjoint and rotate together.
+still comes once per epoch: the world*N shards are disjoint and rotate together. Unset, N is 2 with decode=mixed
+(the hardware decoder's engines) and 1 with decode=cpu.
 
 Corrupt files: DALI's decoder errors do not name the file (they read e.g. "nvImageCodec failure: '#3'") and leave
 the pipeline unusable. So the file list is checked up front (data.dali.check_files, on by default): the image's
@@ -379,12 +380,17 @@ def check_decoder_load(dali_cfg) -> None:
                           "a number from 0 to 1 (1.0, the default: all of them)")
 
 
+DEFAULT_MIXED_PIPELINES = 2  # measured: docs/results/loader_h100_9cfeb02.md
+
+
 def check_pipelines(dali_cfg) -> int:
-    """data.dali.pipelines as a count, or a clear error."""
-    n = dali_cfg.pipelines  # an int: the structured config refuses anything else when it composes
+    """data.dali.pipelines as a count (the default's for its decoder where it is unset), or a clear error."""
+    n = dali_cfg.pipelines  # an int or None: the structured config refuses anything else when it composes
+    if n is None:
+        return DEFAULT_MIXED_PIPELINES if enum_value(dali_cfg.decode) == "mixed" else 1
     if n < 1:
         raise ConfigError(f"data.dali.pipelines={n!r} is the number of training pipelines decoding side by side: a whole "
-                          "number from 1 (the default: one pipeline)")
+                          f"number from 1 (unset: {DEFAULT_MIXED_PIPELINES} with decode=mixed, 1 with decode=cpu)")
     return n
 
 
@@ -394,8 +400,9 @@ def decoder_label(dali_cfg) -> str:
     label = f"decode={decode}, {dali_cfg.threads} thread(s), prefetch {dali_cfg.prefetch}"
     if decode == "mixed":
         label += f", hw_decoder_load {float(dali_cfg.hw_decoder_load):g}"
-    if dali_cfg.pipelines > 1:
-        label += f", {dali_cfg.pipelines} training pipelines of {dali_cfg.threads} thread(s) each"
+    pipelines = check_pipelines(dali_cfg)
+    if pipelines > 1:
+        label += f", {pipelines} training pipelines of {dali_cfg.threads} thread(s) each"
     return label
 
 
@@ -445,8 +452,10 @@ def build(cfg, spec: LoaderSpec):
     shards = spec.world_size * n_pipes
     train_batches = n_pipes * ((len(train_files) // shards) // cfg.batch_size)
     if train_batches == 0:
-        raise ConfigError(f"data.dali.pipelines={n_pipes}: each of the {shards} shard(s) of the {len(train_files)} "
-                          f"training images holds less than one batch of {cfg.batch_size}; use fewer pipelines")
+        setting = (f"data.dali.pipelines={n_pipes}" if dali_cfg.pipelines is not None else
+                   f"data.dali.pipelines (unset: {n_pipes} with decode={decode})")
+        raise ConfigError(f"{setting}: each of the {shards} shard(s) of the {len(train_files)} training images holds "
+                          f"less than one batch of {cfg.batch_size}; use fewer pipelines (data.dali.pipelines=1)")
     if cfg.steps_per_epoch is not None:
         train_batches = min(train_batches, cfg.steps_per_epoch)
     # Each pipeline its own augmentation seed, apart from the ranks' (seed + rank) and from validation's.

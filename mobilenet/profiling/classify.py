@@ -144,10 +144,12 @@ def category_of(row: Event, ops: list[Event]) -> str:
         category = "depthwise"
     if category == "other" and NORM_KERNELS.search(row.name):
         category = "norm"
-    if category == "other" and any(_is_depthwise_conv(op) for op in ops):
-        category = "depthwise"
-    if category == "other" and any(CONV_OPS.search(op.name) for op in ops):
-        return category
+    if category == "other":
+        # The convolution op nearest the kernel says which conv it computes: under norm.apply_in_pointwise one op
+        # (_BatchNormReluDepthwiseBatchNormReluConv1x1) launches a depthwise conv's kernels and a pointwise one's.
+        conv = next((op for op in ops if _is_depthwise_conv(op) or CONV_OPS.search(op.name)), None)
+        if conv is not None:
+            return "depthwise" if _is_depthwise_conv(conv) else category
     if category == "other" and any(NORM_OPS.search(op.name) for op in ops):
         category = "norm"
     return category
