@@ -18,6 +18,7 @@ the depthwise backward) bit for bit the two pairs in turn, alone and in the mode
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 import pytest
 import torch
@@ -49,10 +50,13 @@ def test_config_default_is_auto_and_each_choice_resolves():
             True, "norm.apply_in_pointwise=true")
 
 
-@pytest.mark.skipif(HAS_FRONTEND, reason="checks the message given where nvidia-cudnn-frontend is not installed")
-def test_without_cudnn_frontend_auto_is_off_and_true_says_how_to_install_it():
+def test_without_cudnn_frontend_auto_is_off_and_true_says_how_to_install_it(monkeypatch):
     from mobilenet.errors import ConfigError
     from mobilenet.model import apply_in_pointwise_state
+
+    # A dependency, so normally installed: a None entry in sys.modules makes the package unimportable here, as in an
+    # environment that lacks it (monkeypatch restores the entry).
+    monkeypatch.setitem(sys.modules, "cudnn", None)
 
     applied, why = apply_in_pointwise_state(compose([*PAIR, "norm.apply_in_pointwise=auto"]))
     assert not applied and "nvidia-cudnn-frontend, which is not installed: pip install" in why
