@@ -95,7 +95,8 @@ class NormConfig:
     # needs norm=custom channels_last=true amp=true amp_dtype=fp16 sync_bn=false compile=false
     # norm.stats_from_depthwise=false, channel counts that are multiples of 8 (every width_mult of the paper), and the
     # nvidia-cudnn-frontend package (a dependency). auto | true | false as apply_in_depthwise; auto by default
-    # (measured 2.2% faster on an H100, fp16 channels_last, alternating: docs/results/train_h100_9cfeb02.md). The
+    # (fp16 channels_last, alternating: 2.0-2.2% faster on an H100, as fast on an H200, where BatchNorm + ReLU fall from
+    # 36.5% to 32.4% of the GPU time: docs/results/train_h100_9cfeb02.md, train_h200_f79a96d.md). The
     # BatchNorm after each of those convs computes its statistics with its own pass, so steps stay bitwise repeatable.
     apply_in_pointwise: str = "auto"
     # With apply_in_pointwise on: the BatchNorm after each fused pointwise conv takes its statistics from the sums that
