@@ -18,7 +18,7 @@ NORM_IN_POINTWISE_STEP = "BatchNorm+ReLU in cuDNN's pointwise convs"
 LADDER_STEPS = ("fp32 NCHW", "AMP fp16", "channels_last", "custom depthwise", "custom BatchNorm+ReLU",
                 NORM_IN_DEPTHWISE_STEP, "captured step", NORM_IN_POINTWISE_STEP)
 # Steps a table may lack: tables printed before train_ladder.sh measured norm.apply_in_depthwise as a step of its own,
-# and the opt-in norm.apply_in_pointwise, which runs only where nvidia-cudnn-frontend is installed.
+# and norm.apply_in_pointwise, which runs only where nvidia-cudnn-frontend is installed (a dependency, so normally).
 OPTIONAL_STEPS = frozenset({NORM_IN_DEPTHWISE_STEP, NORM_IN_POINTWISE_STEP})
 
 _ROW = re.compile(r"^\|\s*(?P<label>[^|]+?)\s*\|\s*`?(?P<overrides>[^|]*?)`?\s*\|\s*(?P<value>[^|]+?)\s*\|\s*$")
