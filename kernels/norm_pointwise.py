@@ -260,6 +260,20 @@ def _conv1x1_input_grad(grad_out: Tensor, y: Tensor, conv_weight: Tensor) -> Ten
                                                [True, False, False])[0]
 
 
+def _pointwise_weight(op: str, arg: str, y: Tensor, weight) -> Tensor:
+    """The 1x1 conv weight `arg` of `op` in y's dtype, channels_last, once the fused graphs can take it with an input
+    like y and cudnn-frontend is installed; ValueError naming what is wrong otherwise."""
+    if not isinstance(weight, Tensor):
+        raise ValueError(f"{op}: {arg} must be a tensor (K, C, 1, 1)")
+    why = pointwise_unsupported(y, weight)
+    if why is not None:
+        raise ValueError(f"{op}: {why}")
+    missing = cudnn_frontend_missing()
+    if missing is not None:
+        raise ValueError(f"{op} needs {missing}")
+    return weight.to(y.dtype).contiguous(memory_format=torch.channels_last)
+
+
 class _BatchNormReluConv1x1(torch.autograd.Function):
     """conv1x1(relu(batch_norm(y))) from y: bn_stats(_update), bn_scale_shift, then sbr_conv1x1, which also returns
     its output's sums (no gradient); backward as the module docstring."""
@@ -303,15 +317,7 @@ def batch_norm_relu_conv1x1(y: Tensor, norm_weight: Tensor, norm_bias: Tensor, c
     is used in y's dtype (autocast's rule for a convolution), the BatchNorm's parameters in fp32. Cases the graphs do
     not take raise ValueError."""
     _check_supported(y, norm_weight, norm_bias)
-    if not isinstance(conv_weight, Tensor):
-        raise ValueError("batch_norm_relu_conv1x1: conv_weight must be a tensor (K, C, 1, 1)")
-    why = pointwise_unsupported(y, conv_weight)
-    if why is not None:
-        raise ValueError(f"batch_norm_relu_conv1x1: {why}")
-    missing = cudnn_frontend_missing()
-    if missing is not None:
-        raise ValueError(f"batch_norm_relu_conv1x1 needs {missing}")
-    conv_weight = conv_weight.to(y.dtype).contiguous(memory_format=torch.channels_last)
+    conv_weight = _pointwise_weight("batch_norm_relu_conv1x1", "conv_weight", y, conv_weight)
     update = _check_running_update("batch_norm_relu_conv1x1", y, momentum, running_mean, running_var)
     return _BatchNormReluConv1x1.apply(y, _f32(norm_weight), _f32(norm_bias), conv_weight, running_mean, running_var,
                                        num_batches_tracked, float(eps), float(momentum) if update else 0.0)
@@ -405,16 +411,8 @@ def batch_norm_relu_depthwise_conv2d_batch_norm_relu_conv1x1(
                                                      running_mean, running_var, momentum, sums,
                                                      unsupported=next_norm_unsupported)
     _check_supported(y, mid_weight, mid_bias)
-    if not isinstance(pw_weight, Tensor):
-        raise ValueError(f"{name}: pw_weight must be a tensor (K, C, 1, 1)")
     # The pointwise conv's input is z: y's dtype, layout and channels, which is what the fused graphs look at.
-    why = pointwise_unsupported(y, pw_weight)
-    if why is not None:
-        raise ValueError(f"{name}: {why}")
-    missing = cudnn_frontend_missing()
-    if missing is not None:
-        raise ValueError(f"{name} needs {missing}")
-    pw_weight = pw_weight.to(y.dtype).contiguous(memory_format=torch.channels_last)
+    pw_weight = _pointwise_weight(name, "pw_weight", y, pw_weight)
     mid_update = _check_running_update(name, y, mid_momentum, mid_running_mean, mid_running_var)
     if mid_update:
         n, _, oh, ow = out_shape(y.shape, dw_weight.shape, stride, padding, (1, 1))

@@ -403,6 +403,20 @@ def next_norm_in(conv: nn.Module, y: Tensor) -> bool:
     return torch.ops.mobilenet_dw.bwd_normed_ring_runs(n, c, h, w, y.dtype)
 
 
+def _check_next_norm_takes(y: Tensor, conv: nn.Module) -> None:
+    """NormUnavailable naming why, where the depthwise walks cannot apply both the BatchNorm before the conv and the
+    input gradient of the one after it for this training input."""
+    _check_pair_input(y)
+    from kernels.depthwise_args import out_shape
+    from kernels.norm_depthwise import next_norm_unsupported
+
+    why = next_norm_unsupported(y, conv.weight, conv.bias, conv.stride, conv.padding)
+    if why is not None:
+        raise NormUnavailable(f"norm.apply_in_depthwise is on: this depthwise conv cannot apply the BatchNorms around "
+                              f"it ({why}); set norm.apply_in_depthwise=false")
+    _check_batch_size(out_shape(y.shape, conv.weight.shape, conv.stride, conv.padding, (1, 1)))
+
+
 def norm_relu_depthwise_norm_relu(bn: "CustomBatchNormReLU", conv: nn.Module, out_bn: "CustomBatchNormReLU",
                                   y: Tensor, sums: Tensor | None = None) -> Tensor:
     """out_bn(norm_relu_depthwise(bn, conv, y, sums)) in training, with out_bn's backward split so that the depthwise
@@ -416,16 +430,9 @@ def norm_relu_depthwise_norm_relu(bn: "CustomBatchNormReLU", conv: nn.Module, ou
     if not (_uses_batch_stats(bn) and _uses_batch_stats(out_bn)):
         return out_bn(norm_relu_depthwise(bn, conv, y, sums))
     check_apply_in_depthwise(bn, conv)
-    _check_pair_input(y)
-    from kernels.norm_depthwise import batch_norm_relu_depthwise_conv2d_batch_norm_relu, next_norm_unsupported
+    _check_next_norm_takes(y, conv)
+    from kernels.norm_depthwise import batch_norm_relu_depthwise_conv2d_batch_norm_relu
 
-    why = next_norm_unsupported(y, conv.weight, conv.bias, conv.stride, conv.padding)
-    if why is not None:
-        raise NormUnavailable(f"norm.apply_in_depthwise is on: this depthwise conv cannot apply the BatchNorms around "
-                              f"it ({why}); set norm.apply_in_depthwise=false")
-    from kernels.depthwise_args import out_shape
-
-    _check_batch_size(out_shape(y.shape, conv.weight.shape, conv.stride, conv.padding, (1, 1)))
     running, momentum = _running_update("norm.apply_in_depthwise", bn)
     out_in_forward = out_bn._update_in_forward()
     out_running, out_momentum = _running_update("norm.apply_in_depthwise", out_bn) if out_in_forward else \
@@ -453,6 +460,17 @@ def check_apply_in_pointwise(bn: nn.Module, conv: nn.Module) -> None:
                               f"BatchNorm, got {conv}; set norm.apply_in_pointwise=false")
 
 
+def _check_pointwise_takes(y: Tensor, conv: nn.Conv2d) -> None:
+    """NormUnavailable naming why, where cuDNN's fused graphs cannot apply the BatchNorm before this pointwise conv to
+    y (a training input of that BatchNorm, or of the depthwise conv whose output has y's dtype and channels)."""
+    from kernels.norm_pointwise import pointwise_unsupported
+
+    why = pointwise_unsupported(y, conv.weight)
+    if why is not None:
+        raise NormUnavailable(f"norm.apply_in_pointwise is on: this pointwise conv cannot apply the BatchNorm before "
+                              f"it ({why}); set norm.apply_in_pointwise=false")
+
+
 def norm_relu_pointwise(bn: "CustomBatchNormReLU", conv: nn.Conv2d, y: Tensor) -> tuple[Tensor, Tensor | None]:
     """(conv(bn(y)), its per-channel sums or None) in training with bn's normalize and ReLU applied by cuDNN's fused
     convolutions as they load y (kernels.norm_pointwise): bn computes only its batch statistics (and updates its
@@ -467,12 +485,9 @@ def norm_relu_pointwise(bn: "CustomBatchNormReLU", conv: nn.Conv2d, y: Tensor) -
         raise NormUnavailable(f"norm.apply_in_pointwise is on: cuDNN's fused convolutions need a CUDA tensor, got one "
                               f"on {y.device}")
     _check_batch_size(y.shape)
-    from kernels.norm_pointwise import batch_norm_relu_conv1x1, pointwise_unsupported
+    _check_pointwise_takes(y, conv)
+    from kernels.norm_pointwise import batch_norm_relu_conv1x1
 
-    why = pointwise_unsupported(y, conv.weight)
-    if why is not None:
-        raise NormUnavailable(f"norm.apply_in_pointwise is on: this pointwise conv cannot apply the BatchNorm before "
-                              f"it ({why}); set norm.apply_in_pointwise=false")
     running, momentum = _running_update("norm.apply_in_pointwise", bn)
     return batch_norm_relu_conv1x1(y, bn.weight, bn.bias, conv.weight, bn.eps, *running, momentum=momentum)
 
@@ -490,21 +505,10 @@ def norm_relu_depthwise_norm_relu_pointwise(bn: "CustomBatchNormReLU", conv: nn.
     check_apply_in_pointwise(mid_bn, pointwise_conv)
     if not (_uses_batch_stats(bn) and _uses_batch_stats(mid_bn)):
         return norm_relu_pointwise(mid_bn, pointwise_conv, norm_relu_depthwise(bn, conv, y, sums))
-    _check_pair_input(y)
-    from kernels.norm_depthwise import next_norm_unsupported
-    from kernels.norm_pointwise import batch_norm_relu_depthwise_conv2d_batch_norm_relu_conv1x1, pointwise_unsupported
+    _check_next_norm_takes(y, conv)
+    _check_pointwise_takes(y, pointwise_conv)
+    from kernels.norm_pointwise import batch_norm_relu_depthwise_conv2d_batch_norm_relu_conv1x1
 
-    why = next_norm_unsupported(y, conv.weight, conv.bias, conv.stride, conv.padding)
-    if why is not None:
-        raise NormUnavailable(f"norm.apply_in_depthwise is on: this depthwise conv cannot apply the BatchNorms around "
-                              f"it ({why}); set norm.apply_in_depthwise=false")
-    why = pointwise_unsupported(y, pointwise_conv.weight)  # the pointwise conv's input has y's dtype and channels
-    if why is not None:
-        raise NormUnavailable(f"norm.apply_in_pointwise is on: this pointwise conv cannot apply the BatchNorm before "
-                              f"it ({why}); set norm.apply_in_pointwise=false")
-    from kernels.depthwise_args import out_shape
-
-    _check_batch_size(out_shape(y.shape, conv.weight.shape, conv.stride, conv.padding, (1, 1)))
     running, momentum = _running_update("norm.apply_in_depthwise", bn)
     mid_running, mid_momentum = _running_update("norm.apply_in_pointwise", mid_bn)
     return batch_norm_relu_depthwise_conv2d_batch_norm_relu_conv1x1(
