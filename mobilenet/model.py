@@ -166,19 +166,16 @@ def stem_weight_grad_needs(cfg, device: torch.device, dtype: torch.dtype) -> lis
 
 
 class StemConv2d(nn.Conv2d):
-    """The stem's convolution (bias-free), whose weight gradient in training comes from `weight_grad`: cudnn (plain
-    nn.Conv2d), or custom, this project's kernel (kernels/stem_ops.py; the forward is cuDNN's either way). The same
-    parameters, so the same state_dict. Eval, and a weight without gradient, run nn.Conv2d's forward."""
+    """The stem's convolution (bias-free) with this project's weight-gradient kernel in training
+    (kernels/stem_ops.py; the forward is cuDNN's either way), for model.stem_weight_grad=custom; the default, cudnn,
+    keeps a plain nn.Conv2d. The same parameters, so the same state_dict. Eval, and a weight without gradient, run
+    nn.Conv2d's forward."""
 
-    def __init__(self, in_ch: int, out_ch: int, kernel_size: int, stride: int, weight_grad: str = "cudnn"):
-        if weight_grad not in STEM_WEIGHT_GRADS:
-            raise ValueError(f"unknown stem weight gradient {weight_grad!r}; choose one of: "
-                             f"{', '.join(STEM_WEIGHT_GRADS)}")
+    def __init__(self, in_ch: int, out_ch: int, kernel_size: int, stride: int):
         super().__init__(in_ch, out_ch, kernel_size, stride, padding=kernel_size // 2, bias=False)
-        self.weight_grad = weight_grad
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_grad == "custom" and self.training and self.weight.requires_grad and torch.is_grad_enabled():
+        if self.training and self.weight.requires_grad and torch.is_grad_enabled():
             from kernels.stem_ops import stem_conv2d  # builds/loads the extension: only where it is asked for
 
             return stem_conv2d(x, self.weight, self.stride, self.padding)
@@ -187,9 +184,9 @@ class StemConv2d(nn.Conv2d):
 
 class ConvBNReLU(nn.Sequential):
     def __init__(self, in_ch: int, out_ch: int, kernel_size: int, stride: int, norm: str = "torch",
-                 stem_weight_grad: str | None = None):
-        conv = (nn.Conv2d(in_ch, out_ch, kernel_size, stride, padding=kernel_size // 2, bias=False)
-                if stem_weight_grad is None else StemConv2d(in_ch, out_ch, kernel_size, stride, stem_weight_grad))
+                 custom_weight_grad: bool = False):
+        conv = (StemConv2d(in_ch, out_ch, kernel_size, stride) if custom_weight_grad else
+                nn.Conv2d(in_ch, out_ch, kernel_size, stride, padding=kernel_size // 2, bias=False))
         super().__init__(conv, get_norm(norm).norm_relu(out_ch))
 
 
@@ -279,9 +276,9 @@ class MobileNetV1(nn.Module):
         if stem_weight_grad not in STEM_WEIGHT_GRADS:
             raise ValueError(f"unknown model.stem_weight_grad {stem_weight_grad!r}; choose one of: "
                              f"{', '.join(STEM_WEIGHT_GRADS)}")
-        # cudnn keeps the plain nn.Conv2d: the default model is exactly what it was.
+        # cudnn: a plain nn.Conv2d, so the default model holds no module of this project in its stem.
         stem = ConvBNReLU(3, _scaled(STEM_CHANNELS, width_mult), 3, 2, norm,
-                          None if stem_weight_grad == "cudnn" else stem_weight_grad)
+                          custom_weight_grad=stem_weight_grad == "custom")
         layers: list[nn.Module] = [stem]
         in_ch = _scaled(STEM_CHANNELS, width_mult)
         for out, stride in BLOCKS:
