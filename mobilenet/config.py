@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
@@ -338,6 +338,60 @@ def check_schema_keys(cfg) -> None:
         raise ConfigError(f"+{key}: the config has no key {key!r}, so nothing would read it{hint}")
 
 
+def _within(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False) -> Callable[[Any], bool]:
+    return lambda v: (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+
+
+_INF = float("inf")
+# The numeric settings' allowed values, checked when a config is composed (check_values): a value outside them would
+# otherwise stop a run with a library's traceback, or train on quietly (a negative weight decay, a learning rate that
+# grows after warm-up). (key, holds for the value, what is allowed); null passes for the Optional keys.
+VALUE_RULES: list[tuple[str, Callable[[Any], bool], str]] = [
+    ("data.resolution", _within(1, _INF), "a whole number of pixels >= 1"),
+    ("data.workers", _within(0, _INF), "a whole number >= 0 (0 loads in the training process)"),
+    ("data.steps_per_epoch", _within(1, _INF), "a whole number >= 1, or null for the whole data set"),
+    ("data.val_steps", _within(1, _INF), "a whole number >= 1, or null for the whole validation set"),
+    ("data.crop_scale", lambda v: len(v) == 2 and 0 < v[0] <= v[1] <= 1,
+     "[min, max] shares of the image's area with 0 < min <= max <= 1"),
+    ("data.val_resize_ratio", _within(0, 1, lo_open=True), "a number in (0, 1] (the centre crop's share of the "
+                                                           "shorter side)"),
+    ("data.mean", lambda v: len(v) == 3, "three numbers, one per RGB channel"),
+    ("data.std", lambda v: len(v) == 3 and all(x > 0 for x in v), "three numbers > 0, one per RGB channel"),
+    ("data.dali.threads", _within(1, _INF), "a whole number >= 1"),
+    ("data.dali.prefetch", _within(1, _INF), "a whole number >= 1 (batches DALI prepares ahead)"),
+    ("model.dropout", _within(0, 1, hi_open=True), "a probability in [0, 1)"),
+    ("optim.lr", _within(0, _INF), "a number >= 0 (for a batch of 256; scaled with the global batch)"),
+    ("optim.momentum", _within(0, 1, hi_open=True), "a number in [0, 1)"),
+    ("optim.weight_decay", _within(0, _INF), "a number >= 0"),
+    ("optim.alpha", _within(0, 1), "a number in [0, 1] (RMSprop's smoothing constant)"),
+    ("optim.eps", _within(0, _INF, lo_open=True), "a number > 0 (RMSprop's epsilon)"),
+    ("optim.warmup_epochs", _within(0, _INF), "a number of epochs >= 0"),
+    ("optim.min_lr_ratio", _within(0, 1), "a number in [0, 1] (the final learning rate's share of the peak)"),
+    ("optim.label_smoothing", _within(0, 1, hi_open=True), "a number in [0, 1)"),
+    ("perf.warmup_steps", _within(0, _INF), "a whole number of untimed steps >= 0"),
+    ("perf.log_every", _within(1, _INF), "a whole number of steps >= 1"),
+    ("perf.single_gpu_img_s", _within(0, _INF, lo_open=True), "a number > 0, or null"),
+    ("profiler.skip_first", _within(0, _INF), "a whole number of steps >= 0"),
+    ("profiler.warmup", _within(0, _INF), "a whole number of steps >= 0"),
+    ("profiler.active", _within(1, _INF), "a whole number of steps >= 1"),
+    ("profiler.top_k", _within(1, _INF), "a whole number >= 1"),
+    ("profiler.baseline_steps", _within(1, _INF), "a whole number of steps >= 1"),
+    ("dist.timeout_s", _within(1, _INF), "a whole number of seconds >= 1"),
+]
+
+
+def check_values(cfg) -> None:
+    """ConfigError naming the first numeric setting outside its allowed values (VALUE_RULES) and what is allowed."""
+    for key, holds, allowed in VALUE_RULES:
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is None:
+            continue
+        if OmegaConf.is_config(value):
+            value = OmegaConf.to_object(value)
+        if not holds(value):
+            raise ConfigError(f"{key}={value}: must be {allowed}")
+
+
 def _unknown_keys(node, schema, prefix: str) -> list[tuple[str, str | None]]:
     """[(dotted key, closest schema key or None)] for the keys of `node` that `schema` lacks."""
     import difflib
@@ -405,4 +459,5 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = hydra_compose(config_name=config_name, overrides=list(overrides or []))
     check_schema_keys(cfg)
+    check_values(cfg)
     return cfg

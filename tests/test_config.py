@@ -7,7 +7,8 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import OmegaConfBaseException
 
-from mobilenet.config import CONF_DIR, compose
+from mobilenet.config import CONF_DIR, VALUE_RULES, Config, compose
+from mobilenet.errors import ConfigError
 
 GROUPS = ["backend", "norm", "data", "model", "optim", "experiment"]
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -137,3 +138,51 @@ def test_the_readme_shows_commands_and_every_one_composes():
     for overrides in commands:
         compose(overrides)
 
+
+
+def test_every_value_rule_names_a_key_of_the_schema():
+    # check_values reads a missing key as null and passes it: a renamed setting must not leave its rule checking nothing
+    from omegaconf import OmegaConf
+
+    schema = OmegaConf.structured(Config)
+    for key, _, _ in VALUE_RULES:
+        parent, _, leaf = key.rpartition(".")
+        node = OmegaConf.select(schema, parent) if parent else schema
+        assert OmegaConf.is_dict(node) and leaf in node, key
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optim.lr=-0.1", "optim.lr=-0.1: must be a number >= 0"),
+    ("optim.momentum=1", "optim.momentum=1.0: must be a number in [0, 1)"),
+    ("optim.weight_decay=-1e-5", "optim.weight_decay=-1e-05: must be a number >= 0"),
+    ("optim.min_lr_ratio=1.5", "optim.min_lr_ratio=1.5: must be a number in [0, 1]"),
+    ("optim.label_smoothing=1", "optim.label_smoothing=1.0: must be a number in [0, 1)"),
+    ("optim.eps=0", "optim.eps=0.0: must be a number > 0"),
+    ("model.dropout=1", "model.dropout=1.0: must be a probability in [0, 1)"),
+    ("data.crop_scale=[0.5,0.1]", "data.crop_scale=[0.5, 0.1]: must be [min, max] shares"),
+    ("data.crop_scale=[0.5]", "data.crop_scale=[0.5]: must be [min, max] shares"),
+    ("data.val_resize_ratio=0", "data.val_resize_ratio=0.0: must be a number in (0, 1]"),
+    ("data.std=[0.2,0,0.2]", "data.std=[0.2, 0.0, 0.2]: must be three numbers > 0"),
+    ("data.steps_per_epoch=0", "data.steps_per_epoch=0: must be a whole number >= 1, or null"),
+    ("data.val_steps=-1", "data.val_steps=-1: must be a whole number >= 1, or null"),
+    ("data.dali.prefetch=0", "data.dali.prefetch=0: must be a whole number >= 1"),
+    ("perf.log_every=0", "perf.log_every=0: must be a whole number of steps >= 1"),
+    ("perf.warmup_steps=-1", "perf.warmup_steps=-1: must be a whole number of untimed steps >= 0"),
+    ("profiler.active=0", "profiler.active=0: must be a whole number of steps >= 1"),
+])
+def test_a_setting_outside_its_values_is_refused_naming_what_is_allowed(override, message):
+    with pytest.raises(ConfigError) as err:
+        compose([override])
+    assert str(err.value).startswith(message), str(err.value)
+
+
+@pytest.mark.parametrize("override", ["optim.lr=0", "optim.momentum=0", "optim.weight_decay=0", "model.dropout=0",
+                                      "data.crop_scale=[1,1]", "data.val_resize_ratio=1", "perf.warmup_steps=0",
+                                      "data.workers=0", "data.steps_per_epoch=null", "optim.min_lr_ratio=1",
+                                      "optim.warmup_epochs=0", "perf.single_gpu_img_s=null"])
+def test_the_bounds_of_the_allowed_values_compose(override):
+    import yaml
+    from omegaconf import OmegaConf
+
+    key, value = override.split("=", 1)
+    assert OmegaConf.select(compose([override]), key) == yaml.safe_load(value)

@@ -66,6 +66,7 @@ def test_a_user_error_is_one_line_and_leaves_no_run_directory(tmp_path, override
     ("data.batchsize=3", "error: the config has no key 'data.batchsize'; did you mean data.batch_size?"),
     ("amp=perhaps", "error: amp=perhaps: Value 'perhaps' is not a valid bool"),
     ("data=_schema_data", "error: no config 'data/_schema_data'; choose one of: dali, digits, folder, synthetic"),
+    ("optim.lr=-1", "error: optim.lr=-1.0: must be a number >= 0"),  # was torch.optim's ValueError and a traceback
 ])
 def test_a_bad_override_is_one_line_before_hydra_starts(tmp_path, override, message):
     proc = train(override, log_root=tmp_path)
