@@ -414,13 +414,7 @@ def _unknown_keys(node, schema, prefix: str) -> list[tuple[str, str | None]]:
 def check_overrides(overrides: list[str]) -> None:
     """Compose once, so that a bad override is a ConfigError of one line instead of Hydra's report, which for a
     misspelled key suggests `+key=value` (accepted, then read by nothing)."""
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        compose(overrides)
-    except (HydraException, OmegaConfBaseException) as e:
-        raise ConfigError(composition_message(e)) from None
+    compose(overrides)
 
 
 def composition_message(e: Exception) -> str:
@@ -451,13 +445,19 @@ def composition_message(e: Exception) -> str:
 
 
 def compose(overrides: list[str] | None = None, config_name: str = "config") -> Any:
-    """Compose the project's config outside @hydra.main (infer.py, scripts, tests), with the same checks."""
+    """Compose the project's config outside @hydra.main (infer.py, scripts, tests), with the same checks; a bad override
+    or value is a ConfigError of one line (composition_message, check_values)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
 
     register_configs()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = hydra_compose(config_name=config_name, overrides=list(overrides or []))
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = hydra_compose(config_name=config_name, overrides=list(overrides or []))
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(composition_message(e)) from e  # the cause stays for --debug
     check_schema_keys(cfg)
     check_values(cfg)
     return cfg

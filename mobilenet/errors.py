@@ -92,3 +92,10 @@ def report_user_errors(cleanup=None):
             raise
         print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_USER_ERROR) from None
+
+
+def run_main(main) -> None:
+    """A script's entry point: exit with main()'s status, a user error (a bad override, a missing folder) printed as
+    one `error: ...` line (report_user_errors)."""
+    with report_user_errors():
+        sys.exit(main())

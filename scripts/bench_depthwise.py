@@ -54,6 +54,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from mobilenet.errors import run_main  # noqa: E402
 from mobilenet.bench.depthwise_suites import DEFAULT_SUITE, SUITES, Layer, floor_bytes, weighted_sum  # noqa: E402
 from mobilenet.bench.dtypes import DTYPES  # noqa: E402
 from mobilenet.bench.suite_acceptance import SuiteSums  # noqa: E402
@@ -377,4 +378,4 @@ def acceptance_lines(summary, others, custom="custom") -> list[str]:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

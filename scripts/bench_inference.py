@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as `python scripts/bench_inference.py`
 
+from mobilenet.errors import run_main  # noqa: E402
 from mobilenet.bench.dtypes import DTYPES  # noqa: E402
 from mobilenet.bench.timing import events_elapsed_s  # noqa: E402
 from mobilenet.config import compose  # noqa: E402
@@ -237,4 +238,4 @@ def main(argv: list[str] | None = None) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

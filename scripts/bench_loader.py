@@ -24,6 +24,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from mobilenet.errors import run_main  # noqa: E402
 from mobilenet.bench.dtypes import DTYPES  # noqa: E402
 from mobilenet.config import compose  # noqa: E402
 from mobilenet.data import LoaderSpec, build_loaders  # noqa: E402
@@ -153,4 +154,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

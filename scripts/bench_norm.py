@@ -29,6 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from mobilenet.errors import run_main  # noqa: E402
 from mobilenet.bench.dtypes import DTYPES  # noqa: E402
 from mobilenet.bench.timing import device_copy_bandwidth, time_case  # noqa: E402
 from mobilenet.model import MobileNetV1  # noqa: E402
@@ -196,4 +197,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

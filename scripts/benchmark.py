@@ -56,6 +56,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as `python scripts/benchmark.py`
 
+from mobilenet.errors import run_main  # noqa: E402
 from mobilenet.bench.matrix import parse_args, run_matrix  # noqa: E402
 
 
@@ -64,4 +65,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

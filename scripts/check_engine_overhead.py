@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from mobilenet.errors import run_main  # noqa: E402
 from mobilenet.config import compose  # noqa: E402
 from mobilenet.engine import Trainer, autocast_dtype, build_for_run, build_optimizer, resolve_device  # noqa: E402
 from mobilenet.reporting import environment, machine_line, publish  # noqa: E402
@@ -101,4 +102,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -45,6 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from mobilenet.errors import run_main  # noqa: E402
 from mobilenet.bench.train_runs import FIXED, TrainRun, TrainRunError, merge_overrides, num, run_train  # noqa: E402
 from mobilenet.config import override_key  # noqa: E402
 from mobilenet.reporting import environment, machine_line, publish  # noqa: E402
@@ -262,4 +263,4 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -37,6 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from mobilenet.errors import run_main  # noqa: E402
 from mobilenet.bench.train_runs import FIXED, TrainRunError, merge_overrides, num as _num, run_train  # noqa: E402
 from mobilenet.reporting import environment, gpu_slug, machine_line, publish  # noqa: E402
 from mobilenet.subprocesses import exit_on_sigterm  # noqa: E402
@@ -219,4 +220,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as `python scripts/compare.py`
 
+from mobilenet.errors import run_main  # noqa: E402
 from mobilenet.bench.compare import compare_runs  # noqa: E402
 
 
@@ -50,4 +51,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

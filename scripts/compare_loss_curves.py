@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from mobilenet.errors import run_main  # noqa: E402
 from mobilenet.config import compose  # noqa: E402
 from mobilenet.engine import Trainer, resolve_device  # noqa: E402
 from mobilenet.reporting import environment, machine_line, publish  # noqa: E402
@@ -60,6 +61,9 @@ def main() -> int:
     p.add_argument("--slack", type=float, default=1e-3, help="absolute loss slack added to the allowed gap")
     p.add_argument("--out", type=Path)
     args, overrides = p.parse_known_args()
+    if args.steps < 1 or args.tolerance <= 0 or args.slack < 0:
+        p.error(f"--steps must be >= 1, --tolerance > 0 and --slack >= 0, got {args.steps}, {args.tolerance:g} and "
+                f"{args.slack:g}")
     if args.setting:
         if "=" not in args.setting:
             p.error(f"--setting takes NAME=CANDIDATE,REFERENCE, got {args.setting!r}")
@@ -106,4 +110,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

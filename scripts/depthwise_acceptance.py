@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as `python scripts/depthwise_acceptance.py`
 
+from mobilenet.errors import run_main  # noqa: E402
 from mobilenet.bench.suite_acceptance import markdown, read_sums  # noqa: E402
 
 
@@ -42,4 +43,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

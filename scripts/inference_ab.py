@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as `python scripts/inference_ab.py`
 
+from mobilenet.errors import run_main  # noqa: E402
 from mobilenet.bench.timing import events_elapsed_s  # noqa: E402
 from mobilenet.model import build_model  # noqa: E402
 
@@ -100,4 +101,4 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, str], list[float]]:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

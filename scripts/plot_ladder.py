@@ -14,7 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mobilenet.bench.ladder import parse_ladder, write_waterfall  # noqa: E402
-from mobilenet.errors import MissingDependency  # noqa: E402
+from mobilenet.errors import MissingDependency, run_main  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -34,4 +34,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

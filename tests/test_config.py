@@ -4,9 +4,6 @@ import itertools
 from pathlib import Path
 
 import pytest
-from hydra.errors import ConfigCompositionException
-from omegaconf.errors import OmegaConfBaseException
-
 from mobilenet.config import CONF_DIR, VALUE_RULES, Config, compose
 from mobilenet.errors import ConfigError
 
@@ -68,18 +65,17 @@ def test_default_is_the_embedded_digits_job():
     ("chanels_last=true", "chanels_last"),
 ])
 def test_typos_and_wrong_types_name_the_key(override, key):
-    with pytest.raises((ConfigCompositionException, OmegaConfBaseException)) as err:
+    with pytest.raises(ConfigError) as err:
         compose([override])
-    text = str(err.value) + str(err.value.__cause__)
-    assert key in text
+    assert key in str(err.value) and "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("group", ["backend", "data", "optim", "model"])
 def test_unknown_group_option_lists_the_choices(group):
-    with pytest.raises(ConfigCompositionException) as err:
+    with pytest.raises(ConfigError) as err:
         compose([f"{group}=nonexistent"])
     text = str(err.value)
-    assert "Available options" in text
+    assert text.startswith(f"no config '{group}/nonexistent'; choose one of: ")
     for option in options(group):
         assert option in text
 

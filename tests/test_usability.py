@@ -75,6 +75,20 @@ def test_a_bad_override_is_one_line_before_hydra_starts(tmp_path, override, mess
     assert "+epoch" not in proc.stderr and not tmp_path.exists() or not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("script, message", [
+    (["compare_loss_curves.py", "--norms", "custom,nonexistent", "--steps", "2"],
+     "error: no config 'norm/nonexistent'; choose one of: apex, custom, torch"),
+    (["compare_loss_curves.py", "--steps", "2", "optim.lr=-1"], "error: optim.lr=-1.0: must be a number >= 0"),
+    (["bench_loader.py", "--root", "/no/such/dir", "--loaders", "folder"], "error: data.root '/no/such/dir' does not exist"),
+    (["benchmark.py", "--data", "synthetic", "optim.lr=-1"], "benchmark.py: error: optim.lr=-1.0: must be a number >= 0"),
+], ids=["loss-curves-choice", "loss-curves-value", "bench-loader-root", "benchmark-shared-override"])
+def test_a_scripts_user_error_is_one_line(script, message):
+    proc = subprocess.run([sys.executable, f"scripts/{script[0]}", *script[1:]], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == EXIT_USER_ERROR, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.strip().splitlines()[-1].startswith(message), proc.stderr
+
+
 def test_a_corrupt_image_is_named_up_front(tmp_path, corrupt_root):
     proc = train(*TINY, "data=folder", f"data.root={corrupt_root}", "data.batch_size=4", log_root=tmp_path / "runs")
     assert proc.returncode == EXIT_USER_ERROR, proc.stderr

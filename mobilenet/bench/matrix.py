@@ -154,6 +154,7 @@ def parse_args(argv: list[str], description: str | None = None) -> argparse.Name
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
         p.error(f"Hydra overrides look like key=value, got {bad}")
+    _check_shared_overrides(p, args.overrides)
     variants = [""]
     for text in args.env:
         settings = text.split()
@@ -185,6 +186,18 @@ def plan(args: argparse.Namespace) -> list[Combo]:
                 for env in ([""] if backend == PEER_BACKEND else args.env):
                     combos.append(Combo(backend, amp, cl == "true", compile_ == "true", data, graph == "true", norm, env))
     return combos
+
+
+def _check_shared_overrides(p: argparse.ArgumentParser, overrides: list[str]) -> None:
+    """The overrides every run gets, composed once: a misspelled key or a value outside its range would make every
+    combination fail alike, so it is an error now rather than a matrix of skipped rows."""
+    from ..config import compose
+    from ..errors import ConfigError
+
+    try:
+        compose(["experiment=benchmark", *overrides])
+    except ConfigError as e:
+        p.error(str(e))
 
 
 def hydra_overrides(combo: Combo, args: argparse.Namespace) -> list[str]:
