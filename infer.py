@@ -25,7 +25,9 @@ from pathlib import Path
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", action="store_true", help="profile inference steps and print a diagnosis")
-    parser.add_argument("--checkpoint", help="a checkpoint written by train.py; with no --images, evaluate it on data's val split")
+    parser.add_argument("--checkpoint", help="a checkpoint written by train.py (its model.name and model.width_mult are "
+                                             "used; a different one given here is refused); with no --images, "
+                                             "evaluate it on data's val split")
     parser.add_argument("--images", nargs="+", metavar="FILE", help="print the top-5 classes of each image")
     parser.add_argument("--batch-sizes", metavar="N,N,...", help="img/s and p50/p99 latency per batch size, one table")
     parser.add_argument("--export", metavar="FILE.onnx", help="write the folded model as ONNX (standard operators)")
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, overrides: list[str]) -> int:
-    from mobilenet.config import check_overrides, compose, override_key, unnamed_keys
+    from mobilenet.config import compose, override_key, unnamed_keys
     from mobilenet import inference
 
     measuring = not (args.checkpoint or args.images or args.export)
@@ -99,8 +101,9 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
         overrides = ["data=synthetic", *overrides]
     if measuring:
         overrides = _cpu_defaults(args, overrides)
-    check_overrides(overrides)  # a bad override is one line, not Hydra's report
-    cfg = compose(overrides)
+    cfg = compose(overrides)  # a bad override or value is one line, not Hydra's report
+    if args.checkpoint:
+        inference.check_given_architecture(cfg, args.checkpoint, [override_key(o) for o in overrides])
     if args.export:
         inference.export_onnx(cfg, args.checkpoint, args.export)
     elif args.images:

@@ -71,7 +71,8 @@ def _config_dict(cfg) -> dict:
     return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) if OmegaConf.is_config(cfg) else dict(cfg)
 
 
-def _lookup(tree: dict, dotted: str):
+def lookup(tree: dict, dotted: str):
+    """tree's value at a dotted key ("model.width_mult"), None where it has none."""
     for part in dotted.split("."):
         if not isinstance(tree, dict) or part not in tree:
             return None
@@ -83,7 +84,7 @@ def config_mismatch(saved: dict | None, cfg, num_classes: int, saved_num_classes
     """Why a checkpoint's weights cannot fit this run's model (the first differing key, both values), or None."""
     run = _config_dict(cfg)
     for key in WEIGHT_SHAPING_KEYS:
-        theirs, ours = _lookup(saved or {}, key), _lookup(run, key)
+        theirs, ours = lookup(saved or {}, key), lookup(run, key)
         if theirs is not None and ours is not None and theirs != ours:
             return f"the checkpoint was trained with {key}={theirs}, this run has {key}={ours}; set {key}={theirs}"
     if saved_num_classes is not None and saved_num_classes != num_classes:

@@ -23,7 +23,7 @@ from .data import LoaderSpec, build_loaders
 from .data.folder import image_transforms
 from .engine import (CheckpointError, autocast_dtype, build_for_run, config_rows, evaluate, load_checkpoint, resolve_device,
                      run_dtype, validate)
-from .errors import ConfigError, DataNotFound, MissingDependency
+from .errors import ConfigError, DataError, DataNotFound, MissingDependency
 from .inference_model import build_inference_model, onnx_export_form, resolve_epilogue
 from .meter import StepMeter, Throughput
 from .reporting import environment, print_summary
@@ -67,6 +67,24 @@ class _Setup(NamedTuple):
     path: InferencePath
     state: dict | None  # the checkpoint, when one was loaded
     queues: str  # the summary's "CUDA work queues": the count in force and why
+
+
+def check_given_architecture(cfg, checkpoint: str, given_keys) -> None:
+    """With --checkpoint the architecture (model.name, model.width_mult) is the checkpoint's; a different value the
+    command line sets for it (`given_keys`: the keys it set) is refused rather than replaced."""
+    from omegaconf import OmegaConf
+
+    from .checkpoint import WEIGHT_SHAPING_KEYS, lookup
+
+    keys = [k for k in WEIGHT_SHAPING_KEYS if k in set(given_keys)]
+    if not keys:
+        return
+    saved = load_checkpoint(checkpoint, option="--checkpoint ").get("config")
+    for key in keys:
+        theirs, ours = lookup(saved or {}, key), OmegaConf.select(cfg, key)
+        if theirs is not None and theirs != ours:
+            raise ConfigError(f"--checkpoint {checkpoint!r} was trained with {key}={theirs}, and {key}={ours} asks for "
+                              f"another model: leave {key} out (the checkpoint decides the architecture)")
 
 
 def _setup(cfg, checkpoint: str | None, num_classes: int | None = None, profiling: bool = False) -> _Setup:
@@ -220,15 +238,21 @@ def classify_images(cfg, checkpoint: str | None, files: list[str]) -> list[list[
     for f in files:
         if not Path(f).is_file():
             raise DataNotFound(f"--images: no such file {f!r}")
+    rgb = []  # every image decoded before the model is built: a file that is not one stops the run, not its output
+    for f in files:
+        try:
+            with Image.open(f) as img:
+                rgb.append(img.convert("RGB"))
+        except OSError as e:  # PIL's UnidentifiedImageError (not an image) and truncated data alike
+            raise DataError(f"--images: cannot decode {f!r} as an image ({e})") from e
     setup = _setup(cfg, checkpoint)
     device, path, state = setup.device, setup.path, setup.state
     classes = state.get("classes") or [str(i) for i in range(state["num_classes"])]
     d = cfg.data
     prep = T.Compose([*image_transforms(d, train=False).transforms, T.ToTensor(), T.Normalize(d.mean, d.std)])
     results = []
-    for f in files:
-        with Image.open(f) as img:
-            x = prep(img.convert("RGB")).unsqueeze(0).to(device, run_dtype(cfg))
+    for f, img in zip(files, rgb):
+        x = prep(img).unsqueeze(0).to(device, run_dtype(cfg))
         if cfg.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         with torch.autocast(device.type, dtype=path.amp_dtype, enabled=path.amp_dtype is not None):

@@ -211,6 +211,30 @@ def test_checkpoint_top1_is_the_same_folded_and_unfolded_on_digits(tmp_path):
     assert evaluated["true"] == evaluated["false"]
 
 
+def test_a_checkpoint_keeps_its_architecture_and_images_are_checked_before_the_model(tmp_path, digits_root):
+    from mobilenet import inference
+    from mobilenet.engine import Trainer
+    from mobilenet.errors import ConfigError, DataError
+
+    train = ["model.width_mult=0.25", "device=cpu", "progress=false", "perf.warmup_steps=1", "epochs=1",
+             "data.steps_per_epoch=2", "evaluate=false", f"log_root={tmp_path}"]
+    trainer = Trainer(compose(train), tmp_path / "run")
+    trainer.fit()
+    ckpt = str(trainer.checkpoint_path)
+    # A width the command line sets is refused where it is not the checkpoint's, not replaced by it.
+    with pytest.raises(ConfigError, match=r"was trained with model\.width_mult=0\.25, and model\.width_mult=0\.5 asks "
+                                          r"for another model: leave model\.width_mult out"):
+        inference.check_given_architecture(compose(["model.width_mult=0.5"]), ckpt, ["model.width_mult"])
+    inference.check_given_architecture(compose(["model.width_mult=0.25"]), ckpt, ["model.width_mult"])
+    inference.check_given_architecture(compose([]), ckpt, [])  # not set: the checkpoint's width, as documented
+    image = next((digits_root / "val").glob("*/*.jpg"))
+    (tmp_path / "notes.jpg").write_text("not an image")
+    with pytest.raises(DataError, match=r"--images: cannot decode '.*notes\.jpg' as an image"):
+        inference.classify_images(compose(["device=cpu"]), ckpt, [str(image), str(tmp_path / "notes.jpg")])
+    (ranked,) = inference.classify_images(compose(["device=cpu"]), ckpt, [str(image)])
+    assert len(ranked) == 5 and all(0.0 <= p <= 1.0 for _, p in ranked)
+
+
 # ---------------------------------------------------------------------------------------------- GPU tests
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
