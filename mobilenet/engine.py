@@ -83,6 +83,9 @@ def validate(cfg, device: torch.device) -> None:
     if cfg.amp and enum_value(cfg.amp_dtype) == "bf16" and device.type == "cpu":
         warn_once("bf16_cpu", "amp=true amp_dtype=bf16 on a CPU: most CPUs have no fast bf16 arithmetic, and such a run "
                   "can be tens of times slower than fp32 (amp=false); use it to check the code path, not for speed")
+    if not cfg.amp and enum_value(cfg.amp_dtype) == "bf16":  # fp16 is the default: only bf16 can have been asked for
+        warn_once("amp_dtype_without_amp", "amp_dtype=bf16 takes effect with amp=true; this run has amp=false and "
+                  "computes in fp32 (its summary says so): add amp=true for bf16 autocast")
 
 
 def _check_stats_from_depthwise(cfg) -> None:

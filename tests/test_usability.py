@@ -197,6 +197,18 @@ def test_bf16_on_a_cpu_warns_once(tmp_path, caplog):
     assert len(warnings) == 1 and "slower than fp32" in warnings[0]
 
 
+def test_amp_dtype_without_amp_warns_that_the_run_is_fp32(caplog):
+    from mobilenet import engine
+
+    engine._WARNED.discard("amp_dtype_without_amp")
+    with caplog.at_level(logging.WARNING, logger="mobilenet.engine"):
+        engine.validate(compose([*TINY_SYNTHETIC, "amp=false", "amp_dtype=fp16"]), torch.device("cpu"))
+        assert not [r for r in caplog.records if "amp_dtype" in r.message]
+        engine.validate(compose([*TINY_SYNTHETIC, "amp=false", "amp_dtype=bf16"]), torch.device("cpu"))
+    (warning,) = [r.message for r in caplog.records if "amp_dtype" in r.message]
+    assert warning.startswith("amp_dtype=bf16 takes effect with amp=true; this run has amp=false and computes in fp32")
+
+
 def test_compare_reads_a_train_py_grid(tmp_path):
     # A grid over a table column (channels_last) and over a setting the table has no column for (optim): four rows,
     # none of them taken for a repeat of another.
