@@ -31,14 +31,13 @@ def main(cfg) -> float:
 
     with report_user_errors(cleanup=discard_if_unused):
         from mobilenet import distributed
-        from mobilenet.config import check_schema_keys, check_values
+        from mobilenet.config import check_config
         from mobilenet.engine import Trainer
 
         is_main = int(os.environ.get("RANK", "0")) == 0
         if is_main:
             print(f"run directory: {run_dir}", flush=True)
-        check_schema_keys(cfg)
-        check_values(cfg)
+        check_config(cfg)
         try:
             trainer = Trainer(cfg, run_dir=run_dir, overrides=hc.job.override_dirname)
             result = trainer.fit()

@@ -71,7 +71,7 @@ def _config_dict(cfg) -> dict:
     return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) if OmegaConf.is_config(cfg) else dict(cfg)
 
 
-def lookup(tree: dict, dotted: str):
+def _lookup(tree: dict, dotted: str):
     """tree's value at a dotted key ("model.width_mult"), None where it has none."""
     for part in dotted.split("."):
         if not isinstance(tree, dict) or part not in tree:
@@ -80,13 +80,23 @@ def lookup(tree: dict, dotted: str):
     return tree
 
 
+def architecture_mismatch(saved: dict | None, cfg, keys=WEIGHT_SHAPING_KEYS) -> tuple[str, object, object] | None:
+    """(key, the checkpoint's value, the run's) for the first of `keys` whose values differ where both are set, or
+    None."""
+    run = _config_dict(cfg)
+    for key in keys:
+        theirs, ours = _lookup(saved or {}, key), _lookup(run, key)
+        if theirs is not None and ours is not None and theirs != ours:
+            return key, theirs, ours
+    return None
+
+
 def config_mismatch(saved: dict | None, cfg, num_classes: int, saved_num_classes: int | None) -> str | None:
     """Why a checkpoint's weights cannot fit this run's model (the first differing key, both values), or None."""
-    run = _config_dict(cfg)
-    for key in WEIGHT_SHAPING_KEYS:
-        theirs, ours = lookup(saved or {}, key), lookup(run, key)
-        if theirs is not None and ours is not None and theirs != ours:
-            return f"the checkpoint was trained with {key}={theirs}, this run has {key}={ours}; set {key}={theirs}"
+    differing = architecture_mismatch(saved, cfg)
+    if differing is not None:
+        key, theirs, ours = differing
+        return f"the checkpoint was trained with {key}={theirs}, this run has {key}={ours}; set {key}={theirs}"
     if saved_num_classes is not None and saved_num_classes != num_classes:
         return (f"the checkpoint has {saved_num_classes} classes, this run's data has {num_classes} "
                 f"(resume with the data it was trained on)")

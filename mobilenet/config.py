@@ -392,6 +392,13 @@ def check_values(cfg) -> None:
             raise ConfigError(f"{key}={value}: must be {allowed}")
 
 
+def check_config(cfg) -> None:
+    """The checks a composed config gets wherever it comes from (Hydra's main in train.py, compose() elsewhere): keys
+    the schema lacks (check_schema_keys), then values outside their range (check_values)."""
+    check_schema_keys(cfg)
+    check_values(cfg)
+
+
 def _unknown_keys(node, schema, prefix: str) -> list[tuple[str, str | None]]:
     """[(dotted key, closest schema key or None)] for the keys of `node` that `schema` lacks."""
     import difflib
@@ -458,6 +465,5 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
             cfg = hydra_compose(config_name=config_name, overrides=list(overrides or []))
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError(composition_message(e)) from e  # the cause stays for --debug
-    check_schema_keys(cfg)
-    check_values(cfg)
+    check_config(cfg)
     return cfg

@@ -72,19 +72,16 @@ class _Setup(NamedTuple):
 def check_given_architecture(cfg, checkpoint: str, given_keys) -> None:
     """With --checkpoint the architecture (model.name, model.width_mult) is the checkpoint's; a different value the
     command line sets for it (`given_keys`: the keys it set) is refused rather than replaced."""
-    from omegaconf import OmegaConf
-
-    from .checkpoint import WEIGHT_SHAPING_KEYS, lookup
+    from .checkpoint import WEIGHT_SHAPING_KEYS, architecture_mismatch
 
     keys = [k for k in WEIGHT_SHAPING_KEYS if k in set(given_keys)]
     if not keys:
         return
-    saved = load_checkpoint(checkpoint, option="--checkpoint ").get("config")
-    for key in keys:
-        theirs, ours = lookup(saved or {}, key), OmegaConf.select(cfg, key)
-        if theirs is not None and theirs != ours:
-            raise ConfigError(f"--checkpoint {checkpoint!r} was trained with {key}={theirs}, and {key}={ours} asks for "
-                              f"another model: leave {key} out (the checkpoint decides the architecture)")
+    differing = architecture_mismatch(load_checkpoint(checkpoint, option="--checkpoint ").get("config"), cfg, keys)
+    if differing is not None:
+        key, theirs, ours = differing
+        raise ConfigError(f"--checkpoint {checkpoint!r} was trained with {key}={theirs}, and {key}={ours} asks for "
+                          f"another model: leave {key} out (the checkpoint decides the architecture)")
 
 
 def _setup(cfg, checkpoint: str | None, num_classes: int | None = None, profiling: bool = False) -> _Setup:
