@@ -399,6 +399,39 @@ def check_config(cfg) -> None:
     check_values(cfg)
 
 
+# Settings that only one choice of another setting reads: (keys, reads them for this config and job, who reads them).
+# A value given for one of them that the run does not read would otherwise pass without a word (unused_settings).
+_READ_BY: list[tuple[tuple[str, ...], Callable[[Any, str], bool], str]] = [
+    (("optim.alpha", "optim.eps"), lambda cfg, job: enum_value(cfg.optim.name) == "rmsprop", "optim=rmsprop"),
+    (("optim.nesterov",), lambda cfg, job: enum_value(cfg.optim.name) == "sgd", "optim=sgd"),
+    (("data.dali",), lambda cfg, job: cfg.data.name == "dali", "data=dali"),
+    (("fold_bn", "fused_epilogue"), lambda cfg, job: job == "infer", "infer.py"),
+]
+
+
+def _leaves(node, prefix: str) -> list[tuple[str, Any]]:
+    if not OmegaConf.is_dict(node):
+        return [(prefix, node)]
+    return [leaf for key in node for leaf in _leaves(node[key], f"{prefix}.{key}")]
+
+
+def unused_settings(cfg, job: str) -> list[str]:
+    """One line for each setting whose value is not the schema's default and that this run does not read (a
+    RMSprop setting under optim=sgd, a DALI setting with another loader, an inference setting given to train.py).
+    `job`: "train" or "infer"."""
+    defaults = OmegaConf.structured(Config)
+    lines = []
+    for keys, reads, reader in _READ_BY:
+        if reads(cfg, job):
+            continue
+        for key in keys:
+            for leaf, value in _leaves(OmegaConf.select(cfg, key), key):
+                if enum_value(value) != enum_value(OmegaConf.select(defaults, leaf)):
+                    shown = str(value).lower() if isinstance(value, bool) else enum_value(value)
+                    lines.append(f"{leaf}={shown} has no effect: only {reader} reads it")
+    return lines
+
+
 def _unknown_keys(node, schema, prefix: str) -> list[tuple[str, str | None]]:
     """[(dotted key, closest schema key or None)] for the keys of `node` that `schema` lacks."""
     import difflib

@@ -21,7 +21,7 @@ from torch import nn
 
 from . import amp_weights, cuda_graph, distributed, machine_load, streams
 from .checkpoint import CHECKPOINT_IN_RUN_DIR, load_checkpoint, restore_training_state, save_checkpoint, training_state
-from .config import enum_value
+from .config import enum_value, unused_settings
 from .data import LoaderSpec, build_loaders
 from .depthwise import get_backend
 from .errors import ConfigError, checking_user_input
@@ -86,6 +86,13 @@ def validate(cfg, device: torch.device) -> None:
     if not cfg.amp and enum_value(cfg.amp_dtype) == "bf16":  # fp16 is the default: only bf16 can have been asked for
         warn_once("amp_dtype_without_amp", "amp_dtype=bf16 takes effect with amp=true; this run has amp=false and "
                   "computes in fp32 (its summary says so): add amp=true for bf16 autocast")
+
+
+def warn_unused_settings(cfg, job: str) -> None:
+    """Warn about each setting the run was given but does not read (config.unused_settings): it passes the schema,
+    so without a word a user would believe it took effect."""
+    for line in unused_settings(cfg, job):
+        warn_once(f"unused:{line}", line)
 
 
 def _check_stats_from_depthwise(cfg) -> None:
@@ -281,6 +288,7 @@ class Trainer:
         if self.device.type != "cuda":
             self.queues_state = f"none ({self.device.type})"
         validate(cfg, self.device)
+        warn_unused_settings(cfg, "train")
         self.overrides = overrides
         with checking_user_input(ValueError):  # a stream setting this device cannot take
             self.stream, self.stream_state = streams.resolve(cfg, self.device)

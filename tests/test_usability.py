@@ -250,3 +250,24 @@ def test_compare_loss_curves_varies_any_setting(tmp_path):
     malformed = subprocess.run([*script, "--setting", "cuda_graph"], cwd=ROOT, capture_output=True, text=True,
                                timeout=120)
     assert malformed.returncode == 2 and "--setting takes NAME=CANDIDATE,REFERENCE" in malformed.stderr
+
+
+def test_a_setting_the_run_does_not_read_is_named_in_a_warning(caplog, tmp_path):
+    from mobilenet import engine
+    from mobilenet.config import unused_settings
+
+    given = ["optim.alpha=0.5", "data.dali.pipelines=2", "fold_bn=false"]
+    assert unused_settings(compose([*TINY_SYNTHETIC, *given]), "train") == [
+        "optim.alpha=0.5 has no effect: only optim=rmsprop reads it",
+        "data.dali.pipelines=2 has no effect: only data=dali reads it",
+        "fold_bn=false has no effect: only infer.py reads it"]
+    # The same settings where they are read, and the defaults, are not named.
+    assert unused_settings(compose([*TINY_SYNTHETIC, "optim=rmsprop", "optim.alpha=0.5", "fold_bn=false"]),
+                           "infer") == []
+    assert unused_settings(compose(TINY_SYNTHETIC), "train") == []
+    assert unused_settings(compose([*TINY_SYNTHETIC, "optim=rmsprop", "optim.nesterov=false"]), "train") == [
+        "optim.nesterov=false has no effect: only optim=sgd reads it"]
+    # A training run logs them.
+    with caplog.at_level(logging.WARNING, logger="mobilenet.engine"):
+        engine.Trainer(compose([*TINY_SYNTHETIC, "optim.eps=0.01"]), tmp_path)
+    assert "optim.eps=0.01 has no effect: only optim=rmsprop reads it" in [r.message for r in caplog.records]
