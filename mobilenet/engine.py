@@ -65,8 +65,9 @@ def run_dtype(cfg) -> torch.dtype:
     return autocast_dtype(cfg) or torch.float32
 
 
-def validate(cfg, device: torch.device) -> None:
-    """Reject combinations that cannot run as asked, before any work is done. Nothing is substituted."""
+def validate(cfg, device: torch.device, job: str = "train") -> None:
+    """Reject combinations that cannot run as asked, before any work is done. Nothing is substituted. `job` ("train"
+    or "infer") decides which settings the run reads (warn_unused_settings)."""
     check_ab_environment(cfg)
     with checking_user_input(ValueError):  # an unknown backend name
         backend = get_backend(cfg.backend.name)
@@ -86,6 +87,7 @@ def validate(cfg, device: torch.device) -> None:
     if not cfg.amp and enum_value(cfg.amp_dtype) == "bf16":  # fp16 is the default: only bf16 can have been asked for
         warn_once("amp_dtype_without_amp", "amp_dtype=bf16 takes effect with amp=true; this run has amp=false and "
                   "computes in fp32 (its summary says so): add amp=true for bf16 autocast")
+    warn_unused_settings(cfg, job)
 
 
 def warn_unused_settings(cfg, job: str) -> None:
@@ -288,7 +290,6 @@ class Trainer:
         if self.device.type != "cuda":
             self.queues_state = f"none ({self.device.type})"
         validate(cfg, self.device)
-        warn_unused_settings(cfg, "train")
         self.overrides = overrides
         with checking_user_input(ValueError):  # a stream setting this device cannot take
             self.stream, self.stream_state = streams.resolve(cfg, self.device)

@@ -22,7 +22,7 @@ from . import cuda_graph, streams
 from .data import LoaderSpec, build_loaders
 from .data.folder import image_transforms
 from .engine import (CheckpointError, autocast_dtype, build_for_run, config_rows, evaluate, load_checkpoint, resolve_device,
-                     run_dtype, validate, warn_unused_settings)
+                     run_dtype, validate)
 from .errors import ConfigError, DataError, DataNotFound, MissingDependency
 from .inference_model import build_inference_model, onnx_export_form, resolve_epilogue
 from .meter import StepMeter, Throughput
@@ -89,8 +89,7 @@ def _setup(cfg, checkpoint: str | None, num_classes: int | None = None, profilin
     device = resolve_device(cfg.device)
     if device.type != "cuda":
         queues = f"none ({device.type})"
-    validate(cfg, device)
-    warn_unused_settings(cfg, "infer")
+    validate(cfg, device, job="infer")
     torch.backends.cudnn.benchmark = True
     state = load_checkpoint(checkpoint, option="--checkpoint ") if checkpoint else None
     if state is not None:
