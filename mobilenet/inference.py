@@ -23,6 +23,7 @@ from .data import LoaderSpec, build_loaders
 from .data.folder import image_transforms
 from .engine import (CheckpointError, autocast_dtype, build_for_run, config_rows, evaluate, load_checkpoint, resolve_device,
                      run_dtype, validate)
+from .checkpoint import checkpoint_file
 from .errors import ConfigError, DataError, DataNotFound, MissingDependency
 from .inference_model import build_inference_model, onnx_export_form, resolve_epilogue
 from .meter import StepMeter, Throughput
@@ -69,6 +70,21 @@ class _Setup(NamedTuple):
     queues: str  # the summary's "CUDA work queues": the count in force and why
 
 
+_LAST_READ: dict = {}  # the last checkpoint read: {(file, mtime, size): contents}
+
+
+def _read_checkpoint(checkpoint: str) -> dict:
+    """The checkpoint's contents, read once for the architecture check and the model it then builds (infer.py does
+    both with one --checkpoint); read again if the file changed."""
+    file = checkpoint_file(checkpoint, "--checkpoint ")
+    st = file.stat()
+    key = (str(file.resolve()), st.st_mtime_ns, st.st_size)
+    if key not in _LAST_READ:
+        _LAST_READ.clear()
+        _LAST_READ[key] = load_checkpoint(checkpoint, option="--checkpoint ")
+    return _LAST_READ[key]
+
+
 def check_given_architecture(cfg, checkpoint: str, given_keys) -> None:
     """With --checkpoint the architecture (model.name, model.width_mult) is the checkpoint's; a different value the
     command line sets for it (`given_keys`: the keys it set) is refused rather than replaced."""
@@ -77,7 +93,7 @@ def check_given_architecture(cfg, checkpoint: str, given_keys) -> None:
     keys = [k for k in WEIGHT_SHAPING_KEYS if k in set(given_keys)]
     if not keys:
         return
-    differing = architecture_mismatch(load_checkpoint(checkpoint, option="--checkpoint ").get("config"), cfg, keys)
+    differing = architecture_mismatch(_read_checkpoint(checkpoint).get("config"), cfg, keys)
     if differing is not None:
         key, theirs, ours = differing
         raise ConfigError(f"--checkpoint {checkpoint!r} was trained with {key}={theirs}, and {key}={ours} asks for "
@@ -91,7 +107,7 @@ def _setup(cfg, checkpoint: str | None, num_classes: int | None = None, profilin
         queues = f"none ({device.type})"
     validate(cfg, device, job="infer")
     torch.backends.cudnn.benchmark = True
-    state = load_checkpoint(checkpoint, option="--checkpoint ") if checkpoint else None
+    state = _read_checkpoint(checkpoint) if checkpoint else None
     if state is not None:
         # The architecture comes from the checkpoint; the run settings (backend, amp, layout) from the command line.
         saved = state["config"]["model"]

@@ -233,6 +233,12 @@ def test_a_checkpoint_keeps_its_architecture_and_images_are_checked_before_the_m
         inference.classify_images(compose(["device=cpu"]), ckpt, [str(image), str(tmp_path / "notes.jpg")])
     (ranked,) = inference.classify_images(compose(["device=cpu"]), ckpt, [str(image)])
     assert len(ranked) == 5 and all(0.0 <= p <= 1.0 for _, p in ranked)
+    # The check and the model it builds read the checkpoint once (the run directory names the same file); a
+    # checkpoint written since is read again.
+    first = inference._read_checkpoint(ckpt)
+    assert inference._read_checkpoint(str(tmp_path / "run")) is first
+    torch.save({**first, "epoch": first["epoch"] + 1}, ckpt)
+    assert inference._read_checkpoint(ckpt)["epoch"] == first["epoch"] + 1
 
 
 # ---------------------------------------------------------------------------------------------- GPU tests
