@@ -102,14 +102,13 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     if measuring:
         overrides = _cpu_defaults(args, overrides)
     cfg = compose(overrides)  # a bad override or value is one line, not Hydra's report
-    if args.checkpoint:
-        inference.check_given_architecture(cfg, args.checkpoint, [override_key(o) for o in overrides])
+    given = [override_key(o) for o in overrides]  # with --checkpoint, an architecture set here must be its own
     if args.export:
-        inference.export_onnx(cfg, args.checkpoint, args.export)
+        inference.export_onnx(cfg, args.checkpoint, args.export, given)
     elif args.images:
-        inference.classify_images(cfg, args.checkpoint, args.images)
+        inference.classify_images(cfg, args.checkpoint, args.images, given)
     elif args.checkpoint:
-        inference.evaluate_checkpoint(cfg, args.checkpoint)
+        inference.evaluate_checkpoint(cfg, args.checkpoint, given)
     elif args.profile:
         # The overrides in the order given; as in train.py's run names, paths and switches that do not change
         # what is measured stay out.

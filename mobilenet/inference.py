@@ -23,7 +23,6 @@ from .data import LoaderSpec, build_loaders
 from .data.folder import image_transforms
 from .engine import (CheckpointError, autocast_dtype, build_for_run, config_rows, evaluate, load_checkpoint, resolve_device,
                      run_dtype, validate)
-from .checkpoint import checkpoint_file
 from .errors import ConfigError, DataError, DataNotFound, MissingDependency
 from .inference_model import build_inference_model, onnx_export_form, resolve_epilogue
 from .meter import StepMeter, Throughput
@@ -70,45 +69,33 @@ class _Setup(NamedTuple):
     queues: str  # the summary's "CUDA work queues": the count in force and why
 
 
-_LAST_READ: dict = {}  # the last checkpoint read: {(file, mtime, size): contents}
-
-
-def _read_checkpoint(checkpoint: str) -> dict:
-    """The checkpoint's contents, read once for the architecture check and the model it then builds (infer.py does
-    both with one --checkpoint); read again if the file changed."""
-    file = checkpoint_file(checkpoint, "--checkpoint ")
-    st = file.stat()
-    key = (str(file.resolve()), st.st_mtime_ns, st.st_size)
-    if key not in _LAST_READ:
-        _LAST_READ.clear()
-        _LAST_READ[key] = load_checkpoint(checkpoint, option="--checkpoint ")
-    return _LAST_READ[key]
-
-
-def check_given_architecture(cfg, checkpoint: str, given_keys) -> None:
-    """With --checkpoint the architecture (model.name, model.width_mult) is the checkpoint's; a different value the
-    command line sets for it (`given_keys`: the keys it set) is refused rather than replaced."""
+def check_given_architecture(cfg, state: dict, checkpoint: str, given_keys) -> None:
+    """With --checkpoint the architecture (model.name, model.width_mult) is the checkpoint's (`state`, read from
+    `checkpoint`); a different value the command line sets for it (`given_keys`: the keys it set) is refused rather
+    than replaced."""
     from .checkpoint import WEIGHT_SHAPING_KEYS, architecture_mismatch
 
     keys = [k for k in WEIGHT_SHAPING_KEYS if k in set(given_keys)]
-    if not keys:
-        return
-    differing = architecture_mismatch(_read_checkpoint(checkpoint).get("config"), cfg, keys)
+    differing = architecture_mismatch(state.get("config"), cfg, keys)
     if differing is not None:
         key, theirs, ours = differing
         raise ConfigError(f"--checkpoint {checkpoint!r} was trained with {key}={theirs}, and {key}={ours} asks for "
                           f"another model: leave {key} out (the checkpoint decides the architecture)")
 
 
-def _setup(cfg, checkpoint: str | None, num_classes: int | None = None, profiling: bool = False) -> _Setup:
+def _setup(cfg, checkpoint: str | None, num_classes: int | None = None, profiling: bool = False,
+           given_keys=()) -> _Setup:
+    """The device, the model on its inference path and the checkpoint's contents where one is given; `given_keys`: the
+    keys the command line set, whose architecture settings must then be the checkpoint's (check_given_architecture)."""
     queues = streams.apply_max_connections(cfg)  # before anything creates the CUDA context
     device = resolve_device(cfg.device)
     if device.type != "cuda":
         queues = f"none ({device.type})"
     validate(cfg, device, job="infer")
     torch.backends.cudnn.benchmark = True
-    state = _read_checkpoint(checkpoint) if checkpoint else None
+    state = load_checkpoint(checkpoint, option="--checkpoint ") if checkpoint else None
     if state is not None:
+        check_given_architecture(cfg, state, checkpoint, given_keys)
         # The architecture comes from the checkpoint; the run settings (backend, amp, layout) from the command line.
         saved = state["config"]["model"]
         cfg.model.width_mult = saved["width_mult"]
@@ -222,8 +209,8 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
-def evaluate_checkpoint(cfg, checkpoint: str) -> tuple[float, float]:
-    setup = _setup(cfg, checkpoint)
+def evaluate_checkpoint(cfg, checkpoint: str, given_keys=()) -> tuple[float, float]:
+    setup = _setup(cfg, checkpoint, given_keys=given_keys)
     device, path, state = setup.device, setup.path, setup.state
     stream, stream_state = streams.resolve(cfg, device)  # as in training: a dedicated stream for data=dali
     spec = LoaderSpec(device, run_dtype(cfg), cfg.channels_last, seed=cfg.seed)
@@ -242,7 +229,7 @@ def evaluate_checkpoint(cfg, checkpoint: str) -> tuple[float, float]:
 
 
 @torch.inference_mode()
-def classify_images(cfg, checkpoint: str | None, files: list[str]) -> list[list[tuple[str, float]]]:
+def classify_images(cfg, checkpoint: str | None, files: list[str], given_keys=()) -> list[list[tuple[str, float]]]:
     from PIL import Image
     from torchvision import transforms as T
 
@@ -258,7 +245,7 @@ def classify_images(cfg, checkpoint: str | None, files: list[str]) -> list[list[
                 rgb.append(img.convert("RGB"))
         except OSError as e:  # PIL's UnidentifiedImageError (not an image) and truncated data alike
             raise DataError(f"--images: cannot decode {f!r} as an image ({e})") from e
-    setup = _setup(cfg, checkpoint)
+    setup = _setup(cfg, checkpoint, given_keys=given_keys)
     device, path, state = setup.device, setup.path, setup.state
     classes = state.get("classes") or [str(i) for i in range(state["num_classes"])]
     d = cfg.data
@@ -280,7 +267,7 @@ def classify_images(cfg, checkpoint: str | None, files: list[str]) -> list[list[
 ONNX_OPSET = 18
 
 
-def export_onnx(cfg, checkpoint: str | None, out: str) -> Path:
+def export_onnx(cfg, checkpoint: str | None, out: str, given_keys=()) -> Path:
     """Write the folded model as standard ONNX operators (Conv, Relu, ReduceMean, Gemm): every depthwise backend
     becomes a grouped Conv, so the file runs anywhere. The batch axis is dynamic; dtype and layout follow the run
     (fp32 unless amp=true). Returns the path written."""
@@ -296,7 +283,7 @@ def export_onnx(cfg, checkpoint: str | None, out: str) -> Path:
     if missing:  # torch.onnx's exporter imports them only once the export is under way: say so before any work
         raise MissingDependency(f"--export needs {' and '.join(missing)} (torch's ONNX exporter), not installed in this "
                                 "Python environment: pip install -e '.[export]'")
-    setup = _setup(cfg, checkpoint)
+    setup = _setup(cfg, checkpoint, given_keys=given_keys)
     model = onnx_export_form(setup.path.model)
     x = _input_batch(cfg, setup.device, batch_size=2)
     batch = torch.export.Dim("batch", min=1, max=65536)
