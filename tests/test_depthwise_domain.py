@@ -88,8 +88,11 @@ def test_check_refuses_a_weight_of_another_dtype():
         check_supported(x, wt.double(), None, (1, 1), (1, 1), (1, 1))
 
 
-# The reference is F.conv2d's own 'same', which warns that it copies the input for even kernels: expected here.
-@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel lengths:UserWarning")
+# The references are F.conv2d's own 'same', which warns that it copies the input for even kernels: expected here.
+SAME_PADDING_COPY = "ignore:Using padding='same' with even kernel lengths:UserWarning"
+
+
+@pytest.mark.filterwarnings(SAME_PADDING_COPY)
 @pytest.mark.parametrize("k, d", [((3, 3), (1, 1)), ((4, 4), (1, 1)), ((2, 5), (1, 1)), ((4, 3), (2, 1)),
                                   ((8, 9), (3, 2)), ((1, 1), (1, 1))])
 def test_same_padding_is_f_conv2d_s(k, d):
@@ -238,6 +241,7 @@ def _run_case(dw, case: dict, gen: torch.Generator) -> None:
 
 @pytest.mark.gpu
 @cuda
+@pytest.mark.filterwarnings(SAME_PADDING_COPY)
 def test_random_sweep_of_the_whole_domain_against_float64(dw):
     seed = int(os.environ.get("MDW_SWEEP_SEED", random.randrange(1 << 30)))
     print(f"depthwise domain sweep: MDW_SWEEP_SEED={seed}")
