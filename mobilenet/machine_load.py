@@ -281,9 +281,10 @@ class MachineLoad:
 
     def scalars(self) -> dict[str, float]:
         """TensorBoard scalars (sys/...) of the readings there are."""
+        busiest = None if self.busiest_thread is None else 100 * self.busiest_thread[1]
         named = {"sys/cpu_busy_pct": self.cpu_busy_pct, "sys/cpu_steal_pct": self.cpu_steal_pct,
-                 "sys/process_cores": self.process_cores, "sys/gpu_sm_pct": self.sm_pct, "sys/jpeg_pct": self.jpeg_pct,
-                 "sys/sm_clock_mhz": self.sm_clock_mhz}
+                 "sys/process_cores": self.process_cores, "sys/busiest_thread_pct": busiest,
+                 "sys/gpu_sm_pct": self.sm_pct, "sys/jpeg_pct": self.jpeg_pct, "sys/sm_clock_mhz": self.sm_clock_mhz}
         return {k: float(v) for k, v in named.items() if v is not None}
 
 

@@ -53,8 +53,11 @@ from mobilenet.subprocesses import exit_on_sigterm  # noqa: E402
 
 LOADERS = ("dali", "folder")
 CPU_DEFAULT = ["amp=false", "data.resolution=64", "data.batch_size=16", "model.width_mult=0.25"]
-# The loader run's machine-load scalars (perf.sample_load) shown beside its img/s, where logged.
-LOAD_COLUMNS = {"sys/cpu_busy_pct": "host CPU busy %", "sys/cpu_steal_pct": "steal %", "sys/gpu_sm_pct": "SM busy %",
+# The loader run's machine-load scalars (perf.sample_load) shown beside its img/s, where logged. The busiest
+# thread's share tells a loader bound by one host thread (the training loop's, or one of DALI's) from one bound by
+# the decoder; its name is in the run's summary (output.log).
+LOAD_COLUMNS = {"sys/cpu_busy_pct": "host CPU busy %", "sys/cpu_steal_pct": "steal %",
+                "sys/busiest_thread_pct": "busiest thread % of a core", "sys/gpu_sm_pct": "SM busy %",
                 "sys/jpeg_pct": "JPEG engines %"}
 
 

@@ -79,6 +79,17 @@ def test_the_table_and_share_are_the_runs_tensorboard_scalars(compared):
     # the loader runs sampled the machine's load (perf.sample_load=auto for a decoding loader); synthetic ones not
     assert "sys/cpu_busy_pct" in scalars(work / "round1-loader")
     assert "sys/cpu_busy_pct" not in scalars(work / "round1-synthetic")
+    # the busiest thread's share of a core is a column of the loader's rows, empty in the synthetic ones
+    head = next(line for line in report.splitlines() if line.startswith("| round |"))
+    column = [c.strip() for c in head.split("|")].index("busiest thread % of a core")
+    for r, data in ((1, "folder"), (1, "synthetic")):
+        row = next(line for line in report.splitlines() if line.startswith(f"| {r} | data={data} |"))
+        cell = [c.strip() for c in row.split("|")][column]
+        if data == "folder":
+            busiest = scalars(work / "round1-loader")["sys/busiest_thread_pct"]
+            assert 0 < busiest <= 105 and float(cell.replace(",", "")) == pytest.approx(busiest, abs=0.51), row
+        else:
+            assert cell == "", row
 
 
 def test_a_share_below_the_target_exits_1(digits_root, tmp_path):

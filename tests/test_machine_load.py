@@ -83,6 +83,7 @@ def test_a_busy_named_thread_is_named_as_the_busiest_with_most_of_a_core():
     assert 0 < load.cpu_busy_pct <= 100
     rows = load.rows()
     assert "mbn-burner" in rows["busiest thread"]
+    assert load.scalars()["sys/busiest_thread_pct"] == pytest.approx(100 * load.busiest_thread[1])
     assert rows["GPU load"] == "not sampled: a CPU run"
 
 
