@@ -301,6 +301,40 @@ def test_more_streams_than_hardware_work_queues_is_a_finding_with_the_setting_th
     assert "8 hardware work queues (CUDA's default; the trace does not record the setting)" in f.detail
 
 
+def test_gpu_work_launched_by_a_loader_thread_is_the_loaders_not_the_steps():
+    """A loader thread (tid 9, DALI's) launches a kernel named like a transpose, a pageable copy and a resize
+    kernel each step: they are the loader's GPU work, not a layout transpose, a copy the step should pin, or
+    everything else."""
+    b = _TraceBuilder()
+    for s in range(3):
+        t = 1000.0 * s
+        b.x(f"ProfilerStep#{s}", "user_annotation", t, 1000)
+        b.launch(t + 10, "sm90_xmma_fprop_implicit_gemm", t + 20, 800)
+        b.launch(t + 30, "void dali::kernels::TransposeKernel<unsigned char>", t + 830, 20, tid=9)
+        b.launch(t + 40, "Memcpy HtoD (Pageable -> Device)", t + 850, 30, tid=9, call="cudaMemcpyAsync",
+                 cat="gpu_memcpy", bytes=1_000_000)
+        b.launch(t + 50, "void dali::kernels::resampling::BatchedSeparableResizeKernel", t + 880, 50, tid=9)
+    r = analyse_trace({"traceEvents": b.events, "deviceProperties": [{"name": "Synthetic GPU"}]})
+    _assert_partition(r)
+    cat = r.gpu_time.categories
+    assert math.isclose(cat["loader"].ms_per_step, 0.100) and cat["loader"].count_per_step == 3
+    assert math.isclose(cat["other"].ms_per_step, 0.800)
+    assert cat["transpose"].count_per_step == 0 and cat["memcpy"].count_per_step == 0
+    assert r.gpu_time.pageable_copies_per_step == 0 and r.gpu_time.memcpys == []
+    titles = {f.title for f in r.findings}
+    assert not {"pageable host copies", "layout transposes"} & titles
+    (f,) = [f for f in r.findings if f.title == "the data loader's GPU work"]
+    assert "launched 11.1% of GPU time (0.100 ms/step, 3 kernels and copies per step)" in f.detail
+    assert "data loader's GPU work (other threads)" in r.markdown()
+    # The same rows launched by the step's thread are the step's: a transpose and a pageable copy to pin.
+    for e in b.events:
+        if e["tid"] == 9:
+            e["tid"] = 1
+    r = analyse_trace({"traceEvents": b.events, "deviceProperties": [{"name": "Synthetic GPU"}]})
+    assert r.gpu_time.categories["loader"].count_per_step == 0
+    assert {"pageable host copies", "layout transposes"} <= {f.title for f in r.findings}
+
+
 def _launch_bound_trace() -> dict:
     """Three host-bound steps of ten 2 us kernels, each launched by a 10 us call, the GPU idle in between."""
     b = _TraceBuilder()

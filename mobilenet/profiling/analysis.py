@@ -32,8 +32,9 @@ def analyse_trace(trace: dict | str | Path, baseline_step_ms: float | None = Non
     report = Report(env=env_from_trace(trace, meta), gpu=bool(gpu.rows), steps=window.n_steps,
                     timing=stages.step_timing(window, gpu, baseline_step_ms), notes=notes, trace_path=trace_path)
     if gpu.rows:
-        calls = stages.blocking_calls(host, window, gpu)
-        report.gpu_time = stages.gpu_time(gpu, window, top_k)
+        threads = stages.step_threads(host, window)
+        calls = stages.blocking_calls(host, window, gpu, threads)
+        report.gpu_time = stages.gpu_time(gpu, window, top_k, threads)
         report.launches = stages.launches(gpu, window.n_steps)
         report.host_syncs = stages.host_syncs(calls, gpu, window, meta)
         report.utilisation = stages.utilisation(window, gpu, calls)

@@ -44,10 +44,14 @@ SYNC_CALLS = re.compile(r"^(cudaStreamSynchronize|cudaDeviceSynchronize|cudaEven
 DEVICE_SYNC_CALLS = frozenset({"cudaDeviceSynchronize", "cuCtxSynchronize"})
 SLOW_LAUNCH_US = 1000.0
 
-CATEGORIES = ("depthwise", "norm", "transpose", "cast", "memcpy", "other")
+# "loader": GPU work launched by threads that do not run the step (a data loader's, e.g. DALI's decode, resize and
+# normalisation): it shares the GPU with the step, but none of the step's ops asked for it, so it is kept out of the
+# step's categories (a loader's pageable copy is not the step's to pin).
+CATEGORIES = ("depthwise", "norm", "transpose", "cast", "memcpy", "loader", "other")
 CATEGORY_TITLES = {
     "depthwise": "depthwise convolution", "norm": "BatchNorm + ReLU", "transpose": "layout transposes",
-    "cast": "dtype casts", "memcpy": "host<->device / device copies", "other": "everything else",
+    "cast": "dtype casts", "memcpy": "host<->device / device copies",
+    "loader": "data loader's GPU work (other threads)", "other": "everything else",
 }
 # BatchNorm and ReLU, forward and backward, whichever implementation (norm=torch|custom|apex) ran them: the share the
 # fused norm exists to shrink. Kernels are recognised by the op that launched them (cuDNN's, PyTorch's, this

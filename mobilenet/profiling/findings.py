@@ -213,6 +213,22 @@ def pageable_host_copies(r: Report) -> Finding | None:
 
 
 @finding()
+def loader_gpu_work(r: Report) -> Finding | None:
+    loader = r.gpu_time.categories.get("loader")
+    if loader is None or loader.pct < 1:
+        return None
+    return Finding("the data loader's GPU work",
+                   f"threads that do not run the step (a data loader's: DALI's decode colour conversion, resize and "
+                   f"normalisation, and its copies) launched {loader.pct:.1f}% of GPU time ({loader.ms_per_step:.3f} "
+                   f"ms/step, {loader.count_per_step:.0f} kernels and copies per step); it runs on the SMs and copy "
+                   "engines the step uses",
+                   "compare with the same run on data=synthetic (scripts/check_loader.py): a step slower by about this "
+                   "much is paying for it; less work per image (JPEGs stored at a shorter side, "
+                   "scripts/resize_imagefolder.py) shrinks it",
+                   "info")
+
+
+@finding()
 def copies_dominate(r: Report) -> Finding | None:
     mc = r.gpu_time.categories["memcpy"]
     if mc.pct < 10:

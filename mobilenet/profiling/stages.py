@@ -42,13 +42,14 @@ class _Tally(NamedTuple):
     kernels: dict[tuple, dict]  # (name, category) -> {us, n, by_site: Counter of (op, shapes) -> us}
 
 
-def _tally(gpu: GpuRows, window: Window) -> _Tally:
+def _tally(gpu: GpuRows, window: Window, threads: set | None) -> _Tally:
     t = _Tally({c: 0.0 for c in CATEGORIES}, Counter(), Counter(),
                {c: defaultdict(lambda: [0.0, 0]) for c in ("transpose", "cast")},
                defaultdict(lambda: [0.0, 0, 0.0, Counter()]), {})
     for g, launch, ops, _ in gpu.counted:
         op_name = op_label(ops)
-        category = category_of(g, ops)
+        from_loader = threads is not None and launch is not None and (launch.pid, launch.tid) not in threads
+        category = "loader" if from_loader else category_of(g, ops)
         if category == "memcpy":
             m = t.memcpys[g.name]
             m[0] += g.dur
@@ -93,9 +94,10 @@ def _top_kernels(kernels: dict[tuple, dict], total_us: float, n_steps: int, top_
     return out
 
 
-def gpu_time(gpu: GpuRows, window: Window, top_k: int) -> GpuTime:
+def gpu_time(gpu: GpuRows, window: Window, top_k: int, threads: set | None = None) -> GpuTime:
+    """`threads`: the step's threads (step_threads); GPU work launched by others is the loader's."""
     n = window.n_steps
-    t = _tally(gpu, window)
+    t = _tally(gpu, window, threads)
     total_us = sum(t.cat_us.values())
     dw_total = sum(t.impl_us.values())
     memcpys = _memcpy_rows(t.memcpys, n)
@@ -156,15 +158,21 @@ class BlockingCalls(NamedTuple):
     pageable_ids: set[int]  # launch calls of copies from or to pageable memory
 
 
-def blocking_calls(host: list[Event], window: Window, gpu: GpuRows) -> BlockingCalls:
+def step_threads(host: list[Event], window: Window) -> set | None:
+    """The (pid, tid) of the threads that run the step: the ProfilerStep ranges' and autograd's backward thread(s).
+    None when the trace names no threads."""
+    first = window.steps[0]
+    if first.tid is None:
+        return None
+    return {(first.pid, first.tid)} | {(e.pid, e.tid) for e in host if e.cat == "cpu_op"
+                                       and (e.name.startswith(AUTOGRAD_PREFIX) or "backward" in e.name.lower())}
+
+
+def blocking_calls(host: list[Event], window: Window, gpu: GpuRows, threads: set | None) -> BlockingCalls:
+    """`threads`: step_threads(); a sync on any other thread (a loader's worker) does not stall the step."""
     # A copy from or to pageable memory blocks the host as well: the driver stages it through a pinned buffer.
     pageable = {id(r.launch) for r in gpu.counted if r.launch is not None and r.row.cat == "memcpy" and "Pageable" in r.row.name}
-    # The step runs on the thread of the ProfilerStep ranges and on autograd's backward thread(s); a sync on any
-    # other thread (a loader's worker) does not stall the step.
-    first = window.steps[0]
-    step_threads = {(first.pid, first.tid)} | {(e.pid, e.tid) for e in host if e.cat == "cpu_op"
-                                               and (e.name.startswith(AUTOGRAD_PREFIX) or "backward" in e.name.lower())}
-    on_step_thread = (lambda e: True) if first.tid is None else (lambda e: (e.pid, e.tid) in step_threads)
+    on_step_thread = (lambda e: True) if threads is None else (lambda e: (e.pid, e.tid) in threads)
     in_window = [e for e in host if e.cat == "runtime" and window.step_index(e.ts) is not None]
     blocking = [e for e in in_window if SYNC_CALLS.match(e.name) or id(e) in pageable]
     on_step = [e for e in blocking if on_step_thread(e)]
