@@ -326,6 +326,20 @@ def test_gpu_work_launched_by_a_loader_thread_is_the_loaders_not_the_steps():
     (f,) = [f for f in r.findings if f.title == "the data loader's GPU work"]
     assert "launched 11.1% of GPU time (0.100 ms/step, 3 kernels and copies per step)" in f.detail
     assert "data loader's GPU work (other threads)" in r.markdown()
+    # A captured step launches its kernels with one graph launch: the loader's many short launches are not the
+    # step's, so the step is neither launch-bound nor running the loader's kernels.
+    graph = _TraceBuilder()
+    for s in range(3):
+        t = 1000.0 * s
+        graph.x(f"ProfilerStep#{s}", "user_annotation", t, 1000)
+        graph.launch(t + 10, "sm90_xmma_fprop_implicit_gemm", t + 20, 800, call="cudaGraphLaunch", launch_dur=20)
+        for i in range(5):
+            graph.launch(t + 100 + 30 * i, "void dali::kernels::SliceFlipNormalizePermutePadKernel", t + 830 + 10 * i,
+                         2, tid=9)
+    captured = analyse_trace({"traceEvents": graph.events, "deviceProperties": [{"name": "Synthetic GPU"}]})
+    assert captured.launches.kernels_per_step == 1 and not captured.launches.launch_bound
+    assert captured.gpu_time.categories["loader"].count_per_step == 5
+    assert "launch-bound" not in {f.title for f in captured.findings}
     # The same rows launched by the step's thread are the step's: a transpose and a pageable copy to pin.
     for e in b.events:
         if e["tid"] == 9:

@@ -35,7 +35,7 @@ def analyse_trace(trace: dict | str | Path, baseline_step_ms: float | None = Non
         threads = stages.step_threads(host, window)
         calls = stages.blocking_calls(host, window, gpu, threads)
         report.gpu_time = stages.gpu_time(gpu, window, top_k, threads)
-        report.launches = stages.launches(gpu, window.n_steps)
+        report.launches = stages.launches(gpu, window.n_steps, threads)
         report.host_syncs = stages.host_syncs(calls, gpu, window, meta)
         report.utilisation = stages.utilisation(window, gpu, calls)
     else:

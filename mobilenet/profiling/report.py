@@ -57,6 +57,7 @@ class GpuTime:
 
 @dataclass
 class Launches:
+    """The step's kernel launches (those of the threads that run it; a loader's are in GpuTime's "loader")."""
     kernels_per_step: float = 0.0
     short_kernels_per_step: float = 0.0
     short_kernel_pct: float = 0.0

@@ -115,11 +115,11 @@ def gpu_time(gpu: GpuRows, window: Window, top_k: int, threads: set | None = Non
         top_kernels=_top_kernels(t.kernels, total_us, n, top_k))
 
 
-def _slow_first_launches(gpu: GpuRows) -> list[dict]:
+def _slow_first_launches(counted: list) -> list[dict]:
     """Launch calls over SLOW_LAUNCH_US among each kernel's first launch: only that one can load its module; a
     later slow launch is a full launch queue (GPU-bound)."""
     first_launch: dict[str, tuple] = {}  # kernel name -> (launch, ops, step) of its first launch
-    for g, launch, ops, s in sorted((r for r in gpu.counted if r.row.cat == "kernel" and r.launch is not None),
+    for g, launch, ops, s in sorted((r for r in counted if r.row.cat == "kernel" and r.launch is not None),
                                     key=lambda r: r.launch.ts):
         first_launch.setdefault(g.name, (launch, ops, s))
     slow = {id(launch): (launch, ops, s) for launch, ops, s in first_launch.values() if launch.dur > SLOW_LAUNCH_US}
@@ -132,21 +132,24 @@ def _slow_first_launches(gpu: GpuRows) -> list[dict]:
             for (c, op, st), (us, n) in sorted(by_slow.items(), key=lambda kv: -kv[1][0])]
 
 
-def launches(gpu: GpuRows, n_steps: int) -> Launches:
+def launches(gpu: GpuRows, n_steps: int, threads: set | None = None) -> Launches:
+    """The step's launches: those of `threads` (step_threads), not a loader's, whose own launches would otherwise
+    stand for a captured step's (one graph launch each) and call it launch-bound."""
+    counted = [r for r in gpu.counted if threads is None or r.launch is None or (r.launch.pid, r.launch.tid) in threads]
     # A CUDA graph launches many kernels with one call: comparing each kernel with that call says nothing.
-    launched = [(r.row, r.launch) for r in gpu.counted
+    launched = [(r.row, r.launch) for r in counted
                 if r.row.cat == "kernel" and r.launch is not None and "GraphLaunch" not in r.launch.name]
     short = sum(1 for g, launch in launched if g.dur < launch.dur)
     short_pct = 100 * short / len(launched) if launched else 0.0
-    per_step = Counter(r.step for r in gpu.counted if r.row.cat == "kernel")
+    per_step = Counter(r.step for r in counted if r.row.cat == "kernel")
     return Launches(
-        kernels_per_step=sum(1 for r in gpu.counted if r.row.cat == "kernel") / n_steps,
+        kernels_per_step=sum(1 for r in counted if r.row.cat == "kernel") / n_steps,
         short_kernels_per_step=short / n_steps, short_kernel_pct=short_pct,
         median_kernel_us=median([g.dur for g, _ in launched]) if launched else 0.0,
         median_launch_us=median([launch.dur for _, launch in launched]) if launched else 0.0,
         launch_bound=short_pct >= 50,
         first_step_extra_kernels=per_step[0] - median([per_step[i] for i in range(1, n_steps)]) if n_steps >= 3 else 0.0,
-        slow_launches=_slow_first_launches(gpu))
+        slow_launches=_slow_first_launches(counted))
 
 
 class BlockingCalls(NamedTuple):
