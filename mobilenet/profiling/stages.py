@@ -48,8 +48,7 @@ def _tally(gpu: GpuRows, window: Window, threads: set | None) -> _Tally:
                defaultdict(lambda: [0.0, 0, 0.0, Counter()]), {})
     for g, launch, ops, _ in gpu.counted:
         op_name = op_label(ops)
-        from_loader = threads is not None and launch is not None and (launch.pid, launch.tid) not in threads
-        category = "loader" if from_loader else category_of(g, ops)
+        category = category_of(g, ops) if on_step_thread(launch, threads) else "loader"
         if category == "memcpy":
             m = t.memcpys[g.name]
             m[0] += g.dur
@@ -135,7 +134,7 @@ def _slow_first_launches(counted: list) -> list[dict]:
 def launches(gpu: GpuRows, n_steps: int, threads: set | None = None) -> Launches:
     """The step's launches: those of `threads` (step_threads), not a loader's, whose own launches would otherwise
     stand for a captured step's (one graph launch each) and call it launch-bound."""
-    counted = [r for r in gpu.counted if threads is None or r.launch is None or (r.launch.pid, r.launch.tid) in threads]
+    counted = [r for r in gpu.counted if on_step_thread(r.launch, threads)]
     # A CUDA graph launches many kernels with one call: comparing each kernel with that call says nothing.
     launched = [(r.row, r.launch) for r in counted
                 if r.row.cat == "kernel" and r.launch is not None and "GraphLaunch" not in r.launch.name]
@@ -171,15 +170,20 @@ def step_threads(host: list[Event], window: Window) -> set | None:
                                        and (e.name.startswith(AUTOGRAD_PREFIX) or "backward" in e.name.lower())}
 
 
+def on_step_thread(call: Event | None, threads: set | None) -> bool:
+    """Whether a host call (a GPU row's launch) ran on one of the step's `threads` (step_threads). An unlinked GPU
+    row (no launch call) and a trace that names no threads count as the step's: nothing says otherwise."""
+    return call is None or threads is None or (call.pid, call.tid) in threads
+
+
 def blocking_calls(host: list[Event], window: Window, gpu: GpuRows, threads: set | None) -> BlockingCalls:
     """`threads`: step_threads(); a sync on any other thread (a loader's worker) does not stall the step."""
     # A copy from or to pageable memory blocks the host as well: the driver stages it through a pinned buffer.
     pageable = {id(r.launch) for r in gpu.counted if r.launch is not None and r.row.cat == "memcpy" and "Pageable" in r.row.name}
-    on_step_thread = (lambda e: True) if threads is None else (lambda e: (e.pid, e.tid) in threads)
     in_window = [e for e in host if e.cat == "runtime" and window.step_index(e.ts) is not None]
     blocking = [e for e in in_window if SYNC_CALLS.match(e.name) or id(e) in pageable]
-    on_step = [e for e in blocking if on_step_thread(e)]
-    return BlockingCalls(on_step, len(blocking) - len(on_step), [e for e in in_window if not on_step_thread(e)], pageable)
+    on_step = [e for e in blocking if on_step_thread(e, threads)]
+    return BlockingCalls(on_step, len(blocking) - len(on_step), [e for e in in_window if not on_step_thread(e, threads)], pageable)
 
 
 def host_syncs(calls: BlockingCalls, gpu: GpuRows, window: Window, meta: dict) -> HostSyncs:
