@@ -1,4 +1,5 @@
-"""StepProfiler on CPU with the real model, and the trace analysis on real H200 traces (tests/fixtures/traces)."""
+"""StepProfiler on CPU with the real model, and the trace analysis on real GPU traces (tests/fixtures/traces: H200
+runs, and one DALI-fed run on an H100)."""
 
 from __future__ import annotations
 
@@ -276,14 +277,14 @@ def test_device_wide_syncs_of_another_thread_are_named_with_their_cost():
     assert not any(f.title == "device-wide syncs from other threads" for f in analyse_trace(_synthetic_gpu_trace()).findings)
 
 
-def _many_streams_trace() -> dict:
-    """Three steps: the training kernel on stream 7, and a loader thread's copies and kernels on 12 streams of its own."""
+def _many_streams_trace(loader_streams: int = 12) -> dict:
+    """Three steps: the training kernel on stream 7, and a loader thread's kernels on streams of its own."""
     b = _TraceBuilder()
     for s in range(3):
         t = 1000.0 * s
         b.x(f"ProfilerStep#{s}", "user_annotation", t, 1000)
         b.launch(t + 10, "sm90_xmma_fprop_implicit_gemm", t + 20, 900, stream=7, device=0)
-        for i in range(12):
+        for i in range(loader_streams):
             b.launch(t + 30 + i, "nvjpeg::rgba2rgb", t + 40 + i, 4, tid=9, stream=100 + i, device=0)
     return {"traceEvents": b.events, "deviceProperties": [{"name": "Synthetic GPU"}]}
 
@@ -292,13 +293,24 @@ def test_more_streams_than_hardware_work_queues_is_a_finding_with_the_setting_th
     r = analyse_trace(_many_streams_trace(), meta={"cuda_work_queues": 8})
     assert (r.host_syncs.streams_with_work, r.host_syncs.work_queues) == (13, 8)
     (f,) = [f for f in r.findings if f.title == "streams share hardware work queues"]
-    assert f.detail.startswith("13 CUDA streams ran work in these steps, but the process had 8 hardware work queues:")
+    assert f.detail.startswith("13 CUDA streams ran work in these steps (1 of the step's threads, 12 of other threads), "
+                               "but the process had 8 hardware work queues:")
     assert "perf.max_connections=32" in f.hint and f.severity == "warn"
     # With 32 queues there is room for every stream; a trace that does not record the setting is read with CUDA's 8.
     assert not any(f.title == "streams share hardware work queues"
                    for f in analyse_trace(_many_streams_trace(), meta={"cuda_work_queues": 32}).findings)
     (f,) = [f for f in analyse_trace(_many_streams_trace()).findings if f.title == "streams share hardware work queues"]
     assert "8 hardware work queues (CUDA's default; the trace does not record the setting)" in f.detail
+
+
+def test_more_streams_than_cudas_most_work_queues_says_no_setting_adds_queues():
+    """A DALI-fed step on an H100 ran 33 streams with 32 queues (the step's 1, two pipelines' 16 each): advising
+    perf.max_connections=32, already in effect, would send the reader in a circle."""
+    r = analyse_trace(_many_streams_trace(loader_streams=32), meta={"cuda_work_queues": 32})
+    assert (r.host_syncs.streams_with_work, r.host_syncs.step_streams_with_work) == (33, 1)
+    (f,) = [f for f in r.findings if f.title == "streams share hardware work queues"]
+    assert "(1 of the step's threads, 32 of other threads), but the process had 32 hardware work queues" in f.detail
+    assert "perf.max_connections" not in f.hint and "no setting adds queues" in f.hint and f.severity == "info"
 
 
 def test_gpu_work_launched_by_a_loader_thread_is_the_loaders_not_the_steps():
@@ -507,6 +519,32 @@ def test_fixture_channels_last_has_no_transposes():
     assert r.gpu_time.depthwise_impls == {"cuDNN": 100.0}
     assert any("depthwise_convolution" in k["kernel"] and k["category"] == "depthwise" for k in r.gpu_time.top_kernels) or \
         r.gpu_time.categories["depthwise"].pct > 10
+
+
+def test_fixture_dali_fed_step_keeps_the_loaders_gpu_work_apart():
+    """A real DALI-fed training trace: `python train.py data=dali data.root=DIR backend=custom norm=custom amp=true
+    channels_last=true profile=true epochs=1 evaluate=false` on one H100 (2026-12-06, tree 0a988a1), full-size
+    fake ImageNet JPEGs, two pipelines; slimmed with slim_trace. DALI's threads launch the JPEG bitstream copies,
+    the hardware decoder's colour conversion, the resize and the normalisation: they are the loader's, and none of
+    them is a layout transpose, a copy the step should pin or one of the step's launches."""
+    r = _fixture("dali_fed_h100")
+    assert "H100" in r.env["gpu"] and r.env["data"] == "dali" and r.env["batch_size"] == 256 and r.steps == 10
+    _assert_partition(r)
+    loader = r.gpu_time.categories["loader"]
+    assert 15 < loader.pct < 35 and loader.count_per_step > 500
+    by_kernel = {k["kernel"]: k["category"] for k in r.gpu_time.top_kernels}
+    assert by_kernel["Memcpy HtoD (Pinned -> Device)"] == "loader"
+    assert any(k.startswith("void nvjpeg::rgba2rgb") and c == "loader" for k, c in by_kernel.items())
+    assert r.gpu_time.categories["transpose"].count_per_step == 0
+    assert r.gpu_time.categories["memcpy"].ms_per_step < 0.01  # the step's own copies: the labels' few bytes
+    assert r.gpu_time.depthwise_impls["custom (kernels/)"] > 99
+    # The step's launches alone: about 300 kernels, not the loader's 548 rows on top, and not launch-bound.
+    assert 200 < r.launches.kernels_per_step < 400 and not r.launches.launch_bound
+    assert (r.host_syncs.streams_with_work, r.host_syncs.step_streams_with_work, r.host_syncs.work_queues) == (33, 1, 32)
+    findings = {f.title: f for f in r.findings}
+    assert "24.4% of GPU time" in findings["the data loader's GPU work"].detail
+    assert findings["streams share hardware work queues"].severity == "info"
+    assert "layout transposes" not in findings
 
 
 def _copy_op(src_strides):

@@ -36,7 +36,7 @@ def analyse_trace(trace: dict | str | Path, baseline_step_ms: float | None = Non
         calls = stages.blocking_calls(host, window, gpu, threads)
         report.gpu_time = stages.gpu_time(gpu, window, top_k, threads)
         report.launches = stages.launches(gpu, window.n_steps, threads)
-        report.host_syncs = stages.host_syncs(calls, gpu, window, meta)
+        report.host_syncs = stages.host_syncs(calls, gpu, window, meta, threads)
         report.utilisation = stages.utilisation(window, gpu, calls)
     else:
         report.top_ops = stages.cpu_top_ops(host, window, top_k)

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..streams import CUDA_DEFAULT_CONNECTIONS  # the hardware work queues when nothing sets CUDA_DEVICE_MAX_CONNECTIONS
+# The hardware work queues when nothing sets CUDA_DEVICE_MAX_CONNECTIONS, and the most it can set.
+from ..streams import CUDA_DEFAULT_CONNECTIONS, MAX_CONNECTIONS
 from .classify import SLOW_LAUNCH_US
 from .report import Finding, Report
 from .trace import UNPROFILED, UNPROFILED_COMPILED, UNPROFILED_EAGER, UNPROFILED_GRAPH
@@ -283,14 +284,22 @@ def streams_share_work_queues(r: Report) -> Finding | None:
     if host_syncs.streams_with_work <= queues:
         return None
     known = "" if host_syncs.work_queues is not None else " (CUDA's default; the trace does not record the setting)"
-    return Finding("streams share hardware work queues",
-                   f"{host_syncs.streams_with_work} CUDA streams ran work in these steps, but the process had {queues} "
-                   f"hardware work queues{known}: streams beyond that share queues, and the work in one queue "
-                   "runs in order, so independent streams wait behind each other (a loader's copies and kernels "
-                   "behind the training kernels queued before them)",
-                   "give the process 32 queues: perf.max_connections=32 (auto does it for data=dali), or "
-                   "CUDA_DEVICE_MAX_CONNECTIONS=32 in the environment before the process starts",
-                   "warn")
+    others = host_syncs.streams_with_work - host_syncs.step_streams_with_work
+    detail = (f"{host_syncs.streams_with_work} CUDA streams ran work in these steps ({host_syncs.step_streams_with_work} "
+              f"of the step's threads, {others} of other threads), but the process had {queues} hardware work "
+              f"queues{known}: streams beyond that share queues, and the work in one queue runs in order, so "
+              "independent streams wait behind each other (a loader's copies and kernels behind the training kernels "
+              "queued before them)")
+    if queues < MAX_CONNECTIONS:
+        return Finding("streams share hardware work queues", detail,
+                       f"give the process {MAX_CONNECTIONS} queues: perf.max_connections={MAX_CONNECTIONS} (auto does it "
+                       f"for data=dali), or CUDA_DEVICE_MAX_CONNECTIONS={MAX_CONNECTIONS} in the environment before the "
+                       "process starts", "warn")
+    # At CUDA's most there is no setting to raise, so it is no warning: what is left is fewer streams, a trade.
+    return Finding("streams share hardware work queues", detail,
+                   f"{MAX_CONNECTIONS} is the most CUDA gives a process, so no setting adds queues; fewer streams would "
+                   "(each DALI pipeline's decoder brings streams of its own: data.dali.pipelines), at the cost of "
+                   "what they overlap")
 
 
 @finding()

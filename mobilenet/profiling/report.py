@@ -84,6 +84,7 @@ class HostSyncs:
     # CUDA streams whose work ran in the window, and the hardware work queues the process had (meta
     # "cuda_work_queues"; None: the trace does not say, so CUDA's default 8 applies unless the environment changed it).
     streams_with_work: int = 0
+    step_streams_with_work: int = 0  # of them, streams whose work the step's own threads launched
     work_queues: int | None = None
 
 

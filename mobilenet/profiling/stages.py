@@ -186,7 +186,8 @@ def blocking_calls(host: list[Event], window: Window, gpu: GpuRows, threads: set
     return BlockingCalls(on_step, len(blocking) - len(on_step), [e for e in in_window if not on_step_thread(e, threads)], pageable)
 
 
-def host_syncs(calls: BlockingCalls, gpu: GpuRows, window: Window, meta: dict) -> HostSyncs:
+def host_syncs(calls: BlockingCalls, gpu: GpuRows, window: Window, meta: dict, threads: set | None) -> HostSyncs:
+    """`threads`: step_threads(), to tell the step's streams from those of other threads (a loader's)."""
     n = window.n_steps
     device_syncs = [e.dur for e in calls.other_thread_calls if e.name in DEVICE_SYNC_CALLS]
     by_sync: dict[tuple, list] = defaultdict(lambda: [0.0, 0])
@@ -201,8 +202,13 @@ def host_syncs(calls: BlockingCalls, gpu: GpuRows, window: Window, meta: dict) -
         other_thread_cuda_calls_per_step=len(calls.other_thread_calls) / n,
         other_thread_device_syncs_per_step=len(device_syncs) / n,
         other_thread_device_sync_ms_median=median(device_syncs) / 1000 if device_syncs else 0.0,
-        streams_with_work=len({(r.row.args.get("device"), r.row.args["stream"]) for r in gpu.counted if "stream" in r.row.args}),
+        streams_with_work=len(_streams(gpu.counted)),
+        step_streams_with_work=len(_streams([r for r in gpu.counted if on_step_thread(r.launch, threads)])),
         work_queues=int(meta["cuda_work_queues"]) if meta.get("cuda_work_queues") is not None else None)
+
+
+def _streams(rows) -> set:
+    return {(r.row.args.get("device"), r.row.args["stream"]) for r in rows if "stream" in r.row.args}
 
 
 class _IdleSplit(NamedTuple):
