@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from kernels import cxx_runtime
+
 __all__ = ["KernelUnavailable", "load", "build", "build_dir", "export", "check_prebuilt", "sources_digest",
            "loaded_from", "kernel_layout", "in_weight_strides", "CSRC", "PREBUILT_ENV"]
 
@@ -41,6 +43,7 @@ _lock = threading.Lock()
 _loaded = False
 _registered_from: Path | None = None  # the build directory whose library this process loaded
 _prebuilt: bool = False  # whether that library came from MOBILENET_KERNELS_PREBUILT rather than a build here
+_refusal: KernelUnavailable | None = None  # why the library loaded by the build may not be used (then every call)
 
 
 class KernelUnavailable(RuntimeError):
@@ -131,9 +134,11 @@ def _refuse_second_library(what: str, hint: str = "") -> None:
 
 
 def _compile(verbose: bool) -> None:
-    global _registered_from
+    global _registered_from, _refusal
     from torch.utils import cpp_extension
 
+    if _refusal is not None:
+        raise _refusal
     arch = _arch_list()
     directory = build_dir(arch)
     if _registered_from == directory:
@@ -153,13 +158,13 @@ def _compile(verbose: bool) -> None:
             extra_cuda_cflags=_EXTRA_CUDA_CFLAGS
             + (["-Xptxas=-v"] if os.environ.get("MOBILENET_KERNELS_PTXAS_VERBOSE") else []),
             extra_include_paths=[str(CSRC)],
+            extra_ldflags=cxx_runtime.link_flags(),
             build_directory=str(directory),
             is_python_module=False,  # the .so only registers ops (TORCH_LIBRARY), no PYBIND11_MODULE
             with_cuda=True,
             verbose=verbose,
         )
         _registered_from = directory
-        _write_build_info(directory, arch)
     except Exception as e:  # compiler errors, missing headers, ...
         raise KernelUnavailable(f"building the custom depthwise kernels failed in {directory}: {e}") from e
     finally:
@@ -167,6 +172,39 @@ def _compile(verbose: bool) -> None:
             os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
         else:
             os.environ["TORCH_CUDA_ARCH_LIST"] = old_arch
+    # cpp_extension has loaded it already: refused, it stays refused in this process, and it gets no
+    # build_info.json, so it is neither exported nor taken for a finished build.
+    try:
+        _refuse_carried_runtime(_newest_library(directory), built=True)
+    except KernelUnavailable as e:
+        _refusal = e
+        raise
+    _write_build_info(directory, arch)
+
+
+def _newest_library(directory: Path) -> Path:
+    # a rebuild inside one process gets a versioned name (_v1.so, ...): the newest library is the one just built
+    return max(directory.glob(f"{_EXT_NAME}*.so"), key=lambda p: p.stat().st_mtime)
+
+
+def _refuse_carried_runtime(library: Path, built: bool) -> None:
+    """KernelUnavailable if `library` brings its own copy of libstdc++ (kernels/cxx_runtime.py says why that
+    crashes), naming the compiler to change."""
+    try:
+        why = cxx_runtime.carried_runtime(library)
+    except ValueError as e:
+        raise KernelUnavailable(f"{library} is not a shared library of this machine: {e}") from None
+    if why is None:
+        return
+    compiler = f"CXX={os.environ['CXX']}" if os.environ.get("CXX") else "c++ on PATH"
+    remedy = (f"The compiler ({compiler}) links libstdc++ statically. Build with one that links it shared, e.g. "
+              f"CXX=/usr/bin/g++, after deleting {library.parent}" if built else
+              "Export a library built with a compiler that links libstdc++ shared (scripts/build_kernels.py "
+              "--export DIR on such a machine)")
+    raise KernelUnavailable(
+        f"the custom kernels' library {library} carries its own C++ runtime: {why}. Beside torch's libstdc++ "
+        f"({cxx_runtime.process_libstdcxx() or 'the shared one'}) a second copy breaks the formatting of numbers: "
+        f"the first error message that names a shape crashes the process or comes out garbled. {remedy}")
 
 
 def sources_digest(csrc: Path = CSRC) -> str:
@@ -179,8 +217,7 @@ def sources_digest(csrc: Path = CSRC) -> str:
 
 
 def _write_build_info(directory: Path, arch: str) -> None:
-    # the newest library is the one just built: a rebuild inside one process gets a versioned name (_v1.so, ...)
-    library = max(directory.glob(f"{_EXT_NAME}*.so"), key=lambda p: p.stat().st_mtime)
+    library = _newest_library(directory)
     info = {"sources_sha256": sources_digest(), "torch": torch.__version__, "cuda": torch.version.cuda, "arch": arch,
             "library": library.name}
     text = json.dumps(info, indent=1) + "\n"
@@ -226,7 +263,8 @@ def _arch_covers(arch_list: str, capability: str) -> bool:
 
 def check_prebuilt(directory: str | Path, capability: str) -> Path:
     """The library in a prebuilt kernels directory, if it was built from these sources, for this torch and for a GPU
-    of this compute capability ("9.0"); otherwise KernelUnavailable saying what differs."""
+    of this compute capability ("9.0"), linked to the shared C++ runtime; otherwise KernelUnavailable saying what
+    differs."""
     directory = Path(directory)
     where = f"{PREBUILT_ENV}={directory}"
     if not directory.is_dir():
@@ -249,7 +287,12 @@ def check_prebuilt(directory: str | Path, capability: str) -> Path:
     if not _arch_covers(built_arch, capability):
         raise KernelUnavailable(f"{where}: its library was built for compute capability {built_arch}, this GPU is "
                                 f"{capability}. Rebuild with TORCH_CUDA_ARCH_LIST={capability}")
-    return directory / info["library"]
+    library = directory / info["library"]
+    try:
+        _refuse_carried_runtime(library, built=False)
+    except KernelUnavailable as e:
+        raise KernelUnavailable(f"{where}: {e}") from None
+    return library
 
 
 def export(directory: str | Path) -> Path:

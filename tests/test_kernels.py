@@ -61,9 +61,12 @@ def _load_fresh_build(fresh_build) -> None:
 
 
 def test_extension_compiles(fresh_build):
+    from kernels import cxx_runtime
+
     root, directory = fresh_build
     assert directory.is_relative_to(root)
-    assert any(directory.glob("mobilenet_dw_kernels*.so"))
+    library = next(directory.glob("mobilenet_dw_kernels*.so"))
+    assert cxx_runtime.carried_runtime(library) is None  # linked to torch's libstdc++, no copy of its own
 
 
 @pytest.fixture(scope="module")
@@ -227,6 +230,16 @@ def test_a_library_for_another_gpu_is_refused(exported):
     ("8.0+PTX", "9.0", True), ("10.0+PTX", "9.0", False), ("9.0a+PTX", "10.0", False), ("9.0", "10.0", False)])
 def test_which_gpus_a_build_runs_on(arch_list, capability, runs):
     assert kernels._arch_covers(arch_list, capability) is runs
+
+
+def test_a_library_with_its_own_cpp_runtime_is_refused(exported, tmp_path):
+    from test_cxx_runtime import build_number_library
+
+    copy = _edited_copy(exported, tmp_path)
+    (copy / "mobilenet_dw_kernels.so").write_bytes(build_number_library(tmp_path, "static").read_bytes())
+    with pytest.raises(KernelUnavailable, match=r"MOBILENET_KERNELS_PREBUILT=.*carries its own C\+\+ runtime.*"
+                                                r"statically.*--export DIR on such a machine"):
+        kernels.check_prebuilt(copy, _arch_of(exported))
 
 
 def test_a_directory_that_is_not_an_export_is_refused(exported, tmp_path):
