@@ -3,8 +3,8 @@
 A compiler whose driver links libstdc++ statically (a toolchain installed under /opt with only libstdc++.a, or with
 -static-libstdc++ in its specs, picked through CXX) puts a second C++ runtime into the process beside the one torch
 loads. Most code still works, so the fault shows late: the two copies number std::locale's facets apart, and the
-library's first formatted number (a TORCH_CHECK message naming a shape, say) reads a facet that is not there and
-crashes the process. So the build links torch's libstdc++ by path, which the linker searches before the compiler's
+library's first formatted number (a TORCH_CHECK message naming a shape, say) reads a facet that is not there:
+the number comes out empty, or the process crashes. So the build links torch's libstdc++ by path, which the linker searches before the compiler's
 own, and a library that still defines libstdc++'s members, built here or brought in prebuilt, is refused.
 """
 
