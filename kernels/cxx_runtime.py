@@ -4,8 +4,9 @@ A compiler whose driver links libstdc++ statically (a toolchain installed under 
 -static-libstdc++ in its specs, picked through CXX) puts a second C++ runtime into the process beside the one torch
 loads. Most code still works, so the fault shows late: the two copies number std::locale's facets apart, and the
 library's first formatted number (a TORCH_CHECK message naming a shape, say) reads a facet that is not there:
-the number comes out empty, or the process crashes. So the build links torch's libstdc++ by path, which the linker searches before the compiler's
-own, and a library that still defines libstdc++'s members, built here or brought in prebuilt, is refused.
+the number comes out empty, or the process crashes. So the build links torch's libstdc++ by path, which the linker
+searches before the compiler's own, and a library that still defines libstdc++'s members, built here or brought in
+prebuilt, is refused.
 """
 
 from __future__ import annotations
@@ -75,11 +76,15 @@ def carried_runtime(library: Path) -> str | None:
     for sh_type, offset, size, link, entsize in sections:
         if sh_type not in (_SHT_SYMTAB, _SHT_DYNSYM) or not entsize:
             continue
+        names = sections[link]
         for at in range(offset, offset + size, entsize):
             name, _, _, shndx = struct.unpack_from("<IBBH", data, at)
-            if shndx and name and _string(data, sections[link], name).startswith(_RUNTIME_SYMBOL_PREFIX):
-                symbol = _string(data, sections[link], name).decode()
-                linked = "links " + CXX_RUNTIME_SONAME if CXX_RUNTIME_SONAME in needed else \
-                    f"does not link {CXX_RUNTIME_SONAME} (it needs {', '.join(needed) or 'no shared library'})"
+            # defined (a section index) and named with the prefix, read in place: most symbols are not
+            if shndx and name and data.startswith(_RUNTIME_SYMBOL_PREFIX, names[1] + name):
+                symbol = _string(data, names, name).decode()
+                if CXX_RUNTIME_SONAME in needed:
+                    linked = f"links {CXX_RUNTIME_SONAME}"
+                else:
+                    linked = f"does not link {CXX_RUNTIME_SONAME} (it needs {', '.join(needed) or 'no shared library'})"
                 return f"it defines libstdc++'s own {symbol} and {linked}: libstdc++ was linked into it statically"
     return None
