@@ -66,11 +66,6 @@ class DaliDecode(str, Enum):
     cpu = "cpu"
 
 
-class DaliColorConversion(str, Enum):
-    decoder = "decoder"
-    after_resize = "after_resize"
-
-
 @dataclass
 class BackendConfig:
     name: str = "torch"
@@ -139,11 +134,6 @@ class DaliConfig:
     # with decode=cpu, where no JPEG engine waits. Two fed training at 0.865 of synthetic data on an H100 against
     # 0.655 with one, alternating (docs/results/loader_h100_9cfeb02.md).
     pipelines: Optional[int] = None
-    # Where YCbCr becomes RGB. decoder: the decoder outputs RGB (with the GPU's hardware decoder, nvJPEG converts each
-    # whole image in a kernel of its own, 256 launches a batch). after_resize: the decoder outputs YCbCr and one batched
-    # conversion runs on the 224 px crops after the resize (both steps are linear, so only rounding differs: at most
-    # 3 of 255 levels).
-    color_conversion: DaliColorConversion = DaliColorConversion.decoder
     # Check every file's image signature / JPEG structure before DALI starts (DALI's decode errors do not name
     # the file, and DALI 2.4's CPU decoder can segfault instead of failing); needed for data.skip_corrupt. Costs
     # one small read at each end of every file.

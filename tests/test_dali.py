@@ -228,55 +228,6 @@ def one_image_per_class(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.fixture(scope="session")
-def colour_photos(tmp_path_factory) -> Path:
-    """16 JPEGs of smooth colour gradients with noise (2 classes, train/ and val/): unlike the grey digits, their
-    chroma is far from neutral, so decoding them to YCbCr and not converting back would show."""
-    from PIL import Image
-
-    root = tmp_path_factory.mktemp("colour_photos")
-    gen = torch.Generator().manual_seed(1)
-    ys, xs = torch.meshgrid(torch.linspace(0, 1, 48), torch.linspace(0, 1, 64), indexing="ij")
-    for i in range(16):
-        a, b, c = torch.rand(3, generator=gen)
-        rgb = torch.stack([255 * (a * xs + (1 - a) * ys), 255 * (b * ys + (1 - b) * (1 - xs)), 255 * c * (1 - xs * ys)],
-                          dim=-1)
-        rgb = (rgb + 12 * torch.randn(rgb.shape, generator=gen)).clamp(0, 255).to(torch.uint8).numpy()
-        folder = root / ("train" if i < 8 else "val") / f"c{i % 2}"
-        folder.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(rgb).save(folder / f"img{i:02d}.jpg", quality=92)
-    return root
-
-
-def _val_levels(root, spec, *overrides):
-    """The val split as 0..255 levels (mean = std = 0.5), files in order."""
-    images, labels = epoch(build_loaders(data_cfg(root, "data.num_classes=2", *overrides, batch_size=8), spec)[1])
-    return torch.cat(images).float() * 127.5 + 127.5, labels
-
-
-def test_colour_conversion_after_the_resize_matches_the_decoders_rgb(colour_photos):
-    """data.dali.color_conversion=after_resize decodes to YCbCr and converts the resized crops to RGB: the same
-    linear maps in the other order, so only rounding differs (two 8-bit roundings instead of one)."""
-    rgb, rgb_labels = _val_levels(colour_photos, CPU_FP32)
-    late, late_labels = _val_levels(colour_photos, CPU_FP32, "data.dali.color_conversion=after_resize")
-    assert torch.equal(rgb_labels, late_labels) and rgb.shape == late.shape == (8, 3, 21, 21)
-    diff = (rgb - late).abs()
-    assert diff.max() <= 3 and diff.mean() < 0.8, f"max {diff.max():.2f}, mean {diff.mean():.3f} of 255"
-    # the check above could fail: the YCbCr images themselves are far from the RGB ones
-    ycbcr = rgb.new_tensor([[0.299, 0.587, 0.114], [-0.1687, -0.3313, 0.5], [0.5, -0.4187, -0.0813]])
-    as_ycbcr = torch.einsum("kc,nchw->nkhw", ycbcr, rgb) + rgb.new_tensor([0, 128, 128]).view(1, 3, 1, 1)
-    assert (as_ycbcr - rgb).abs().mean() > 20
-
-
-def test_training_batches_with_the_colour_conversion_after_the_resize(colour_photos):
-    cfg = data_cfg(colour_photos, "data.num_classes=2", "data.dali.color_conversion=after_resize", batch_size=8)
-    train, _ = build_loaders(cfg, CPU_FP32)
-    x, y = next(iter(train))
-    assert x.shape == (8, 3, 21, 21) and torch.isfinite(x).all() and x.min() >= -1.001 and x.max() <= 1.001
-    assert data_label(cfg) == (
-        "dali (decode=cpu, 2 thread(s), prefetch 2, YCbCr decoded and converted to RGB after the resize)")
-
-
 @pytest.mark.parametrize("world_size, pipelines", [(1, 2), (1, 3), (2, 2)])
 def test_pipelines_take_turns_over_disjoint_shards_and_repeat_no_image(one_image_per_class, world_size, pipelines):
     cfg = data_cfg(one_image_per_class, "data.num_classes=96", f"data.dali.pipelines={pipelines}", batch_size=8)
@@ -547,18 +498,6 @@ def _lagging(loader):
             yield next(it)
         except StopIteration:
             return
-
-
-@pytest.mark.gpu
-@gpu
-def test_gpu_colour_conversion_after_the_resize_matches_the_decoders_rgb(colour_photos):
-    spec = LoaderSpec(torch.device("cuda", 0), torch.float32, channels_last=True)
-    rgb, rgb_labels = _val_levels(colour_photos, spec, "data.dali.decode=mixed")
-    late, late_labels = _val_levels(colour_photos, spec, "data.dali.decode=mixed",
-                                    "data.dali.color_conversion=after_resize")
-    assert torch.equal(rgb_labels, late_labels)
-    diff = (rgb - late).abs()
-    assert diff.max() <= 4 and diff.mean() < 1.0, f"max {diff.max():.2f}, mean {diff.mean():.3f} of 255"
 
 
 @pytest.mark.gpu

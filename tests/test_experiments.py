@@ -113,3 +113,12 @@ def test_dali_decode_ceiling_times_the_host_cuts_alone_and_together(capsys, digi
         with pytest.raises(SystemExit):
             script.main([*common, "--cuts", "decode"])
         assert "['decode'] decode on a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_dali_gpu_work_refuses_to_run_without_a_gpu(capsys, digits_root):
+    """dali_gpu_work.py measures the pipeline's GPU work: without a GPU it says so instead of decoding on the host."""
+    script = load_script("experiments/dali_gpu_work")
+    with pytest.raises(SystemExit):
+        script.main(["--root", str(digits_root), "--variant", "data.dali.hw_decoder_load=1.0"])
+    assert "decodes on a CUDA GPU and this machine has none" in capsys.readouterr().err

@@ -215,18 +215,6 @@ def random_crop_args(cfg) -> dict:
     return dict(random_area=list(cfg.crop_scale), random_aspect_ratio=list(CROP_RATIO), num_attempts=10)
 
 
-def decoded_type(cfg, types):
-    """The decoder's output colour space: RGB, or YCbCr where data.dali.color_conversion=after_resize."""
-    return types.YCbCr if enum_value(cfg.dali.color_conversion) == "after_resize" else types.RGB
-
-
-def to_rgb(cfg, images, fn, types):
-    """The resized images in RGB: converted here where the decoder left them in YCbCr (see decoded_type)."""
-    if enum_value(cfg.dali.color_conversion) != "after_resize":
-        return images
-    return fn.color_space_conversion(images, image_type=types.YCbCr, output_type=types.RGB)
-
-
 def make_train_pipeline(cfg, files, labels, *, decode: str, on_gpu: bool, out_type, channels_last: bool,
                         shard_id: int, num_shards: int, **pipeline_kwargs):
     """The training pipeline: `files` with `labels`, this rank's shard of them, shuffled and augmented."""
@@ -241,12 +229,11 @@ def make_train_pipeline(cfg, files, labels, *, decode: str, on_gpu: bool, out_ty
         # into the next epoch's samples, which would repeat images within one epoch.
         jpegs, lbl = fn.readers.file(files=files, labels=labels, random_shuffle=True, initial_fill=initial_fill,
                                      shard_id=shard_id, num_shards=num_shards, pad_last_batch=True, name="Reader")
-        images = fn.decoders.image_random_crop(jpegs, device=decode, output_type=decoded_type(cfg, types),
-                                               **random_crop_args(cfg), **decoder_extra)
+        images = fn.decoders.image_random_crop(jpegs, device=decode, output_type=types.RGB, **random_crop_args(cfg),
+                                               **decoder_extra)
         if on_gpu and decode == "cpu":
             images = images.gpu()  # only the decode runs on the host; resize and normalise stay on the GPU
         images = fn.resize(images, resize_x=res, resize_y=res, interp_type=types.INTERP_LINEAR, antialias=True)
-        images = to_rgb(cfg, images, fn, types)
         mirror = fn.random.coin_flip(probability=0.5) if cfg.hflip else 0
         images = fn.crop_mirror_normalize(images, mirror=mirror, **_normalize_args(cfg, out_type, channels_last))
         lbl = fn.cast(lbl, dtype=types.INT64)
@@ -267,11 +254,10 @@ def make_val_pipeline(cfg, files, labels, *, decode: str, on_gpu: bool, out_type
     @pipeline_def(exec_dynamic=True)
     def val_pipe():
         jpegs, lbl = fn.readers.file(files=files, labels=labels, random_shuffle=False, pad_last_batch=True, name="Reader")
-        images = fn.decoders.image(jpegs, device=decode, output_type=decoded_type(cfg, types), **decoder_extra)
+        images = fn.decoders.image(jpegs, device=decode, output_type=types.RGB, **decoder_extra)
         if on_gpu and decode == "cpu":
             images = images.gpu()
         images = fn.resize(images, resize_shorter=val_resize_size(cfg), interp_type=types.INTERP_LINEAR, antialias=True)
-        images = to_rgb(cfg, images, fn, types)
         images = fn.crop_mirror_normalize(images, crop=(res, res), crop_pos_x=0.5, crop_pos_y=0.5,
                                           **_normalize_args(cfg, out_type, channels_last))
         lbl = fn.cast(lbl, dtype=types.INT64)
@@ -417,8 +403,6 @@ def decoder_label(dali_cfg) -> str:
     pipelines = check_pipelines(dali_cfg)
     if pipelines > 1:
         label += f", {pipelines} training pipelines of {dali_cfg.threads} thread(s) each"
-    if enum_value(dali_cfg.color_conversion) == "after_resize":
-        label += ", YCbCr decoded and converted to RGB after the resize"
     return label
 
 

@@ -1,14 +1,17 @@
 #!/usr/bin/env python
 """What does data=dali's training pipeline cost the GPU per batch, kernel by kernel, in each of its settings?
 
-DALI-fed training is slower than on synthetic data mostly because the loader's kernels share the SMs with the step
+DALI-fed training trails synthetic data where the loader's kernels share the SMs with the step
 (docs/results/loader_h200.md). This runs the training pipeline of mobilenet/data/dali.py alone, once per setting
 (`--variant`, data.dali overrides), alternating over `--rounds`: img/s over `--iters` batches, then `--profile-iters`
 batches under torch.profiler, whose CUDA rows are summed by name per batch (kernels apart from copies). Needs NVIDIA
 DALI and a CUDA GPU:
 
-    python scripts/experiments/dali_gpu_work.py --root /tmp/fake --variant data.dali.color_conversion=decoder \\
-        --variant data.dali.color_conversion=after_resize
+    python scripts/experiments/dali_gpu_work.py --root /tmp/fake --variant data.dali.hw_decoder_load=1.0 \\
+        --variant data.dali.hw_decoder_load=0.85
+
+Its one recorded use (docs/results/loader_h100_cdd5744.md) compared a setting of commit cdd5744 that asked the decoder
+for YCbCr and converted after the resize; measured slower, the setting was removed.
 """
 
 from __future__ import annotations
