@@ -174,12 +174,13 @@ def _compile(verbose: bool) -> None:
             os.environ["TORCH_CUDA_ARCH_LIST"] = old_arch
     # cpp_extension has loaded it already: refused, it stays refused in this process, and it gets no
     # build_info.json, so it is neither exported nor taken for a finished build.
+    library = _newest_library(directory)
     try:
-        _refuse_carried_runtime(_newest_library(directory), built=True)
+        _refuse_carried_runtime(library, built=True)
     except KernelUnavailable as e:
         _refusal = e
         raise
-    _write_build_info(directory, arch)
+    _write_build_info(directory, arch, library)
 
 
 def _newest_library(directory: Path) -> Path:
@@ -216,8 +217,7 @@ def sources_digest(csrc: Path = CSRC) -> str:
     return h.hexdigest()
 
 
-def _write_build_info(directory: Path, arch: str) -> None:
-    library = _newest_library(directory)
+def _write_build_info(directory: Path, arch: str, library: Path) -> None:
     info = {"sources_sha256": sources_digest(), "torch": torch.__version__, "cuda": torch.version.cuda, "arch": arch,
             "library": library.name}
     text = json.dumps(info, indent=1) + "\n"

@@ -19,14 +19,15 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling experiment's loader timing
 
 import torch  # noqa: E402
+from dali_decode_ceiling import timed  # noqa: E402
 
 from mobilenet.config import compose  # noqa: E402
 from mobilenet.data.dali import import_dali, make_train_pipeline  # noqa: E402
@@ -41,17 +42,6 @@ def build(root: str, variant: str, files, labels, *, batch: int, threads: int, s
                                device_id=torch.cuda.current_device(), prefetch_queue_depth=2, seed=seed)
     pipe.build()
     return pipe
-
-
-def img_per_s(pipe, warmup: int, iters: int, batch: int) -> float:
-    for _ in range(warmup):
-        pipe.run()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        pipe.run()
-    torch.cuda.synchronize()
-    return iters * batch / (time.perf_counter() - start)
 
 
 def gpu_rows(pipe, iters: int) -> dict[str, tuple[float, float]]:
@@ -102,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         for variant in (args.variant if r % 2 == 0 else args.variant[::-1]):
             pipe = build(args.root, variant, files, labels, batch=args.batch_size, threads=args.threads, seed=7 + r)
-            rates[variant].append(img_per_s(pipe, args.warmup, args.iters, args.batch_size))
+            rates[variant].append(timed(pipe, args.warmup, args.iters, args.batch_size))
             rows[variant].append(gpu_rows(pipe, args.profile_iters))
             print(f"round {r + 1} {variant}: {rates[variant][-1]:,.0f} img/s, kernels "
                   f"{total(rows[variant][-1], False) / 1000:.3f} ms/batch", flush=True)
