@@ -2,8 +2,14 @@
 
 Train: file reader (sharded, shuffled) -> JPEG decode fused with a random-resized crop (nvJPEG on the GPU with
 data.dali.decode=mixed, libjpeg-turbo with decode=cpu) -> resize to data.resolution -> optional random flip ->
-normalise and cast in one `crop_mirror_normalize`. Val: decode -> shorter side to resolution/val_resize_ratio ->
-centre crop -> normalise. Without a GPU (spec.device is the CPU) the same pipelines run with CPU operators.
+normalise and cast. Val: decode -> shorter side to resolution/val_resize_ratio -> centre crop -> normalise. Without a
+GPU (spec.device is the CPU) the same pipelines run with CPU operators.
+
+Who resizes the training crops (data.dali.resize, resolve_resize): with `dali`, DALI's separable resize and one
+`crop_mirror_normalize`; with `kernel`, the pipeline ends at the decoded crops (each its own size, handed over one
+tensor per image by DALIRaggedIterator) and their mirror flags, and this project's CUDA kernel
+(kernels/resize_ops.py) resizes, mirrors, normalises and casts them in one pass on the consumer's stream, reading
+each crop once and writing only the batch. Both draw the crop windows and flips from the same seeds.
 
 Memory format: with channels_last the pipeline writes HWC and the NHWC batch is handed over as
 `permute(0, 3, 1, 2)`, a channels_last NCHW *view* of the same memory (no copy); otherwise it writes CHW.
@@ -216,12 +222,19 @@ def random_crop_args(cfg) -> dict:
 
 
 def make_train_pipeline(cfg, files, labels, *, decode: str, on_gpu: bool, out_type, channels_last: bool,
-                        shard_id: int, num_shards: int, **pipeline_kwargs):
-    """The training pipeline: `files` with `labels`, this rank's shard of them, shuffled and augmented."""
+                        shard_id: int, num_shards: int, resize: str = "dali", **pipeline_kwargs):
+    """The training pipeline: `files` with `labels`, this rank's shard of them, shuffled and augmented. Its outputs:
+    (images, labels) with resize="dali"; with resize="kernel" the decoded crops, then (with data.hflip) the mirror
+    flags on the CPU, then labels."""
     fn, types, pipeline_def, _, _ = import_dali()
     res = cfg.resolution
     initial_fill = max(1, min(SHUFFLE_BUFFER, len(files) // max(1, num_shards)))
     decoder_extra = decoder_args(cfg, decode)
+    # The crop window's and the flip's draws get seeds of their own, derived from the pipeline's, so that both resize
+    # settings augment alike whatever operators follow.
+    seed = pipeline_kwargs.get("seed")
+    crop_seed, flip_seed = ({"seed": seed % (2**31)}, {"seed": (seed + 1) % (2**31)}) if seed is not None and seed >= 0 \
+        else ({}, {})
 
     @pipeline_def(exec_dynamic=True)
     def train_pipe():
@@ -230,15 +243,18 @@ def make_train_pipeline(cfg, files, labels, *, decode: str, on_gpu: bool, out_ty
         jpegs, lbl = fn.readers.file(files=files, labels=labels, random_shuffle=True, initial_fill=initial_fill,
                                      shard_id=shard_id, num_shards=num_shards, pad_last_batch=True, name="Reader")
         images = fn.decoders.image_random_crop(jpegs, device=decode, output_type=types.RGB, **random_crop_args(cfg),
-                                               **decoder_extra)
+                                               **decoder_extra, **crop_seed)
         if on_gpu and decode == "cpu":
             images = images.gpu()  # only the decode runs on the host; resize and normalise stay on the GPU
-        images = fn.resize(images, resize_x=res, resize_y=res, interp_type=types.INTERP_LINEAR, antialias=True)
-        mirror = fn.random.coin_flip(probability=0.5) if cfg.hflip else 0
-        images = fn.crop_mirror_normalize(images, mirror=mirror, **_normalize_args(cfg, out_type, channels_last))
+        mirror = fn.random.coin_flip(probability=0.5, **flip_seed) if cfg.hflip else None
         lbl = fn.cast(lbl, dtype=types.INT64)
         if on_gpu:
             lbl = lbl.gpu()
+        if resize == "kernel":
+            return (images, lbl) if mirror is None else (images, mirror, lbl)
+        images = fn.resize(images, resize_x=res, resize_y=res, interp_type=types.INTERP_LINEAR, antialias=True)
+        images = fn.crop_mirror_normalize(images, mirror=0 if mirror is None else mirror,
+                                          **_normalize_args(cfg, out_type, channels_last))
         return images, lbl
 
     return train_pipe(**pipeline_kwargs)
@@ -276,7 +292,10 @@ class DaliLoader:
     the module docstring for layout, buffer lifetime and pipelines."""
 
     def __init__(self, pipelines: list, files: list[str], *, train: bool, spec: LoaderSpec, batch_size: int,
-                 num_classes: int, num_batches: int, num_samples: int, skipped: int, name: str):
+                 num_classes: int, num_batches: int, num_samples: int, skipped: int, name: str,
+                 finish_crops=None, mirror: bool = False):
+        """finish_crops: for pipelines that end at the decoded crops (data.dali.resize=kernel), the callable that
+        makes the batch of them (the crops, then the CPU mirror flags if `mirror`, else None)."""
         _, _, _, DALIGenericIterator, LastBatchPolicy = import_dali()
         self.spec = spec
         self.train = train
@@ -293,8 +312,16 @@ class DaliLoader:
             raise ValueError("a validation loader reads its images in order, with one pipeline")
         # Train drops the last partial batch; val returns it partial with DALI's padding removed.
         policy = LastBatchPolicy.DROP if train else LastBatchPolicy.PARTIAL
-        self._iterators = [DALIGenericIterator([p], ["images", "labels"], reader_name="Reader", last_batch_policy=policy,
-                                               auto_reset=True, prepare_first_batch=False) for p in pipelines]
+        self._finish_crops = finish_crops
+        common = dict(reader_name="Reader", last_batch_policy=policy, auto_reset=True, prepare_first_batch=False)
+        if finish_crops is None:
+            self._iterators = [DALIGenericIterator([p], ["images", "labels"], **common) for p in pipelines]
+        else:
+            from nvidia.dali.plugin.pytorch import DALIRaggedIterator
+
+            names = ["images", "mirror", "labels"] if mirror else ["images", "labels"]
+            tags = [DALIRaggedIterator.SPARSE_LIST_TAG] + [DALIRaggedIterator.DENSE_TAG] * (len(names) - 1)
+            self._iterators = [DALIRaggedIterator([p], names, outputs_types=tags, **common) for p in pipelines]
         self._turn = 0  # the pipeline whose batch comes next; kept across epochs so that capped epochs stay balanced
         self._epoch_finished = True
 
@@ -306,6 +333,8 @@ class DaliLoader:
 
     def _handover(self, out: dict) -> tuple[torch.Tensor, torch.Tensor]:
         images, labels = out["images"], out["labels"]
+        if self._finish_crops is not None:  # already in the run's dtype and memory format
+            return self._finish_crops(images, out.get("mirror")), labels.view(-1)
         if self.spec.channels_last:
             images = images.permute(0, 3, 1, 2)  # NHWC memory seen as channels_last NCHW: a view, no copy
         if self._convert_to is not None:
@@ -360,14 +389,16 @@ class DaliLoader:
             yield self._handover(out)
 
 
-def _output_type(spec: LoaderSpec, types):
+def _output_type(spec: LoaderSpec, types, kernel_resizes: bool = False):
     if spec.dtype == torch.float16:
         return types.FLOAT16
     if spec.dtype == torch.float32:
         return types.FLOAT
     if spec.dtype == torch.bfloat16:
-        log.warning("data=dali: DALI cannot output bfloat16; the pipeline produces float32 and every batch is converted "
-                    "to bfloat16 on %s (one extra copy per batch). Use fp16 or fp32 to avoid it.", spec.device)
+        which = ("the validation pipeline produces float32 (training batches come as bfloat16 from the resize kernel)"
+                 if kernel_resizes else "the pipelines produce float32")
+        log.warning("data=dali: DALI cannot output bfloat16; %s and each such batch is converted to bfloat16 on %s "
+                    "(one extra copy per batch). Use fp16 or fp32 to avoid it.", which, spec.device)
         return types.FLOAT
     raise ValueError(f"data=dali produces float16, float32 or (via float32) bfloat16 images, not {spec.dtype}")
 
@@ -394,8 +425,32 @@ def check_pipelines(dali_cfg) -> int:
     return n
 
 
-def decoder_label(dali_cfg) -> str:
-    """How a data=dali run decodes, for its summary and log."""
+def resolve_resize(dali_cfg, on_gpu: bool) -> tuple[str, str]:
+    """(who resizes the training crops, "dali" or "kernel"; why, for auto's choice) for data.dali.resize on a run
+    with or without a GPU. `kernel` asked for where it cannot run is a ConfigError; auto then takes dali and says
+    why."""
+    asked = enum_value(dali_cfg.resize)
+    if asked == "dali":
+        return "dali", ""
+    if not on_gpu:
+        if asked == "kernel":
+            raise ConfigError("data.dali.resize=kernel runs this project's CUDA kernel, but this run has no GPU; "
+                              "use data.dali.resize=dali (or auto)")
+        return "dali", "auto: no GPU"
+    import kernels
+
+    try:
+        import kernels.resize_ops  # noqa: F401  (builds or loads the library; registers the op's fake kernel)
+    except kernels.KernelUnavailable as e:
+        if asked == "kernel":
+            raise ConfigError(f"data.dali.resize=kernel needs this project's kernels library, which cannot be used "
+                              f"here: {e}. Use data.dali.resize=dali (or auto)") from e
+        return "dali", "auto: the project's kernels library is unavailable"
+    return "kernel", ""
+
+
+def decoder_label(dali_cfg, device: torch.device | None = None) -> str:
+    """How a data=dali run decodes (and, given the run's device, who resizes), for its summary and log."""
     decode = enum_value(dali_cfg.decode)
     label = f"decode={decode}, {dali_cfg.threads} thread(s), prefetch {dali_cfg.prefetch}"
     if decode == "mixed":
@@ -403,7 +458,10 @@ def decoder_label(dali_cfg) -> str:
     pipelines = check_pipelines(dali_cfg)
     if pipelines > 1:
         label += f", {pipelines} training pipelines of {dali_cfg.threads} thread(s) each"
-    return label
+    if device is None:
+        return label + f", resize={enum_value(dali_cfg.resize)}"
+    resize, why = resolve_resize(dali_cfg, device.type == "cuda")
+    return label + f", resize={resize}" + (f" ({why})" if why else "")
 
 
 def _device_id(spec: LoaderSpec) -> int | None:
@@ -412,6 +470,20 @@ def _device_id(spec: LoaderSpec) -> int | None:
     if spec.device.type != "cuda":
         raise ValueError(f"data=dali runs on a CUDA GPU or the CPU, not on {spec.device}")
     return spec.device.index if spec.device.index is not None else torch.cuda.current_device()
+
+
+def _kernel_finisher(cfg, spec: LoaderSpec):
+    """The batch from a pipeline's decoded crops and mirror flags by this project's kernel (data.dali.resize=kernel):
+    resized to data.resolution, mirrored, normalised, in the run's dtype and memory format."""
+    from kernels.resize_ops import resize_normalize
+
+    size = (cfg.resolution, cfg.resolution)
+    mean, std = list(cfg.mean), list(cfg.std)
+
+    def finish(crops, mirror):
+        return resize_normalize(crops, mirror, size, mean, std, spec.dtype, spec.channels_last)
+
+    return finish
 
 
 @register_loader("dali")
@@ -436,7 +508,9 @@ def build(cfg, spec: LoaderSpec):
     if not on_gpu and decode != "cpu":
         raise ValueError(f"data.dali.decode={decode} decodes on the GPU, but this run has none; "
                          "set data.dali.decode=cpu for DALI's CPU-only mode")
-    out_type = _output_type(spec, types)
+    resize, _ = resolve_resize(dali_cfg, on_gpu)
+    # With the kernel resizing, training batches come in the run's dtype (bf16 too); out_type is validation's then.
+    out_type = _output_type(spec, types, kernel_resizes=resize == "kernel")
     common = dict(decode=decode, on_gpu=on_gpu, out_type=out_type, channels_last=spec.channels_last,
                   batch_size=cfg.batch_size, num_threads=dali_cfg.threads, device_id=device_id,
                   prefetch_queue_depth=dali_cfg.prefetch)
@@ -460,10 +534,12 @@ def build(cfg, spec: LoaderSpec):
         train_batches = min(train_batches, cfg.steps_per_epoch)
     # Each pipeline its own augmentation seed, apart from the ranks' (seed + rank) and from validation's.
     train_pipes = [make_train_pipeline(cfg, train_files, train_labels, shard_id=spec.rank * n_pipes + k, num_shards=shards,
-                                       seed=(seed + 104_729 * k) % (2**31), **common) for k in range(n_pipes)]
+                                       resize=resize, seed=(seed + 104_729 * k) % (2**31), **common)
+                   for k in range(n_pipes)]
+    finish = _kernel_finisher(cfg, spec) if resize == "kernel" else None
     train = DaliLoader(train_pipes, train_files, train=True, spec=spec, batch_size=cfg.batch_size, num_classes=len(classes),
                        num_batches=train_batches, num_samples=train_batches * cfg.batch_size,
-                       skipped=skipped["train"], name="train")
+                       skipped=skipped["train"], name="train", finish_crops=finish, mirror=bool(cfg.hflip))
 
     # Val: the folder loader's strided shard (rank, rank+S, ...), no padding, so each image counts exactly once
     # overall; a val_steps cap shortens the list itself, so every evaluation sees the same images.
@@ -477,6 +553,6 @@ def build(cfg, spec: LoaderSpec):
                      num_batches=math.ceil(len(val_rank) / cfg.batch_size), num_samples=len(val_rank),
                      skipped=skipped["val"], name="val")
     train.classes = val.classes = classes  # class names, as data=folder provides them
-    log.info("data=dali: %s on %s, %d train / %d val image(s) on rank %d of %d", decoder_label(dali_cfg),
+    log.info("data=dali: %s on %s, %d train / %d val image(s) on rank %d of %d", decoder_label(dali_cfg, spec.device),
              spec.device, train.num_samples, val.num_samples, spec.rank, spec.world_size)
     return train, val

@@ -30,18 +30,37 @@ import torch  # noqa: E402
 from dali_decode_ceiling import timed  # noqa: E402
 
 from mobilenet.config import compose  # noqa: E402
-from mobilenet.data.dali import import_dali, make_train_pipeline  # noqa: E402
+from mobilenet.data.dali import import_dali, make_train_pipeline, resolve_resize  # noqa: E402
 from mobilenet.data.folder import scan_image_folder  # noqa: E402
 
 
 def build(root: str, variant: str, files, labels, *, batch: int, threads: int, seed: int):
     _, types, _, _, _ = import_dali()
     cfg = compose(["data=dali", f"data.root={root}", *variant.split()]).data
+    resize, _ = resolve_resize(cfg.dali, on_gpu=True)
     pipe = make_train_pipeline(cfg, files, labels, decode="mixed", on_gpu=True, out_type=types.FLOAT16,
                                channels_last=True, shard_id=0, num_shards=1, batch_size=batch, num_threads=threads,
-                               device_id=torch.cuda.current_device(), prefetch_queue_depth=2, seed=seed)
+                               device_id=torch.cuda.current_device(), prefetch_queue_depth=2, seed=seed, resize=resize)
     pipe.build()
-    return pipe
+    return KernelFinished(pipe, cfg) if resize == "kernel" else pipe
+
+
+class KernelFinished:
+    """A pipeline that ends at the decoded crops (data.dali.resize=kernel), each run() followed by the project's
+    resize kernel on the current stream, as the loader does: the GPU work of one training batch."""
+
+    def __init__(self, pipe, cfg):
+        from kernels.resize_ops import resize_normalize
+
+        self.pipe, self.hflip = pipe, cfg.hflip
+        self.finish = lambda crops, mirror: resize_normalize(crops, mirror, (cfg.resolution, cfg.resolution),
+                                                             list(cfg.mean), list(cfg.std), torch.float16, True)
+
+    def run(self):
+        out = self.pipe.run()
+        crops = [torch.from_dlpack(t) for t in out[0]]
+        mirror = torch.from_numpy(out[1].as_array().reshape(-1)) if self.hflip else None
+        return self.finish(crops, mirror)
 
 
 def gpu_rows(pipe, iters: int) -> dict[str, tuple[float, float]]:
