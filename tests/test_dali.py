@@ -210,6 +210,36 @@ def test_train_epochs_repeat_no_image_and_shards_are_disjoint(digits, world_size
                 assert not epoch_sets[a] & epoch_sets[b], "two ranks share an image in one epoch"
 
 
+@pytest.mark.parametrize("shards", [3, 4])
+def test_crop_runs_follow_the_readers_epochs_as_dalis_iterator_does(digits, shards):
+    """data.dali.resize=kernel runs its pipelines by hand (CropRuns): over several epochs, with shards of unequal
+    size (1437 images in 4 shards) and equal size (3), it yields the batches DALIGenericIterator's DROP policy yields
+    from the same pipeline, in order, and drops the padded ones."""
+    import numpy as np
+    from nvidia.dali import types
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+    from mobilenet.data.dali import CropRuns
+    from mobilenet.data.folder import scan_split
+
+    cfg = data_cfg(digits)
+    files = [p for p, _ in scan_split(digits, "train")[0]]
+    for shard in (0, shards - 1):
+        common = dict(decode="cpu", on_gpu=False, out_type=types.FLOAT, channels_last=False, shard_id=shard,
+                      num_shards=shards, batch_size=64, num_threads=2, device_id=None, seed=3)
+        iterator = DALIGenericIterator([make_train_pipeline(cfg, files, list(range(len(files))), **common)],
+                                       ["images", "labels"], reader_name="Reader",
+                                       last_batch_policy=LastBatchPolicy.DROP, auto_reset=True,
+                                       prepare_first_batch=False)
+        runs = CropRuns(make_train_pipeline(cfg, files, list(range(len(files))), resize="kernel", **common), 64)
+        assert runs.per_epoch == (len(files) // shards) // 64
+        for _ in range(3):
+            expected = [out[0]["labels"].view(-1).tolist() for out in iterator]
+            assert len(expected) == runs.per_epoch
+            got = [np.array(runs.run()[-1].as_tensor()).reshape(-1).tolist() for _ in expected]
+            assert got == expected
+
+
 # ------------------------------------------------------------------------------------ several pipelines
 
 

@@ -84,16 +84,46 @@ def test_without_mirror_nothing_is_flipped_and_mirror_flips_exactly():
     assert torch.equal(flipped[0], plain[0].flip(-1)) and torch.equal(flipped[1], plain[1])
 
 
+def _table(crops, mirror):
+    return torch.tensor([[c.data_ptr(), c.shape[0], c.shape[1], int(m)] for c, m in zip(crops, mirror)])
+
+
 @gpu
 def test_opcheck():
     import kernels.resize_ops  # noqa: F401  (registers the op and its fake kernel)
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     crops = _crops([(30, 40), (12, 9)], gen)
-    for mirror in (None, torch.tensor([0, 1], dtype=torch.int32)):
-        for channels_last in (True, False):
-            torch.library.opcheck(torch.ops.mobilenet_data.resize_normalize.default,
-                                  (crops, mirror, [16, 16], MEAN, STD, torch.float16, channels_last))
+    table = _table(crops, [0, 1]).cuda()
+    for channels_last in (True, False):
+        torch.library.opcheck(torch.ops.mobilenet_data.resize_normalize.default,
+                              (table, [16, 16], MEAN, STD, torch.float16, channels_last))
+
+
+@gpu
+def test_the_table_call_equals_the_tensor_call():
+    from kernels.resize_ops import resize_normalize, resize_normalize_table
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    crops = _crops([(64, 80), (300, 20)], gen)
+    by_table = resize_normalize_table(_table(crops, [1, 0]), torch.device("cuda"), (24, 24), MEAN, STD,
+                                      torch.bfloat16, False)
+    assert torch.equal(by_table, resize_normalize(crops, torch.tensor([1, 0]), (24, 24), MEAN, STD, torch.bfloat16,
+                                                  False))
+
+
+@gpu
+@pytest.mark.parametrize("table, words", [
+    (torch.zeros(2, 4, dtype=torch.int32), r"CPU int64 tensor \(N, 4\), not torch.int32 \(2, 4\) on cpu"),
+    (torch.zeros(2, 3, dtype=torch.int64), r"CPU int64 tensor \(N, 4\), not torch.int64 \(2, 3\)"),
+    (torch.zeros(0, 4, dtype=torch.int64), r"no crops"),
+    (torch.tensor([[1, 5, 5, 0], [1, 5, 0, 0]]), r"crop 1 is empty; every crop needs a height and width of at least 1"),
+])
+def test_a_bad_table_is_refused(table, words):
+    from kernels.resize_ops import resize_normalize_table
+
+    with pytest.raises(ValueError, match=words):
+        resize_normalize_table(table, torch.device("cuda"), (16, 16), MEAN, STD, torch.float16, True)
 
 
 @gpu

@@ -21,10 +21,10 @@ namespace mdata {
 
 using mdw::DType;  // F32, F16 or BF16 here
 
-constexpr int kDescWords = 4;  // per crop in the descriptor table (int64): address, height, width, mirror (0 or 1)
+constexpr int kDescWords = 4;  // per crop in the crop table (int64): address, height, width, mirror (0 or 1)
 
 struct ResizeNormalizeArgs {
-  const int64_t* desc;  // device: kDescWords per crop
+  const int64_t* desc;  // the crop table, on the device: kDescWords per crop
   void* out;            // N x 3 x out_h x out_w, NCHW or NHWC memory
   int n, out_h, out_w;
   bool nhwc;

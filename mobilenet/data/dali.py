@@ -6,10 +6,13 @@ normalise and cast. Val: decode -> shorter side to resolution/val_resize_ratio -
 GPU (spec.device is the CPU) the same pipelines run with CPU operators.
 
 Who resizes the training crops (data.dali.resize, resolve_resize): with `dali`, DALI's separable resize and one
-`crop_mirror_normalize`; with `kernel`, the pipeline ends at the decoded crops (each its own size, handed over one
-tensor per image by DALIRaggedIterator) and their mirror flags, and this project's CUDA kernel
-(kernels/resize_ops.py) resizes, mirrors, normalises and casts them in one pass on the consumer's stream, reading
-each crop once and writing only the batch. Both draw the crop windows and flips from the same seeds.
+`crop_mirror_normalize`; with `kernel`, the pipeline ends at the decoded crops (each its own size) and their mirror
+flags, and this project's CUDA kernel (kernels/resize_ops.py) resizes, mirrors, normalises and casts them in one pass
+on the consumer's stream, reading each crop once and writing only the batch. Both draw the crop windows and flips
+from the same seeds. DALI's iterators would hand ragged crops over as one DLPack tensor per image, each with a
+synchronisation of its own, which costs the host far more per batch than the kernel saves the GPU; so CropBatches
+runs those pipelines itself, passes the kernel one table of the batch's crop addresses, and keeps DALI's batch alive
+until an event recorded after the kernel has completed.
 
 Memory format: with channels_last the pipeline writes HWC and the NHWC batch is handed over as
 `permute(0, 3, 1, 2)`, a channels_last NCHW *view* of the same memory (no copy); otherwise it writes CHW.
@@ -43,6 +46,7 @@ runs the same check on the loader's files to name the culprit before the error i
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import os
@@ -293,9 +297,9 @@ class DaliLoader:
 
     def __init__(self, pipelines: list, files: list[str], *, train: bool, spec: LoaderSpec, batch_size: int,
                  num_classes: int, num_batches: int, num_samples: int, skipped: int, name: str,
-                 finish_crops=None, mirror: bool = False):
-        """finish_crops: for pipelines that end at the decoded crops (data.dali.resize=kernel), the callable that
-        makes the batch of them (the crops, then the CPU mirror flags if `mirror`, else None)."""
+                 crop_batches: CropBatches | None = None):
+        """crop_batches: for training pipelines that end at the decoded crops (data.dali.resize=kernel), what runs
+        them and makes each batch; `pipelines` is then unused."""
         _, _, _, DALIGenericIterator, LastBatchPolicy = import_dali()
         self.spec = spec
         self.train = train
@@ -312,16 +316,12 @@ class DaliLoader:
             raise ValueError("a validation loader reads its images in order, with one pipeline")
         # Train drops the last partial batch; val returns it partial with DALI's padding removed.
         policy = LastBatchPolicy.DROP if train else LastBatchPolicy.PARTIAL
-        self._finish_crops = finish_crops
-        common = dict(reader_name="Reader", last_batch_policy=policy, auto_reset=True, prepare_first_batch=False)
-        if finish_crops is None:
-            self._iterators = [DALIGenericIterator([p], ["images", "labels"], **common) for p in pipelines]
-        else:
-            from nvidia.dali.plugin.pytorch import DALIRaggedIterator
-
-            names = ["images", "mirror", "labels"] if mirror else ["images", "labels"]
-            tags = [DALIRaggedIterator.SPARSE_LIST_TAG] + [DALIRaggedIterator.DENSE_TAG] * (len(names) - 1)
-            self._iterators = [DALIRaggedIterator([p], names, outputs_types=tags, **common) for p in pipelines]
+        self._crop_batches = crop_batches
+        if crop_batches is not None and not train:
+            raise ValueError("the crop kernel's batches are training batches")
+        self._iterators = [] if crop_batches is not None else [
+            DALIGenericIterator([p], ["images", "labels"], reader_name="Reader", last_batch_policy=policy,
+                                auto_reset=True, prepare_first_batch=False) for p in pipelines]
         self._turn = 0  # the pipeline whose batch comes next; kept across epochs so that capped epochs stay balanced
         self._epoch_finished = True
 
@@ -333,8 +333,6 @@ class DaliLoader:
 
     def _handover(self, out: dict) -> tuple[torch.Tensor, torch.Tensor]:
         images, labels = out["images"], out["labels"]
-        if self._finish_crops is not None:  # already in the run's dtype and memory format
-            return self._finish_crops(images, out.get("mirror")), labels.view(-1)
         if self.spec.channels_last:
             images = images.permute(0, 3, 1, 2)  # NHWC memory seen as channels_last NCHW: a view, no copy
         if self._convert_to is not None:
@@ -343,25 +341,37 @@ class DaliLoader:
 
     @property
     def pipelines(self) -> int:
-        return len(self._iterators)
+        return len(self._crop_batches.runs) if self._crop_batches is not None else len(self._iterators)
 
     def _next(self, iterator):
         try:
             return next(iterator)[0]
         except RuntimeError as e:
+            raise self._decode_error(e) from e
+
+    def _decode_error(self, e: RuntimeError) -> Exception:
             # DALI's message does not name the file: look for it now (cheap check), then say what we know.
-            bad = find_corrupt(self._files, min(32, available_cpus()))
-            if bad:
-                path, reason = bad[0]
-                raise CorruptImageError(f"cannot decode image {path!r}: {reason} (DALI stopped: {e}). "
-                                        "Fix or remove it, or set data.skip_corrupt=true") from e
-            raise RuntimeError(
-                f"DALI failed while loading {self.name} data: {e}\nDALI's decoder errors do not name the file, and "
-                "every file passes the cheap check of signature and JPEG structure; decoding the ImageFolder with "
-                "data=folder names the file that fails."
-            ) from e
+        bad = find_corrupt(self._files, min(32, available_cpus()))
+        if bad:
+            path, reason = bad[0]
+            return CorruptImageError(f"cannot decode image {path!r}: {reason} (DALI stopped: {e}). "
+                                     "Fix or remove it, or set data.skip_corrupt=true")
+        return RuntimeError(
+            f"DALI failed while loading {self.name} data: {e}\nDALI's decoder errors do not name the file, and "
+            "every file passes the cheap check of signature and JPEG structure; decoding the ImageFolder with "
+            "data=folder names the file that fails."
+        )
 
     def __iter__(self):
+        if self._crop_batches is not None:
+            for _ in range(self._num_batches):
+                try:
+                    batch = self._crop_batches.next(self._turn)
+                except RuntimeError as e:
+                    raise self._decode_error(e) from e
+                self._turn = (self._turn + 1) % self.pipelines
+                yield batch
+            return
         if not self._iterators:
             return
         if self.train:
@@ -472,18 +482,73 @@ def _device_id(spec: LoaderSpec) -> int | None:
     return spec.device.index if spec.device.index is not None else torch.cuda.current_device()
 
 
-def _kernel_finisher(cfg, spec: LoaderSpec):
-    """The batch from a pipeline's decoded crops and mirror flags by this project's kernel (data.dali.resize=kernel):
-    resized to data.resolution, mirrored, normalised, in the run's dtype and memory format."""
-    from kernels.resize_ops import resize_normalize
+class CropRuns:
+    """A training pipeline that ends at the decoded crops, run by hand, following its reader's epochs as
+    DALIGenericIterator's DROP policy does: every epoch yields floor(smallest shard / batch) batches, the rest of the
+    shard's epoch (its last, padded batch) is run and dropped, and the shards rotate every epoch."""
 
-    size = (cfg.resolution, cfg.resolution)
-    mean, std = list(cfg.mean), list(cfg.std)
+    def __init__(self, pipe, batch_size: int):
+        pipe.build()
+        meta = pipe.reader_meta("Reader")
+        self.pipe = pipe
+        self._batch = batch_size
+        self._images, self._shards, self._shard = meta["epoch_size"], meta["number_of_shards"], meta["shard_id"]
+        self._rotate = not meta["stick_to_shard"]
+        self.per_epoch = (self._images // self._shards) // batch_size
+        self._left = self.per_epoch  # batches this epoch still yields
 
-    def finish(crops, mirror):
-        return resize_normalize(crops, mirror, size, mean, std, spec.dtype, spec.channels_last)
+    def shard_size(self, shard: int) -> int:
+        """Images in `shard`, as DALI's readers split a list of epoch_size images into number_of_shards shards."""
+        return self._images * (shard + 1) // self._shards - self._images * shard // self._shards
 
-    return finish
+    def run(self):
+        """The next batch's outputs (DALI TensorLists)."""
+        if self._left == 0:
+            for _ in range(math.ceil(self.shard_size(self._shard) / self._batch) - self.per_epoch):
+                self.pipe.run()  # the epoch's padded last batch: dropped
+            if self._rotate:
+                self._shard = (self._shard + 1) % self._shards
+            self._left = self.per_epoch
+        self._left -= 1
+        return self.pipe.run()
+
+
+class CropBatches:
+    """Training batches made by this project's kernel (data.dali.resize=kernel) from pipelines that end at the decoded
+    crops (and, with data.hflip, their mirror flags), taken from pipeline `turn`: the kernel gets one table of the
+    crops' addresses and sizes, on the consumer's current stream, ordered after DALI's work on them; DALI's batch is
+    kept until an event recorded after the kernel has completed."""
+
+    def __init__(self, pipelines: list, cfg, spec: LoaderSpec, batch_size: int):
+        from kernels.resize_ops import resize_normalize_table
+
+        self.runs = [CropRuns(p, batch_size) for p in pipelines]
+        self._mirror = bool(cfg.hflip)
+        self._spec = spec
+        size, mean, std = (cfg.resolution, cfg.resolution), list(cfg.mean), list(cfg.std)
+        self._finish = lambda table: resize_normalize_table(table, spec.device, size, mean, std, spec.dtype,
+                                                            spec.channels_last)
+        self._in_flight: collections.deque = collections.deque()  # (event, DALI outputs) until the kernel is done
+
+    def next(self, turn: int) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.runs[turn].run()
+        crops, labels = out[0], out[-1]
+        with torch.cuda.device(self._spec.device):
+            # DALI's DLPack export orders the current stream after the work that produced the tensor; one sample
+            # stands for its batch, which one operator wrote.
+            torch.from_dlpack(crops[0])
+            labels = torch.from_dlpack(labels.as_tensor())
+            shapes = crops.shape()
+            flags = out[1].as_array().reshape(-1).tolist() if self._mirror else [0] * len(shapes)
+            table = torch.tensor([[crops[i].data_ptr(), h, w, int(f)] for i, ((h, w, _), f) in
+                                  enumerate(zip(shapes, flags))], dtype=torch.int64)
+            images = self._finish(table)
+            done = torch.cuda.Event()
+            done.record()
+        while self._in_flight and self._in_flight[0][0].query():
+            self._in_flight.popleft()
+        self._in_flight.append((done, out))
+        return images, labels.view(-1)
 
 
 @register_loader("dali")
@@ -536,10 +601,10 @@ def build(cfg, spec: LoaderSpec):
     train_pipes = [make_train_pipeline(cfg, train_files, train_labels, shard_id=spec.rank * n_pipes + k, num_shards=shards,
                                        resize=resize, seed=(seed + 104_729 * k) % (2**31), **common)
                    for k in range(n_pipes)]
-    finish = _kernel_finisher(cfg, spec) if resize == "kernel" else None
+    crop_batches = CropBatches(train_pipes, cfg, spec, cfg.batch_size) if resize == "kernel" else None
     train = DaliLoader(train_pipes, train_files, train=True, spec=spec, batch_size=cfg.batch_size, num_classes=len(classes),
                        num_batches=train_batches, num_samples=train_batches * cfg.batch_size,
-                       skipped=skipped["train"], name="train", finish_crops=finish, mirror=bool(cfg.hflip))
+                       skipped=skipped["train"], name="train", crop_batches=crop_batches)
 
     # Val: the folder loader's strided shard (rank, rank+S, ...), no padding, so each image counts exactly once
     # overall; a val_steps cap shortens the list itself, so every evaluation sees the same images.

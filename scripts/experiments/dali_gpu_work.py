@@ -42,25 +42,22 @@ def build(root: str, variant: str, files, labels, *, batch: int, threads: int, s
                                channels_last=True, shard_id=0, num_shards=1, batch_size=batch, num_threads=threads,
                                device_id=torch.cuda.current_device(), prefetch_queue_depth=2, seed=seed, resize=resize)
     pipe.build()
-    return KernelFinished(pipe, cfg) if resize == "kernel" else pipe
+    return KernelFinished(pipe, cfg, batch) if resize == "kernel" else pipe
 
 
 class KernelFinished:
     """A pipeline that ends at the decoded crops (data.dali.resize=kernel), each run() followed by the project's
-    resize kernel on the current stream, as the loader does: the GPU work of one training batch."""
+    resize kernel on the current stream through the loader's own CropBatches: the GPU work of one training batch."""
 
-    def __init__(self, pipe, cfg):
-        from kernels.resize_ops import resize_normalize
+    def __init__(self, pipe, cfg, batch: int):
+        from mobilenet.data import LoaderSpec
+        from mobilenet.data.dali import CropBatches
 
-        self.pipe, self.hflip = pipe, cfg.hflip
-        self.finish = lambda crops, mirror: resize_normalize(crops, mirror, (cfg.resolution, cfg.resolution),
-                                                             list(cfg.mean), list(cfg.std), torch.float16, True)
+        spec = LoaderSpec(torch.device("cuda", torch.cuda.current_device()), torch.float16, channels_last=True)
+        self.batches = CropBatches([pipe], cfg, spec, batch)
 
     def run(self):
-        out = self.pipe.run()
-        crops = [torch.from_dlpack(t) for t in out[0]]
-        mirror = torch.from_numpy(out[1].as_array().reshape(-1)) if self.hflip else None
-        return self.finish(crops, mirror)
+        return self.batches.next(0)
 
 
 def gpu_rows(pipe, iters: int) -> dict[str, tuple[float, float]]:
