@@ -6,9 +6,9 @@
 // axis scaled by s = in / out is centred at s * (i + 0.5) and weighs the inputs j within max(s, 1) of it by
 // 1 - |(j + 0.5 - centre) / max(s, 1)|, normalised over the window, which is clipped to the image.
 //
-// One thread computes one output pixel's three channels directly from the crop (the window's rows times its columns)
-// in fp32: the crop is read once through the L1 cache and nothing in between is written, where a separable resize
-// writes and reads an intermediate image and a separate normalisation reads the resized batch again.
+// One pass: the crop is read once and nothing in between is written to global memory, where a separable resize
+// writes and reads an intermediate image and a separate normalisation reads the resized batch again
+// (resize_normalize.cu says how a block computes its tile).
 #pragma once
 
 #include <cstdint>
