@@ -3,8 +3,7 @@
 // A block computes a tile of kTileW x kTileH output pixels of one crop, separably through shared memory:
 //   1. the tile's columns and rows get their filter windows and weights, set up in double as PyTorch computes them
 //      and normalised (a float centre alone would be off by up to 3e-5 pixels at 500 px);
-//   2. the source rectangle under the tile is staged in 32-bit words, every thread's loads issued before the set-up
-//      of step 1 and stored after it, so that the set-up's arithmetic hides the loads' latency;
+//   2. the source rectangle under the tile is staged as bytes, each byte read once from global memory;
 //   3. the horizontal pass filters each staged row into the tile's columns (fp32, in shared memory);
 //   4. the vertical pass filters those into the tile's rows, normalises, mirrors and writes.
 // Per output pixel that is about (rows staged / kTileH) horizontal windows and one vertical window, where a direct
@@ -26,9 +25,6 @@ constexpr int kMaxTapsX = 8;    // horizontal window, inputs (shrinking by up to
 constexpr int kMaxTapsY = 10;   // vertical window, inputs
 constexpr int kMaxRows = 56;    // source rows staged per tile
 constexpr int kMaxRowBytes = 288;  // source bytes staged per row: 96 pixels
-constexpr int kPitch = kMaxRowBytes + 4;  // a staged row: its bytes from the word-aligned address at or below its start
-constexpr int kPitchWords = kPitch / 4;
-constexpr int kMaxLoads = (kMaxRows * kPitchWords + kThreads - 1) / kThreads;  // 32-bit loads per thread
 
 // The window of output index i along an axis of `in` inputs resized to `out` (PyTorch's antialiased bilinear: a
 // triangle widened by the scale when shrinking): its first input, its length, and the centre and support in double.
@@ -118,11 +114,11 @@ __device__ void direct_pixel(const uint8_t* src, int h, int w, int out_h, int ou
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads) resize_normalize_kernel(ResizeNormalizeArgs a) {
+__global__ void __launch_bounds__(kThreads, 4) resize_normalize_kernel(ResizeNormalizeArgs a) {
   __shared__ int col_lo[kTileW], col_n[kTileW], row_lo[kTileH], row_n[kTileH];
   __shared__ float col_w[kMaxTapsX * kTileW];  // [k][column]: a warp's lanes read consecutive words
   __shared__ float row_w[kTileH * kMaxTapsY];  // [row][k]: a warp reads one row's, broadcast
-  __shared__ uint32_t staged[kMaxRows * kPitchWords];
+  __shared__ uint8_t staged[kMaxRows * kMaxRowBytes];
   __shared__ float across[kMaxRows * kTileW * 3];  // the horizontal pass: [source row][column][channel]
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -134,16 +130,22 @@ __global__ void __launch_bounds__(kThreads) resize_normalize_kernel(ResizeNormal
   const bool mirror = d[3] != 0;
   const int cols = min(kTileW, a.out_w - x0), rows = min(kTileH, a.out_h - y0);
 
-  // The source rectangle under the tile (windows move monotonically with the output index), and whether it and
-  // every window (at most ceil(2 * support) + 1 inputs) fit the shared-memory budget.
-  const Window first_col = window(x0, w, a.out_w), last_col = window(x0 + cols - 1, w, a.out_w);
-  const Window first_row = window(y0, h, a.out_h), last_row = window(y0 + rows - 1, h, a.out_h);
-  const int cx0 = first_col.lo, ry0 = first_row.lo;
-  const int row_bytes = (last_col.lo + last_col.n - cx0) * 3, src_rows = last_row.lo + last_row.n - ry0;
-  const double support_x = fmax(static_cast<double>(w) / a.out_w, 1.0);
-  const double support_y = fmax(static_cast<double>(h) / a.out_h, 1.0);
-  if (src_rows > kMaxRows || row_bytes > kMaxRowBytes || ceil(2.0 * support_x) + 1 > kMaxTapsX ||
-      ceil(2.0 * support_y) + 1 > kMaxTapsY) {
+  bool too_wide = false;
+  if (tid < kTileW) {
+    const int x = x0 + min(tid, cols - 1);  // columns past the edge repeat the last one: valid, never written
+    set_up_taps(x, w, a.out_w, kMaxTapsX, &col_lo[tid], &col_n[tid], &col_w[tid], kTileW);
+    too_wide = col_n[tid] > kMaxTapsX;
+  } else if (tid < kTileW + kTileH) {
+    const int r = tid - kTileW, y = y0 + min(r, rows - 1);
+    set_up_taps(y, h, a.out_h, kMaxTapsY, &row_lo[r], &row_n[r], &row_w[r * kMaxTapsY], 1);
+    too_wide = row_n[r] > kMaxTapsY;
+  }
+  too_wide = __syncthreads_or(too_wide);
+  const int cx0 = col_lo[0], cx1 = col_lo[cols - 1] + col_n[cols - 1];  // windows move monotonically
+  const int ry0 = row_lo[0], ry1 = row_lo[rows - 1] + row_n[rows - 1];
+  const int src_rows = ry1 - ry0, row_bytes = (cx1 - cx0) * 3;
+
+  if (too_wide || src_rows > kMaxRows || row_bytes > kMaxRowBytes) {
     for (int i = tid; i < kTileW * kTileH; i += kThreads) {
       const int tx = i % kTileW, ty = i / kTileW;
       if (tx >= cols || ty >= rows) continue;
@@ -154,37 +156,16 @@ __global__ void __launch_bounds__(kThreads) resize_normalize_kernel(ResizeNormal
     return;
   }
 
-  // Row r's bytes start at byte (start & 3) of its staged row; only words holding some of its bytes are read.
-  const int row_words = (row_bytes + 3) / 4 + 1;
-  uint32_t loaded[kMaxLoads];
-#pragma unroll
-  for (int k = 0; k < kMaxLoads; ++k) {
-    const int i = tid + k * kThreads, r = i / row_words, word = i - r * row_words;
-    const uintptr_t start = reinterpret_cast<uintptr_t>(src + (static_cast<size_t>(ry0 + r) * w + cx0) * 3);
-    const uintptr_t base = start & ~uintptr_t(3);
-    const bool holds_row_bytes = r < src_rows && base + 4 * word < start + row_bytes;
-    loaded[k] = holds_row_bytes ? __ldg(reinterpret_cast<const uint32_t*>(base) + word) : 0u;
-  }
-
-  if (tid < kTileW) {
-    const int x = x0 + min(tid, cols - 1);  // columns past the edge repeat the last one: valid, never written
-    set_up_taps(x, w, a.out_w, kMaxTapsX, &col_lo[tid], &col_n[tid], &col_w[tid], kTileW);
-  } else if (tid < kTileW + kTileH) {
-    const int r = tid - kTileW, y = y0 + min(r, rows - 1);
-    set_up_taps(y, h, a.out_h, kMaxTapsY, &row_lo[r], &row_n[r], &row_w[r * kMaxTapsY], 1);
-  }
-#pragma unroll
-  for (int k = 0; k < kMaxLoads; ++k) {
-    const int i = tid + k * kThreads, r = i / row_words, word = i - r * row_words;
-    if (r < src_rows) staged[r * kPitchWords + word] = loaded[k];
+  for (int r = warp; r < src_rows; r += kWarps) {
+    const uint8_t* g = src + (static_cast<size_t>(ry0 + r) * w + cx0) * 3;
+    for (int b = lane; b < row_bytes; b += 32) staged[r * kMaxRowBytes + b] = __ldg(g + b);
   }
   __syncthreads();
 
   if (lane < cols) {
     const int taps = col_n[lane], first = (col_lo[lane] - cx0) * 3;
     for (int r = warp; r < src_rows; r += kWarps) {
-      const int skew = static_cast<int>(reinterpret_cast<uintptr_t>(src + (static_cast<size_t>(ry0 + r) * w + cx0) * 3) & 3);
-      const uint8_t* s = reinterpret_cast<const uint8_t*>(staged + r * kPitchWords) + skew + first;
+      const uint8_t* s = staged + r * kMaxRowBytes + first;
       float acc0 = 0.f, acc1 = 0.f, acc2 = 0.f;
       for (int k = 0; k < taps; ++k) {
         const float f = col_w[k * kTileW + lane];
