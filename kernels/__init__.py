@@ -31,8 +31,7 @@ _SOURCES = ["depthwise_ops.cpp", "depthwise_autograd.cpp", "depthwise_dispatch.c
             "depthwise_forward.cu", "depthwise_input_grad.cu", "depthwise_weight_grad.cu", "depthwise_k57.cu",
             "depthwise_smem.cu", "depthwise_mma.cu", "depthwise_mma_walk.cu", "depthwise_ring.cu",
             "batchnorm_ops.cpp", "batchnorm_relu.cu",  # the fused BatchNorm+ReLU ops (mobilenet_bn)
-            "stem_ops.cpp", "stem_weight_grad.cu",  # the stem convolution's weight gradient (mobilenet_stem)
-            "resize_normalize_ops.cpp", "resize_normalize.cu"]  # the DALI loader's resize + normalise (mobilenet_data)
+            "stem_ops.cpp", "stem_weight_grad.cu"]  # the stem convolution's weight gradient (mobilenet_stem)
 _EXT_NAME = "mobilenet_dw_kernels"
 _DEFAULT_ARCH = "9.0"  # H100/H200: the GPUs this project is tuned for
 _EXTRA_CFLAGS = ["-O3"]

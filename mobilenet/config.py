@@ -66,12 +66,6 @@ class DaliDecode(str, Enum):
     cpu = "cpu"
 
 
-class DaliResize(str, Enum):
-    auto = "auto"
-    dali = "dali"
-    kernel = "kernel"  # kernels/csrc/resize_normalize.cu
-
-
 @dataclass
 class BackendConfig:
     name: str = "torch"
@@ -144,12 +138,6 @@ class DaliConfig:
     # the file, and DALI 2.4's CPU decoder can segfault instead of failing); needed for data.skip_corrupt. Costs
     # one small read at each end of every file.
     check_files: bool = True
-    # Who turns the training pipeline's decoded random crops into the batch (resize to data.resolution, mirror,
-    # normalise, cast): dali, DALI's resize and crop_mirror_normalize; kernel, one CUDA kernel of this project
-    # (kernels/resize_ops.py) in one pass on the training stream, which needs a CUDA GPU and the project's kernels
-    # library. auto: kernel wherever that library loads on a GPU, else dali; the summary's data row says which ran and
-    # why. Validation always uses DALI's (resize the shorter side, then centre-crop).
-    resize: DaliResize = DaliResize.auto
 
 
 @dataclass

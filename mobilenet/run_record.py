@@ -81,7 +81,7 @@ def config_rows(cfg, device: torch.device, env: dict, backend: str | None = None
         "precision": precision_label(cfg),
         "memory format": layout_label(cfg),
         "compile": cfg.compile,
-        "data": data_label(cfg.data, device if training else None),  # inference resizes no training crops
+        "data": data_label(cfg.data),
         "batch size": cfg.data.batch_size,
         "resolution": cfg.data.resolution,
         "device": env.get("gpu") if device.type == "cuda" else "cpu",

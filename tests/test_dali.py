@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import math
 import os
@@ -208,36 +207,6 @@ def test_train_epochs_repeat_no_image_and_shards_are_disjoint(digits, world_size
         for a in range(world_size):
             for b in range(a + 1, world_size):
                 assert not epoch_sets[a] & epoch_sets[b], "two ranks share an image in one epoch"
-
-
-@pytest.mark.parametrize("shards", [3, 4])
-def test_crop_runs_follow_the_readers_epochs_as_dalis_iterator_does(digits, shards):
-    """data.dali.resize=kernel runs its pipelines by hand (CropRuns): over several epochs, with shards of unequal
-    size (1437 images in 4 shards) and equal size (3), it yields the batches DALIGenericIterator's DROP policy yields
-    from the same pipeline, in order, and drops the padded ones."""
-    import numpy as np
-    from nvidia.dali import types
-    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
-
-    from mobilenet.data.dali import CropRuns
-    from mobilenet.data.folder import scan_split
-
-    cfg = data_cfg(digits)
-    files = [p for p, _ in scan_split(digits, "train")[0]]
-    for shard in (0, shards - 1):
-        common = dict(decode="cpu", on_gpu=False, out_type=types.FLOAT, channels_last=False, shard_id=shard,
-                      num_shards=shards, batch_size=64, num_threads=2, device_id=None, seed=3)
-        iterator = DALIGenericIterator([make_train_pipeline(cfg, files, list(range(len(files))), **common)],
-                                       ["images", "labels"], reader_name="Reader",
-                                       last_batch_policy=LastBatchPolicy.DROP, auto_reset=True,
-                                       prepare_first_batch=False)
-        runs = CropRuns(make_train_pipeline(cfg, files, list(range(len(files))), resize="kernel", **common), 64)
-        assert runs.per_epoch == (len(files) // shards) // 64
-        for _ in range(3):
-            expected = [out[0]["labels"].view(-1).tolist() for out in iterator]
-            assert len(expected) == runs.per_epoch
-            got = [np.array(runs.run()[-1].as_tensor()).reshape(-1).tolist() for _ in expected]
-            assert got == expected
 
 
 # ------------------------------------------------------------------------------------ several pipelines
@@ -445,70 +414,15 @@ def test_a_hardware_decoder_share_outside_0_to_1_is_refused_before_anything_runs
 
 
 def test_the_summary_names_how_dali_decodes(digits):
-    assert data_label(data_cfg(digits)) == "dali (decode=cpu, 2 thread(s), prefetch 2, resize=auto)"
+    assert data_label(data_cfg(digits)) == "dali (decode=cpu, 2 thread(s), prefetch 2)"
     mixed = data_cfg(digits, "data.dali.decode=mixed", "data.dali.hw_decoder_load=0.8", "data.dali.threads=10")
     assert data_label(mixed) == ("dali (decode=mixed, 10 thread(s), prefetch 2, hw_decoder_load 0.8, "
-                                 "2 training pipelines of 10 thread(s) each, resize=auto)")
-    one = data_cfg(digits, "data.dali.decode=mixed", "data.dali.pipelines=1", "data.dali.resize=dali")
-    assert data_label(one) == "dali (decode=mixed, 2 thread(s), prefetch 2, hw_decoder_load 1, resize=dali)"
+                                 "2 training pipelines of 10 thread(s) each)")
+    one = data_cfg(digits, "data.dali.decode=mixed", "data.dali.pipelines=1")
+    assert data_label(one) == "dali (decode=mixed, 2 thread(s), prefetch 2, hw_decoder_load 1)"
     assert data_label(data_cfg(digits, loader="folder")) == "folder"
     two = data_cfg(digits, "data.dali.pipelines=2")
-    assert data_label(two, torch.device("cpu")) == ("dali (decode=cpu, 2 thread(s), prefetch 2, 2 training pipelines "
-                                                    "of 2 thread(s) each, resize=dali (auto: no GPU))")
-
-
-def test_resize_kernel_without_a_gpu_is_refused_not_swapped(digits):
-    with pytest.raises(ConfigError, match=r"data.dali.resize=kernel runs this project's CUDA kernel, but this run "
-                                          r"has no GPU; use data.dali.resize=dali \(or auto\)"):
-        build_loaders(data_cfg(digits, "data.dali.resize=kernel"), CPU_FP32)
-    with pytest.raises(ConfigError, match=r"data.dali.resize=kernel runs"):
-        data_label(data_cfg(digits, "data.dali.resize=kernel"), torch.device("cpu"))
-
-
-def test_an_unknown_resize_is_refused_naming_the_choices():
-    from mobilenet.config import check_overrides
-
-    with pytest.raises(ConfigError, match=r"data.dali.resize=torch: .*\[auto, dali, kernel\]"):
-        check_overrides(["data=dali", "data.dali.resize=torch"])
-
-
-def test_the_kernel_pipeline_draws_the_crops_and_flips_that_dalis_resize_gets(digits):
-    """resize=kernel's pipeline ends at the decoded crops and their flips. Finished by the kernel's float64 reference
-    (PyTorch's antialiased bilinear resize, the flip, the normalisation) they give resize=dali's batch from the same
-    seed, image by image, up to the two resize filters' difference; with the flips inverted they do not."""
-    import numpy as np
-    import torch.nn.functional as F
-    from nvidia.dali import types
-
-    from mobilenet.data.folder import scan_split
-
-    cfg = data_cfg(digits)
-    samples = scan_split(digits, "train")[0][:96]
-    files, labels = [p for p, _ in samples], list(range(len(samples)))
-    common = dict(decode="cpu", on_gpu=False, out_type=types.FLOAT, channels_last=False, shard_id=0, num_shards=1,
-                  batch_size=32, num_threads=2, device_id=None, seed=11)
-    with_dali = make_train_pipeline(cfg, files, labels, resize="dali", **common)
-    ends_at_crops = make_train_pipeline(cfg, files, labels, resize="kernel", **common)
-    with_dali.build()
-    ends_at_crops.build()
-    flips_seen = set()
-    for _ in range(3):
-        images, ids = with_dali.run()
-        crops, mirror, crop_ids = ends_at_crops.run()
-        assert np.array_equal(np.array(ids.as_tensor()), np.array(crop_ids.as_tensor()))
-        mirror = np.array(mirror.as_tensor()).reshape(-1)
-        flips_seen |= set(mirror.tolist())
-        sizes = {tuple(np.array(c).shape) for c in crops}
-        assert len(sizes) > 1, "the crops should keep their own sizes"
-        for i in range(len(crops)):
-            crop = torch.from_numpy(np.array(crops[i])).permute(2, 0, 1)[None].double()
-            resized = F.interpolate(crop, (21, 21), mode="bilinear", antialias=True, align_corners=False)[0]
-            want = torch.from_numpy(np.array(images[i])).double()
-            for flip, close in ((bool(mirror[i]), True), (not mirror[i], False)):
-                ref = (resized.flip(-1) if flip else resized) / 127.5 - 1  # mean 0.5, std 0.5
-                diff = (ref - want).abs().mean() * 127.5  # in 255ths
-                assert (diff < 3) == close, f"image {i}, flip {flip}: mean abs diff {diff:.2f} of 255"
-    assert flips_seen == {0, 1}
+    assert data_label(two) == "dali (decode=cpu, 2 thread(s), prefetch 2, 2 training pipelines of 2 thread(s) each)"
 
 
 def test_a_dali_fed_run_names_its_decode_settings_in_the_summary(digits, run_dir):
@@ -519,7 +433,7 @@ def test_a_dali_fed_run_names_its_decode_settings_in_the_summary(digits, run_dir
                    "evaluate=false", "progress=false", "perf.warmup_steps=1"])
     trainer = Trainer(cfg, run_dir)
     rows = trainer.summary_rows(trainer.fit())
-    assert rows["data"] == "dali (decode=cpu, 2 thread(s), prefetch 3, resize=dali (auto: no GPU))"
+    assert rows["data"] == "dali (decode=cpu, 2 thread(s), prefetch 3)"
 
 
 def test_a_run_fed_by_two_pipelines_trains_and_says_so(digits, run_dir):
@@ -531,8 +445,7 @@ def test_a_run_fed_by_two_pipelines_trains_and_says_so(digits, run_dir):
     trainer = Trainer(cfg, run_dir)
     result = trainer.fit()
     assert result.train.steps == 4 and result.train.images == 64
-    assert trainer.summary_rows(result)["data"].endswith("2 training pipelines of 2 thread(s) each, "
-                                                         "resize=dali (auto: no GPU))")
+    assert trainer.summary_rows(result)["data"].endswith("2 training pipelines of 2 thread(s) each)")
 
 
 # ---------------------------------------------------------------------------------------------------- GPU
@@ -542,12 +455,11 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("resize", ["kernel", "dali"])
 @pytest.mark.parametrize("decode", ["mixed", "cpu"])
 @pytest.mark.parametrize("dtype,channels_last", [(torch.float16, True), (torch.float32, False), (torch.bfloat16, True)])
-def test_gpu_output_dtype_layout_device(digits, decode, dtype, channels_last, resize):
+def test_gpu_output_dtype_layout_device(digits, decode, dtype, channels_last):
     spec = LoaderSpec(torch.device("cuda", 0), dtype, channels_last)
-    train, val = build_loaders(data_cfg(digits, f"data.dali.decode={decode}", f"data.dali.resize={resize}"), spec)
+    train, val = build_loaders(data_cfg(digits, f"data.dali.decode={decode}"), spec)
     for loader in (train, val):
         x, y = next(iter(loader))
         assert x.device.type == "cuda" and y.device.type == "cuda"
@@ -586,25 +498,6 @@ def _lagging(loader):
             yield next(it)
         except StopIteration:
             return
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("channels_last", [True, False])
-def test_gpu_resize_kernel_gives_dalis_batches_up_to_the_filter(digits, channels_last):
-    """The same seed, the same crops and flips: the kernel's batches are DALI's own, image by image, up to the two
-    antialiasing filters' difference, in the run's dtype and layout; the summary names who resized."""
-    spec = LoaderSpec(torch.device("cuda", 0), torch.float16, channels_last)
-    loaders = {r: build_loaders(data_cfg(digits, "data.dali.decode=mixed", f"data.dali.resize={r}"), spec)[0]
-               for r in ("kernel", "dali")}
-    assert data_label(data_cfg(digits, "data.dali.decode=mixed"), spec.device).endswith(", resize=kernel)")
-    batches = {r: list(itertools.islice(iter(loader), 4)) for r, loader in loaders.items()}
-    for (xk, yk), (xd, yd) in zip(batches["kernel"], batches["dali"]):
-        assert torch.equal(yk, yd)
-        fmt = torch.channels_last if channels_last else torch.contiguous_format
-        assert xk.dtype == torch.float16 and xk.is_contiguous(memory_format=fmt) and xk.shape == xd.shape
-        per_image = (xk.float() - xd.float()).abs().mean(dim=(1, 2, 3)) * 127.5  # std 0.5: in 255ths
-        assert per_image.max() < 3, f"mean abs diff per image up to {per_image.max():.2f} of 255"
 
 
 @pytest.mark.gpu

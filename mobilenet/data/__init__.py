@@ -68,14 +68,13 @@ def _import_all() -> None:
     from . import dali, folder, synthetic  # noqa: F401  (each registers itself)
 
 
-def data_label(cfg, device: torch.device | None = None) -> str:
-    """The loader as a run's summary names it: its name, and for data=dali how it decodes (and, given the run's
-    device, who resizes the training crops)."""
+def data_label(cfg) -> str:
+    """The loader as a run's summary names it: its name, and for data=dali how it decodes."""
     label = cfg.name + (f" ({cfg.builtin})" if cfg.builtin else "")
     if cfg.name == "dali":
         from .dali import decoder_label
 
-        label += f" ({decoder_label(cfg.dali, device)})"
+        label += f" ({decoder_label(cfg.dali)})"
     return label
 
 

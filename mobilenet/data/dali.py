@@ -2,17 +2,8 @@
 
 Train: file reader (sharded, shuffled) -> JPEG decode fused with a random-resized crop (nvJPEG on the GPU with
 data.dali.decode=mixed, libjpeg-turbo with decode=cpu) -> resize to data.resolution -> optional random flip ->
-normalise and cast. Val: decode -> shorter side to resolution/val_resize_ratio -> centre crop -> normalise. Without a
-GPU (spec.device is the CPU) the same pipelines run with CPU operators.
-
-Who resizes the training crops (data.dali.resize, resolve_resize): with `dali`, DALI's separable resize and one
-`crop_mirror_normalize`; with `kernel`, the pipeline ends at the decoded crops (each its own size) and their mirror
-flags, and this project's CUDA kernel (kernels/resize_ops.py) resizes, mirrors, normalises and casts them in one pass
-on the consumer's stream, reading each crop once and writing only the batch. Both draw the crop windows and flips
-from the same seeds. DALI's iterators would hand ragged crops over as one DLPack tensor per image, each with a
-synchronisation of its own, which costs the host far more per batch than the kernel saves the GPU; so CropBatches
-runs those pipelines itself, passes the kernel one table of the batch's crop addresses, and keeps DALI's batch alive
-until an event recorded after the kernel has completed.
+normalise and cast in one `crop_mirror_normalize`. Val: decode -> shorter side to resolution/val_resize_ratio ->
+centre crop -> normalise. Without a GPU (spec.device is the CPU) the same pipelines run with CPU operators.
 
 Memory format: with channels_last the pipeline writes HWC and the NHWC batch is handed over as
 `permute(0, 3, 1, 2)`, a channels_last NCHW *view* of the same memory (no copy); otherwise it writes CHW.
@@ -46,7 +37,6 @@ runs the same check on the loader's files to name the culprit before the error i
 
 from __future__ import annotations
 
-import collections
 import logging
 import math
 import os
@@ -226,19 +216,12 @@ def random_crop_args(cfg) -> dict:
 
 
 def make_train_pipeline(cfg, files, labels, *, decode: str, on_gpu: bool, out_type, channels_last: bool,
-                        shard_id: int, num_shards: int, resize: str = "dali", **pipeline_kwargs):
-    """The training pipeline: `files` with `labels`, this rank's shard of them, shuffled and augmented. Its outputs:
-    (images, labels) with resize="dali"; with resize="kernel" the decoded crops, then (with data.hflip) the mirror
-    flags on the CPU, then labels."""
+                        shard_id: int, num_shards: int, **pipeline_kwargs):
+    """The training pipeline: `files` with `labels`, this rank's shard of them, shuffled and augmented."""
     fn, types, pipeline_def, _, _ = import_dali()
     res = cfg.resolution
     initial_fill = max(1, min(SHUFFLE_BUFFER, len(files) // max(1, num_shards)))
     decoder_extra = decoder_args(cfg, decode)
-    # The crop window's and the flip's draws get seeds of their own, derived from the pipeline's, so that both resize
-    # settings augment alike whatever operators follow.
-    seed = pipeline_kwargs.get("seed")
-    crop_seed, flip_seed = ({"seed": seed % (2**31)}, {"seed": (seed + 1) % (2**31)}) if seed is not None and seed >= 0 \
-        else ({}, {})
 
     @pipeline_def(exec_dynamic=True)
     def train_pipe():
@@ -247,18 +230,15 @@ def make_train_pipeline(cfg, files, labels, *, decode: str, on_gpu: bool, out_ty
         jpegs, lbl = fn.readers.file(files=files, labels=labels, random_shuffle=True, initial_fill=initial_fill,
                                      shard_id=shard_id, num_shards=num_shards, pad_last_batch=True, name="Reader")
         images = fn.decoders.image_random_crop(jpegs, device=decode, output_type=types.RGB, **random_crop_args(cfg),
-                                               **decoder_extra, **crop_seed)
+                                               **decoder_extra)
         if on_gpu and decode == "cpu":
             images = images.gpu()  # only the decode runs on the host; resize and normalise stay on the GPU
-        mirror = fn.random.coin_flip(probability=0.5, **flip_seed) if cfg.hflip else None
+        images = fn.resize(images, resize_x=res, resize_y=res, interp_type=types.INTERP_LINEAR, antialias=True)
+        mirror = fn.random.coin_flip(probability=0.5) if cfg.hflip else 0
+        images = fn.crop_mirror_normalize(images, mirror=mirror, **_normalize_args(cfg, out_type, channels_last))
         lbl = fn.cast(lbl, dtype=types.INT64)
         if on_gpu:
             lbl = lbl.gpu()
-        if resize == "kernel":
-            return (images, lbl) if mirror is None else (images, mirror, lbl)
-        images = fn.resize(images, resize_x=res, resize_y=res, interp_type=types.INTERP_LINEAR, antialias=True)
-        images = fn.crop_mirror_normalize(images, mirror=0 if mirror is None else mirror,
-                                          **_normalize_args(cfg, out_type, channels_last))
         return images, lbl
 
     return train_pipe(**pipeline_kwargs)
@@ -296,10 +276,7 @@ class DaliLoader:
     the module docstring for layout, buffer lifetime and pipelines."""
 
     def __init__(self, pipelines: list, files: list[str], *, train: bool, spec: LoaderSpec, batch_size: int,
-                 num_classes: int, num_batches: int, num_samples: int, skipped: int, name: str,
-                 crop_batches: CropBatches | None = None):
-        """crop_batches: for training pipelines that end at the decoded crops (data.dali.resize=kernel), what runs
-        them and makes each batch; `pipelines` is then unused."""
+                 num_classes: int, num_batches: int, num_samples: int, skipped: int, name: str):
         _, _, _, DALIGenericIterator, LastBatchPolicy = import_dali()
         self.spec = spec
         self.train = train
@@ -316,12 +293,8 @@ class DaliLoader:
             raise ValueError("a validation loader reads its images in order, with one pipeline")
         # Train drops the last partial batch; val returns it partial with DALI's padding removed.
         policy = LastBatchPolicy.DROP if train else LastBatchPolicy.PARTIAL
-        self._crop_batches = crop_batches
-        if crop_batches is not None and not train:
-            raise ValueError("the crop kernel's batches are training batches")
-        self._iterators = [] if crop_batches is not None else [
-            DALIGenericIterator([p], ["images", "labels"], reader_name="Reader", last_batch_policy=policy,
-                                auto_reset=True, prepare_first_batch=False) for p in pipelines]
+        self._iterators = [DALIGenericIterator([p], ["images", "labels"], reader_name="Reader", last_batch_policy=policy,
+                                               auto_reset=True, prepare_first_batch=False) for p in pipelines]
         self._turn = 0  # the pipeline whose batch comes next; kept across epochs so that capped epochs stay balanced
         self._epoch_finished = True
 
@@ -341,37 +314,25 @@ class DaliLoader:
 
     @property
     def pipelines(self) -> int:
-        return len(self._crop_batches.runs) if self._crop_batches is not None else len(self._iterators)
+        return len(self._iterators)
 
     def _next(self, iterator):
         try:
             return next(iterator)[0]
         except RuntimeError as e:
-            raise self._decode_error(e) from e
-
-    def _decode_error(self, e: RuntimeError) -> Exception:
             # DALI's message does not name the file: look for it now (cheap check), then say what we know.
-        bad = find_corrupt(self._files, min(32, available_cpus()))
-        if bad:
-            path, reason = bad[0]
-            return CorruptImageError(f"cannot decode image {path!r}: {reason} (DALI stopped: {e}). "
-                                     "Fix or remove it, or set data.skip_corrupt=true")
-        return RuntimeError(
-            f"DALI failed while loading {self.name} data: {e}\nDALI's decoder errors do not name the file, and "
-            "every file passes the cheap check of signature and JPEG structure; decoding the ImageFolder with "
-            "data=folder names the file that fails."
-        )
+            bad = find_corrupt(self._files, min(32, available_cpus()))
+            if bad:
+                path, reason = bad[0]
+                raise CorruptImageError(f"cannot decode image {path!r}: {reason} (DALI stopped: {e}). "
+                                        "Fix or remove it, or set data.skip_corrupt=true") from e
+            raise RuntimeError(
+                f"DALI failed while loading {self.name} data: {e}\nDALI's decoder errors do not name the file, and "
+                "every file passes the cheap check of signature and JPEG structure; decoding the ImageFolder with "
+                "data=folder names the file that fails."
+            ) from e
 
     def __iter__(self):
-        if self._crop_batches is not None:
-            for _ in range(self._num_batches):
-                try:
-                    batch = self._crop_batches.next(self._turn)
-                except RuntimeError as e:
-                    raise self._decode_error(e) from e
-                self._turn = (self._turn + 1) % self.pipelines
-                yield batch
-            return
         if not self._iterators:
             return
         if self.train:
@@ -399,16 +360,14 @@ class DaliLoader:
             yield self._handover(out)
 
 
-def _output_type(spec: LoaderSpec, types, kernel_resizes: bool = False):
+def _output_type(spec: LoaderSpec, types):
     if spec.dtype == torch.float16:
         return types.FLOAT16
     if spec.dtype == torch.float32:
         return types.FLOAT
     if spec.dtype == torch.bfloat16:
-        which = ("the validation pipeline produces float32 (training batches come as bfloat16 from the resize kernel)"
-                 if kernel_resizes else "the pipelines produce float32")
-        log.warning("data=dali: DALI cannot output bfloat16; %s and each such batch is converted to bfloat16 on %s "
-                    "(one extra copy per batch). Use fp16 or fp32 to avoid it.", which, spec.device)
+        log.warning("data=dali: DALI cannot output bfloat16; the pipeline produces float32 and every batch is converted "
+                    "to bfloat16 on %s (one extra copy per batch). Use fp16 or fp32 to avoid it.", spec.device)
         return types.FLOAT
     raise ValueError(f"data=dali produces float16, float32 or (via float32) bfloat16 images, not {spec.dtype}")
 
@@ -435,32 +394,8 @@ def check_pipelines(dali_cfg) -> int:
     return n
 
 
-def resolve_resize(dali_cfg, on_gpu: bool) -> tuple[str, str]:
-    """(who resizes the training crops, "dali" or "kernel"; why, for auto's choice) for data.dali.resize on a run
-    with or without a GPU. `kernel` asked for where it cannot run is a ConfigError; auto then takes dali and says
-    why."""
-    asked = enum_value(dali_cfg.resize)
-    if asked == "dali":
-        return "dali", ""
-    if not on_gpu:
-        if asked == "kernel":
-            raise ConfigError("data.dali.resize=kernel runs this project's CUDA kernel, but this run has no GPU; "
-                              "use data.dali.resize=dali (or auto)")
-        return "dali", "auto: no GPU"
-    import kernels
-
-    try:
-        import kernels.resize_ops  # noqa: F401  (builds or loads the library; registers the op's fake kernel)
-    except kernels.KernelUnavailable as e:
-        if asked == "kernel":
-            raise ConfigError(f"data.dali.resize=kernel needs this project's kernels library, which cannot be used "
-                              f"here: {e}. Use data.dali.resize=dali (or auto)") from e
-        return "dali", "auto: the project's kernels library is unavailable"
-    return "kernel", ""
-
-
-def decoder_label(dali_cfg, device: torch.device | None = None) -> str:
-    """How a data=dali run decodes (and, given the run's device, who resizes), for its summary and log."""
+def decoder_label(dali_cfg) -> str:
+    """How a data=dali run decodes, for its summary and log."""
     decode = enum_value(dali_cfg.decode)
     label = f"decode={decode}, {dali_cfg.threads} thread(s), prefetch {dali_cfg.prefetch}"
     if decode == "mixed":
@@ -468,10 +403,7 @@ def decoder_label(dali_cfg, device: torch.device | None = None) -> str:
     pipelines = check_pipelines(dali_cfg)
     if pipelines > 1:
         label += f", {pipelines} training pipelines of {dali_cfg.threads} thread(s) each"
-    if device is None:
-        return label + f", resize={enum_value(dali_cfg.resize)}"
-    resize, why = resolve_resize(dali_cfg, device.type == "cuda")
-    return label + f", resize={resize}" + (f" ({why})" if why else "")
+    return label
 
 
 def _device_id(spec: LoaderSpec) -> int | None:
@@ -480,75 +412,6 @@ def _device_id(spec: LoaderSpec) -> int | None:
     if spec.device.type != "cuda":
         raise ValueError(f"data=dali runs on a CUDA GPU or the CPU, not on {spec.device}")
     return spec.device.index if spec.device.index is not None else torch.cuda.current_device()
-
-
-class CropRuns:
-    """A training pipeline that ends at the decoded crops, run by hand, following its reader's epochs as
-    DALIGenericIterator's DROP policy does: every epoch yields floor(smallest shard / batch) batches, the rest of the
-    shard's epoch (its last, padded batch) is run and dropped, and the shards rotate every epoch."""
-
-    def __init__(self, pipe, batch_size: int):
-        pipe.build()
-        meta = pipe.reader_meta("Reader")
-        self.pipe = pipe
-        self._batch = batch_size
-        self._images, self._shards, self._shard = meta["epoch_size"], meta["number_of_shards"], meta["shard_id"]
-        self._rotate = not meta["stick_to_shard"]
-        self.per_epoch = (self._images // self._shards) // batch_size
-        self._left = self.per_epoch  # batches this epoch still yields
-
-    def shard_size(self, shard: int) -> int:
-        """Images in `shard`, as DALI's readers split a list of epoch_size images into number_of_shards shards."""
-        return self._images * (shard + 1) // self._shards - self._images * shard // self._shards
-
-    def run(self):
-        """The next batch's outputs (DALI TensorLists)."""
-        if self._left == 0:
-            for _ in range(math.ceil(self.shard_size(self._shard) / self._batch) - self.per_epoch):
-                self.pipe.run()  # the epoch's padded last batch: dropped
-            if self._rotate:
-                self._shard = (self._shard + 1) % self._shards
-            self._left = self.per_epoch
-        self._left -= 1
-        return self.pipe.run()
-
-
-class CropBatches:
-    """Training batches made by this project's kernel (data.dali.resize=kernel) from pipelines that end at the decoded
-    crops (and, with data.hflip, their mirror flags), taken from pipeline `turn`: the kernel gets one table of the
-    crops' addresses and sizes, on the consumer's current stream, ordered after DALI's work on them; DALI's batch is
-    kept until an event recorded after the kernel has completed."""
-
-    def __init__(self, pipelines: list, cfg, spec: LoaderSpec, batch_size: int):
-        from kernels.resize_ops import resize_normalize_table
-
-        self.runs = [CropRuns(p, batch_size) for p in pipelines]
-        self._mirror = bool(cfg.hflip)
-        self._spec = spec
-        size, mean, std = (cfg.resolution, cfg.resolution), list(cfg.mean), list(cfg.std)
-        self._finish = lambda table: resize_normalize_table(table, spec.device, size, mean, std, spec.dtype,
-                                                            spec.channels_last)
-        self._in_flight: collections.deque = collections.deque()  # (event, DALI outputs) until the kernel is done
-
-    def next(self, turn: int) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.runs[turn].run()
-        crops, labels = out[0], out[-1]
-        with torch.cuda.device(self._spec.device):
-            # DALI's DLPack export orders the current stream after the work that produced the tensor; one sample
-            # stands for its batch, which one operator wrote.
-            torch.from_dlpack(crops[0])
-            labels = torch.from_dlpack(labels.as_tensor())
-            shapes = crops.shape()
-            flags = out[1].as_array().reshape(-1).tolist() if self._mirror else [0] * len(shapes)
-            table = torch.tensor([[crops[i].data_ptr(), h, w, int(f)] for i, ((h, w, _), f) in
-                                  enumerate(zip(shapes, flags))], dtype=torch.int64)
-            images = self._finish(table)
-            done = torch.cuda.Event()
-            done.record()
-        while self._in_flight and self._in_flight[0][0].query():
-            self._in_flight.popleft()
-        self._in_flight.append((done, out))
-        return images, labels.view(-1)
 
 
 @register_loader("dali")
@@ -573,9 +436,7 @@ def build(cfg, spec: LoaderSpec):
     if not on_gpu and decode != "cpu":
         raise ValueError(f"data.dali.decode={decode} decodes on the GPU, but this run has none; "
                          "set data.dali.decode=cpu for DALI's CPU-only mode")
-    resize, _ = resolve_resize(dali_cfg, on_gpu)
-    # With the kernel resizing, training batches come in the run's dtype (bf16 too); out_type is validation's then.
-    out_type = _output_type(spec, types, kernel_resizes=resize == "kernel")
+    out_type = _output_type(spec, types)
     common = dict(decode=decode, on_gpu=on_gpu, out_type=out_type, channels_last=spec.channels_last,
                   batch_size=cfg.batch_size, num_threads=dali_cfg.threads, device_id=device_id,
                   prefetch_queue_depth=dali_cfg.prefetch)
@@ -599,12 +460,10 @@ def build(cfg, spec: LoaderSpec):
         train_batches = min(train_batches, cfg.steps_per_epoch)
     # Each pipeline its own augmentation seed, apart from the ranks' (seed + rank) and from validation's.
     train_pipes = [make_train_pipeline(cfg, train_files, train_labels, shard_id=spec.rank * n_pipes + k, num_shards=shards,
-                                       resize=resize, seed=(seed + 104_729 * k) % (2**31), **common)
-                   for k in range(n_pipes)]
-    crop_batches = CropBatches(train_pipes, cfg, spec, cfg.batch_size) if resize == "kernel" else None
+                                       seed=(seed + 104_729 * k) % (2**31), **common) for k in range(n_pipes)]
     train = DaliLoader(train_pipes, train_files, train=True, spec=spec, batch_size=cfg.batch_size, num_classes=len(classes),
                        num_batches=train_batches, num_samples=train_batches * cfg.batch_size,
-                       skipped=skipped["train"], name="train", crop_batches=crop_batches)
+                       skipped=skipped["train"], name="train")
 
     # Val: the folder loader's strided shard (rank, rank+S, ...), no padding, so each image counts exactly once
     # overall; a val_steps cap shortens the list itself, so every evaluation sees the same images.
@@ -618,6 +477,6 @@ def build(cfg, spec: LoaderSpec):
                      num_batches=math.ceil(len(val_rank) / cfg.batch_size), num_samples=len(val_rank),
                      skipped=skipped["val"], name="val")
     train.classes = val.classes = classes  # class names, as data=folder provides them
-    log.info("data=dali: %s on %s, %d train / %d val image(s) on rank %d of %d", decoder_label(dali_cfg, spec.device),
+    log.info("data=dali: %s on %s, %d train / %d val image(s) on rank %d of %d", decoder_label(dali_cfg),
              spec.device, train.num_samples, val.num_samples, spec.rank, spec.world_size)
     return train, val

@@ -10,8 +10,9 @@ DALI and a CUDA GPU:
     python scripts/experiments/dali_gpu_work.py --root /tmp/fake --variant data.dali.hw_decoder_load=1.0 \\
         --variant data.dali.hw_decoder_load=0.85
 
-Its one recorded use (docs/results/loader_h100_cdd5744.md) compared a setting of commit cdd5744 that asked the decoder
-for YCbCr and converted after the resize; measured slower, the setting was removed.
+Its recorded uses compared settings that were measured and removed again: the decoder asked for YCbCr and converted
+after the resize (commit cdd5744, docs/results/loader_h100_cdd5744.md), and a version of this script (commits 9b993c8
+to b2af7e4) that also ran data.dali.resize=kernel, the project's own resize kernel (docs/results/loader_h100_7fe2d77.md).
 """
 
 from __future__ import annotations
@@ -30,34 +31,18 @@ import torch  # noqa: E402
 from dali_decode_ceiling import timed  # noqa: E402
 
 from mobilenet.config import compose  # noqa: E402
-from mobilenet.data.dali import import_dali, make_train_pipeline, resolve_resize  # noqa: E402
+from mobilenet.data.dali import import_dali, make_train_pipeline  # noqa: E402
 from mobilenet.data.folder import scan_image_folder  # noqa: E402
 
 
 def build(root: str, variant: str, files, labels, *, batch: int, threads: int, seed: int):
     _, types, _, _, _ = import_dali()
     cfg = compose(["data=dali", f"data.root={root}", *variant.split()]).data
-    resize, _ = resolve_resize(cfg.dali, on_gpu=True)
     pipe = make_train_pipeline(cfg, files, labels, decode="mixed", on_gpu=True, out_type=types.FLOAT16,
                                channels_last=True, shard_id=0, num_shards=1, batch_size=batch, num_threads=threads,
-                               device_id=torch.cuda.current_device(), prefetch_queue_depth=2, seed=seed, resize=resize)
+                               device_id=torch.cuda.current_device(), prefetch_queue_depth=2, seed=seed)
     pipe.build()
-    return KernelFinished(pipe, cfg, batch) if resize == "kernel" else pipe
-
-
-class KernelFinished:
-    """A pipeline that ends at the decoded crops (data.dali.resize=kernel), each run() followed by the project's
-    resize kernel on the current stream through the loader's own CropBatches: the GPU work of one training batch."""
-
-    def __init__(self, pipe, cfg, batch: int):
-        from mobilenet.data import LoaderSpec
-        from mobilenet.data.dali import CropBatches
-
-        spec = LoaderSpec(torch.device("cuda", torch.cuda.current_device()), torch.float16, channels_last=True)
-        self.batches = CropBatches([pipe], cfg, spec, batch)
-
-    def run(self):
-        return self.batches.next(0)
+    return pipe
 
 
 def gpu_rows(pipe, iters: int) -> dict[str, tuple[float, float]]:
