@@ -134,12 +134,6 @@ class DaliConfig:
     # with decode=cpu, where no JPEG engine waits. Two fed training at 0.865 of synthetic data on an H100 against
     # 0.655 with one, alternating (docs/results/loader_h100_9cfeb02.md).
     pipelines: Optional[int] = None
-    # Share (0..1) of each epoch's training batches decoded and resized on the host (libjpeg-turbo, DALI's CPU
-    # operators) by a pipeline of its own beside the GPU-decoding ones; only normalisation runs on the GPU for them.
-    # For a loader held back by the SMs or JPEG engines it shares with training while host cores are idle. 0: none.
-    host_share: float = 0.0
-    # The host pipeline's DALI threads; None: the CPUs left after the GPU pipelines' threads and two for training.
-    host_threads: Optional[int] = None
     # Check every file's image signature / JPEG structure before DALI starts (DALI's decode errors do not name
     # the file, and DALI 2.4's CPU decoder can segfault instead of failing); needed for data.skip_corrupt. Costs
     # one small read at each end of every file.
@@ -365,9 +359,6 @@ VALUE_RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("data.std", lambda v: len(v) == 3 and all(x > 0 for x in v), "three numbers > 0, one per RGB channel"),
     ("data.dali.threads", _within(1, _INF), "a whole number >= 1"),
     ("data.dali.prefetch", _within(1, _INF), "a whole number >= 1 (batches DALI prepares ahead)"),
-    ("data.dali.host_share", _within(0, 1, hi_open=True), "a share in [0, 1) of the training batches (0: no host "
-                                                          "pipeline)"),
-    ("data.dali.host_threads", _within(1, _INF), "a whole number >= 1, or null for the CPUs the GPU pipelines leave"),
     ("model.dropout", _within(0, 1, hi_open=True), "a probability in [0, 1)"),
     ("optim.lr", _within(0, _INF), "a number >= 0 (for a batch of 256; scaled with the global batch)"),
     ("optim.momentum", _within(0, 1, hi_open=True), "a number in [0, 1)"),

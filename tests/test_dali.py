@@ -282,81 +282,6 @@ def test_more_pipelines_than_batches_in_a_shard_is_refused(one_image_per_class):
         build_loaders(cfg, CPU_FP32)
 
 
-# ------------------------------------------------------------------------------------------- host pipeline
-
-
-def test_weighted_turns_take_each_pipeline_its_count_spread_evenly(one_image_per_class):
-    train, _ = build_loaders(data_cfg(one_image_per_class, "data.num_classes=96", batch_size=8), CPU_FP32)
-    train._weights, train._credits = [3, 3, 1], [0, 0, 0]
-    order = [train._next_pipeline() for _ in range(14)]
-    assert order[:7] == order[7:], "every cycle of sum(weights) turns repeats"
-    assert [order[:7].count(k) for k in range(3)] == [3, 3, 1]
-    assert order[:2] == [0, 1], "equal weights go in order"
-
-
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_host_pipeline_takes_its_share_of_every_epoch_and_no_image_repeats(one_image_per_class, world_size):
-    # 96 images, batch 4: 24 (world 1) or 12 (world 2) batches per rank; a share of 0.25 is 6 or 3 of them, whose
-    # images the host pipeline reads (24 in all); 2 GPU-side pipelines per rank share the other 72 (with 2 ranks, 4
-    # shards of 18: 4 batches each, the partial one dropped).
-    cfg = data_cfg(one_image_per_class, "data.num_classes=96", "data.dali.pipelines=2", "data.dali.host_share=0.25",
-                   "data.dali.host_threads=1", batch_size=4)
-    trains = [build_loaders(cfg, LoaderSpec(torch.device("cpu"), torch.float32, False, rank=r, world_size=world_size))[0]
-              for r in range(world_size)]
-    host_batches = 6 // world_size
-    for train in trains:
-        assert train.pipelines == 3 and train._weights[-1] == host_batches
-        assert len(train) == sum(train._weights) and train.num_samples == len(train) * 4
-    host_images = None
-    for _ in range(3):
-        seen = set()
-        for train in trains:
-            turns = []
-            real_next = train._next_pipeline
-
-            def recording():
-                turns.append(real_next())
-                return turns[-1]
-
-            train._next_pipeline = recording
-            batches = [y.tolist() for _, y in train]
-            del train._next_pipeline
-            assert len(batches) == len(train) and turns.count(2) == host_batches
-            host = {i for b, k in zip(batches, turns) if k == 2 for i in b}
-            assert len(host) == host_batches * 4
-            # Spread out: no two host batches in a row while the GPU pipelines have more.
-            assert all(not (a == b == 2) for a, b in zip(turns, turns[1:]))
-            ids = [i for b in batches for i in b]
-            assert len(set(ids)) == len(ids), "an image repeated within one epoch"
-            assert not seen & set(ids), "two ranks share an image in one epoch"
-            seen |= set(ids)
-            host_images = host if host_images is None or world_size > 1 else host_images
-            if world_size == 1:
-                assert host == host_images, "the host pipeline reads a fixed part of the list"
-        assert len(seen) == world_size * len(trains[0]) * 4
-
-
-def test_host_share_leaving_the_gpu_pipelines_nothing_is_refused(one_image_per_class):
-    cfg = data_cfg(one_image_per_class, "data.num_classes=96", "data.dali.pipelines=1", "data.dali.host_share=0.99",
-                   batch_size=8)
-    with pytest.raises(ConfigError, match=r"host_share=0.99: 12 of the 12 training batch\(es\) per rank would leave the "
-                                          r"GPU pipelines none"):
-        build_loaders(cfg, CPU_FP32)
-
-
-@pytest.mark.parametrize("value", ["1.0", "-0.1"])
-def test_a_host_share_outside_0_to_1_is_refused_when_composing(digits, value):
-    with pytest.raises(ConfigError, match=rf"data.dali.host_share={value}.*a share in \[0, 1\)"):
-        data_cfg(digits, f"data.dali.host_share={value}")
-
-
-def test_the_summary_names_the_host_pipeline_and_its_threads(digits):
-    cfg = data_cfg(digits, "data.dali.decode=mixed", "data.dali.host_share=0.15", "data.dali.host_threads=6")
-    assert data_label(cfg) == ("dali (decode=mixed, 2 thread(s), prefetch 2, hw_decoder_load 1, 2 training pipelines "
-                               "of 2 thread(s) each, host pipeline (decode and resize on the host) for 0.15 of the "
-                               "training batches with 6 thread(s))")
-
-
 # --------------------------------------------------------------------------------------------- bad input
 
 
@@ -636,24 +561,3 @@ def test_gpu_two_mixed_pipelines_take_turns_and_repeat_no_image(one_image_per_cl
         assert sorted(ids) == list(range(96))
         turns = [{i for _, y in batches[k::2] for i in y.tolist()} for k in range(2)]
         assert len(turns[0]) == len(turns[1]) == 48
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("dtype,channels_last", [(torch.float16, True), (torch.float32, False)])
-def test_gpu_host_pipeline_batches_match_the_gpu_pipelines_in_kind(one_image_per_class, dtype, channels_last):
-    """Host-decoded batches arrive on the GPU like the GPU pipelines' (dtype, layout, normalised range), and an epoch
-    still holds every image once."""
-    cfg = data_cfg(one_image_per_class, "data.num_classes=96", "data.dali.decode=mixed", "data.dali.pipelines=2",
-                   "data.dali.host_share=0.25", "data.dali.host_threads=2", "data.mean=[0.5,0.5,0.5]",
-                   "data.std=[0.5,0.5,0.5]", batch_size=4)
-    train, _ = build_loaders(cfg, LoaderSpec(torch.device("cuda", 0), dtype, channels_last))
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-    for _ in range(2):
-        batches = list(train)
-        assert len(batches) == 24
-        for x, y in batches:
-            assert x.is_cuda and y.is_cuda and x.dtype == dtype and x.shape == (4, 3, 21, 21)
-            assert x.is_contiguous(memory_format=fmt)
-            assert x.float().min() >= -1.001 and x.float().max() <= 1.001 and x.float().std() > 0.1
-        assert sorted(i for _, y in batches for i in y.tolist()) == list(range(96))

@@ -26,13 +26,6 @@ threads, keep them fed from several batches at once; the loader takes the pipeli
 still comes once per epoch: the world*N shards are disjoint and rotate together. Unset, N is 2 with decode=mixed
 (the hardware decoder's engines) and 1 with decode=cpu.
 
-A host pipeline (data.dali.host_share=s): where the GPU's SMs or JPEG engines hold the loader back while host cores
-sit idle, a share s of each epoch's training batches comes from one more pipeline that decodes and resizes on the
-host (DALI's CPU operators, data.dali.host_threads threads); only normalisation runs on the GPU for them. Its images
-are a fixed part of the list (the same on every rank, drawn with data.dali.seed; each rank reads its shard of it), so
-every image still comes once per epoch; the GPU pipelines shard the rest as above. The loader takes every pipeline's
-batches in a smooth weighted round robin: each epoch takes exactly its batches from every pipeline, spread evenly.
-
 Corrupt files: DALI's decoder errors do not name the file (they read e.g. "nvImageCodec failure: '#3'") and leave
 the pipeline unusable. So the file list is checked up front (data.dali.check_files, on by default): the image's
 signature, for JPEG the marker structure up to the scan (a frame header with a size) and the end-of-image marker
@@ -223,11 +216,8 @@ def random_crop_args(cfg) -> dict:
 
 
 def make_train_pipeline(cfg, files, labels, *, decode: str, on_gpu: bool, out_type, channels_last: bool,
-                        shard_id: int, num_shards: int, resize_on_host: bool = False, **pipeline_kwargs):
-    """The training pipeline: `files` with `labels`, this rank's shard of them, shuffled and augmented. With
-    resize_on_host (decode=cpu only) the crop is resized on the host too, and only normalisation runs on the GPU."""
-    if resize_on_host and decode != "cpu":
-        raise ValueError(f"resize_on_host needs the host's decoder (decode=cpu), not decode={decode}")
+                        shard_id: int, num_shards: int, **pipeline_kwargs):
+    """The training pipeline: `files` with `labels`, this rank's shard of them, shuffled and augmented."""
     fn, types, pipeline_def, _, _ = import_dali()
     res = cfg.resolution
     initial_fill = max(1, min(SHUFFLE_BUFFER, len(files) // max(1, num_shards)))
@@ -241,11 +231,9 @@ def make_train_pipeline(cfg, files, labels, *, decode: str, on_gpu: bool, out_ty
                                      shard_id=shard_id, num_shards=num_shards, pad_last_batch=True, name="Reader")
         images = fn.decoders.image_random_crop(jpegs, device=decode, output_type=types.RGB, **random_crop_args(cfg),
                                                **decoder_extra)
-        if on_gpu and decode == "cpu" and not resize_on_host:
+        if on_gpu and decode == "cpu":
             images = images.gpu()  # only the decode runs on the host; resize and normalise stay on the GPU
         images = fn.resize(images, resize_x=res, resize_y=res, interp_type=types.INTERP_LINEAR, antialias=True)
-        if on_gpu and resize_on_host:
-            images = images.gpu()  # 8-bit pixels of the output size cross PCIe; normalisation stays on the GPU
         mirror = fn.random.coin_flip(probability=0.5) if cfg.hflip else 0
         images = fn.crop_mirror_normalize(images, mirror=mirror, **_normalize_args(cfg, out_type, channels_last))
         lbl = fn.cast(lbl, dtype=types.INT64)
@@ -288,8 +276,7 @@ class DaliLoader:
     the module docstring for layout, buffer lifetime and pipelines."""
 
     def __init__(self, pipelines: list, files: list[str], *, train: bool, spec: LoaderSpec, batch_size: int,
-                 num_classes: int, num_batches: int, num_samples: int, skipped: int, name: str,
-                 weights: list[int] | None = None):
+                 num_classes: int, num_batches: int, num_samples: int, skipped: int, name: str):
         _, _, _, DALIGenericIterator, LastBatchPolicy = import_dali()
         self.spec = spec
         self.train = train
@@ -308,12 +295,7 @@ class DaliLoader:
         policy = LastBatchPolicy.DROP if train else LastBatchPolicy.PARTIAL
         self._iterators = [DALIGenericIterator([p], ["images", "labels"], reader_name="Reader", last_batch_policy=policy,
                                                auto_reset=True, prepare_first_batch=False) for p in pipelines]
-        # Batches an epoch from each pipeline (equal unless a host pipeline takes its share) and the weighted round
-        # robin's running credits, kept across epochs so that capped epochs stay balanced too.
-        self._weights = list(weights) if weights is not None else [1] * len(pipelines)
-        if len(self._weights) != len(pipelines) or min(self._weights, default=1) < 1:
-            raise ValueError(f"one weight >= 1 per pipeline, not {self._weights} for {len(pipelines)} pipeline(s)")
-        self._credits = [0] * len(pipelines)
+        self._turn = 0  # the pipeline whose batch comes next; kept across epochs so that capped epochs stay balanced
         self._epoch_finished = True
 
     def __len__(self) -> int:
@@ -333,15 +315,6 @@ class DaliLoader:
     @property
     def pipelines(self) -> int:
         return len(self._iterators)
-
-    def _next_pipeline(self) -> int:
-        """Smooth weighted round robin: over sum(weights) turns pipeline k comes exactly weights[k] times, spread
-        evenly; equal weights take the pipelines in order."""
-        for k, w in enumerate(self._weights):
-            self._credits[k] += w
-        k = max(range(len(self._credits)), key=lambda i: self._credits[i])  # the first of equals
-        self._credits[k] -= sum(self._weights)
-        return k
 
     def _next(self, iterator):
         try:
@@ -364,7 +337,8 @@ class DaliLoader:
             return
         if self.train:
             for _ in range(self._num_batches):
-                iterator = self._iterators[self._next_pipeline()]
+                iterator = self._iterators[self._turn]
+                self._turn = (self._turn + 1) % len(self._iterators)
                 try:
                     out = self._next(iterator)
                 except StopIteration:  # DALI's epoch ended (auto_reset started the next): capped epochs run across
@@ -406,21 +380,6 @@ def check_decoder_load(dali_cfg) -> None:
                           "a number from 0 to 1 (1.0, the default: all of them)")
 
 
-def split_host_share(samples: list, share: float, batch_size: int, world_size: int, *, seed: int) -> tuple[list, list]:
-    """(the host pipeline's samples, the rest): whole batches on every rank, about `share` of the training batches
-    (at least one where share > 0), drawn at random with `seed`; the rest keep their order."""
-    if share <= 0:
-        return [], samples
-    per_rank = len(samples) // world_size // batch_size
-    host_batches = max(1, round(share * per_rank))
-    if host_batches >= per_rank:
-        raise ConfigError(f"data.dali.host_share={share:g}: {host_batches} of the {per_rank} training batch(es) per rank "
-                          "would leave the GPU pipelines none; use a smaller share or more images")
-    chosen = set(torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed))
-                 [: host_batches * batch_size * world_size].tolist())
-    return [s for i, s in enumerate(samples) if i in chosen], [s for i, s in enumerate(samples) if i not in chosen]
-
-
 DEFAULT_MIXED_PIPELINES = 2  # measured: docs/results/loader_h100_9cfeb02.md
 
 
@@ -435,13 +394,6 @@ def check_pipelines(dali_cfg) -> int:
     return n
 
 
-def host_threads(dali_cfg, gpu_pipelines: int) -> int:
-    """data.dali.host_threads, or where unset the CPUs left after the GPU pipelines' threads and two for training."""
-    if dali_cfg.host_threads is not None:
-        return int(dali_cfg.host_threads)
-    return max(1, available_cpus() - gpu_pipelines * int(dali_cfg.threads) - 2)
-
-
 def decoder_label(dali_cfg) -> str:
     """How a data=dali run decodes, for its summary and log."""
     decode = enum_value(dali_cfg.decode)
@@ -451,9 +403,6 @@ def decoder_label(dali_cfg) -> str:
     pipelines = check_pipelines(dali_cfg)
     if pipelines > 1:
         label += f", {pipelines} training pipelines of {dali_cfg.threads} thread(s) each"
-    if dali_cfg.host_share > 0:
-        label += (f", host pipeline (decode and resize on the host) for {float(dali_cfg.host_share):g} of the training "
-                  f"batches with {host_threads(dali_cfg, pipelines)} thread(s)")
     return label
 
 
@@ -494,10 +443,6 @@ def build(cfg, spec: LoaderSpec):
     # One seed per run and rank: ranks augment differently, and data.dali.seed / the run's seed both change it.
     seed = (dali_cfg.seed + 1000 * spec.seed + spec.rank) % (2**31)
 
-    # A host pipeline's images first: a fixed part of the list, drawn alike on every rank (no rank in the seed).
-    host_samples, train_samples = split_host_share(train_samples, float(dali_cfg.host_share), cfg.batch_size,
-                                                   spec.world_size, seed=dali_cfg.seed + 1000 * spec.seed)
-
     # Train: DALI shards (shard i holds images [N*i/S, N*(i+1)/S) of its globally shuffled list, and the shards
     # rotate every epoch); every rank yields the same number of full batches, as DDP needs: the iterator sizes an
     # epoch as floor(N/S) images and drops the partial batch. With P pipelines a rank's pipeline k reads shard
@@ -505,30 +450,20 @@ def build(cfg, spec: LoaderSpec):
     train_files = [p for p, _ in train_samples]
     train_labels = [lbl for _, lbl in train_samples]
     shards = spec.world_size * n_pipes
-    per_pipeline = (len(train_files) // shards) // cfg.batch_size
-    train_batches = n_pipes * per_pipeline
+    train_batches = n_pipes * ((len(train_files) // shards) // cfg.batch_size)
     if train_batches == 0:
         setting = (f"data.dali.pipelines={n_pipes}" if dali_cfg.pipelines is not None else
                    f"data.dali.pipelines (unset: {n_pipes} with decode={decode})")
         raise ConfigError(f"{setting}: each of the {shards} shard(s) of the {len(train_files)} training images holds "
                           f"less than one batch of {cfg.batch_size}; use fewer pipelines (data.dali.pipelines=1)")
+    if cfg.steps_per_epoch is not None:
+        train_batches = min(train_batches, cfg.steps_per_epoch)
     # Each pipeline its own augmentation seed, apart from the ranks' (seed + rank) and from validation's.
     train_pipes = [make_train_pipeline(cfg, train_files, train_labels, shard_id=spec.rank * n_pipes + k, num_shards=shards,
                                        seed=(seed + 104_729 * k) % (2**31), **common) for k in range(n_pipes)]
-    weights = [per_pipeline] * n_pipes
-    if host_samples:
-        host_common = {**common, "decode": "cpu", "num_threads": host_threads(dali_cfg, n_pipes)}
-        train_pipes.append(make_train_pipeline(
-            cfg, [p for p, _ in host_samples], [lbl for _, lbl in host_samples], shard_id=spec.rank,
-            num_shards=spec.world_size, resize_on_host=True, seed=(seed + 104_729 * n_pipes) % (2**31), **host_common))
-        weights.append(len(host_samples) // spec.world_size // cfg.batch_size)
-        train_batches += weights[-1]
-        train_files = train_files + [p for p, _ in host_samples]
-    if cfg.steps_per_epoch is not None:
-        train_batches = min(train_batches, cfg.steps_per_epoch)
     train = DaliLoader(train_pipes, train_files, train=True, spec=spec, batch_size=cfg.batch_size, num_classes=len(classes),
                        num_batches=train_batches, num_samples=train_batches * cfg.batch_size,
-                       skipped=skipped["train"], name="train", weights=weights)
+                       skipped=skipped["train"], name="train")
 
     # Val: the folder loader's strided shard (rank, rank+S, ...), no padding, so each image counts exactly once
     # overall; a val_steps cap shortens the list itself, so every evaluation sees the same images.
